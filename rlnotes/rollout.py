@@ -1,0 +1,141 @@
+"""The rollout engine shared by every runner that samples.
+
+G completions per prompt, batched with left-padded prompts and a KV cache. Each prompt is
+encoded once and its cache copied G times; a finished sequence leaves the batch, so no
+compute goes to padding after EOS. The log-prob of every sampled token, log softmax(z/T),
+comes out of the same pass that sampled it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+import torch
+from transformers import DynamicCache
+
+
+def encode_prompts(tokenizer, prompts: Sequence[str], chat_template: bool = True,
+                   system_prompt: Optional[str] = None) -> List[List[int]]:
+    """Token ids of each prompt: through the chat template (with the generation prompt) when the
+    tokenizer has one and `chat_template` is on, else the plain text."""
+    if chat_template and tokenizer.chat_template:
+        out = []
+        for p in prompts:
+            messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + \
+                       [{"role": "user", "content": p}]
+            out.append(list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                          return_dict=True)["input_ids"]))
+        return out
+    return [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+
+
+def left_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids [N, P] and mask [N, P] with each row aligned to the right."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        if r:
+            ids[i, width - len(r):] = torch.tensor(r)
+            mask[i, width - len(r):] = 1
+    return ids, mask
+
+
+@dataclass
+class Rollout:
+    """N = prompts x G completions, each prompt's G completions next to each other."""
+
+    prompt_ids: torch.Tensor          # [N, P] left-padded
+    prompt_mask: torch.Tensor         # [N, P]
+    completion_ids: torch.Tensor      # [N, T] right-padded
+    completion_mask: torch.Tensor     # [N, T] 1.0 on real tokens, EOS included
+    logprobs: torch.Tensor            # [N, T] log pi(token) when sampled, 0 on padding
+    texts: List[str]                  # decoded completions, special tokens removed
+    truncated: torch.Tensor           # [N] bool: hit max_new_tokens without EOS
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        return torch.cat([self.prompt_ids, self.completion_ids], dim=1)
+
+    @property
+    def attention_mask(self) -> torch.Tensor:
+        return torch.cat([self.prompt_mask, self.completion_mask.long()], dim=1)
+
+    def __len__(self) -> int:
+        return self.completion_ids.shape[0]
+
+    def select(self, idx: torch.Tensor) -> "Rollout":
+        """The rows `idx`, with the completion width trimmed to the longest of them."""
+        width = max(int(self.completion_mask[idx].sum(-1).max()), 1)
+        return Rollout(self.prompt_ids[idx], self.prompt_mask[idx], self.completion_ids[idx, :width],
+                       self.completion_mask[idx, :width], self.logprobs[idx, :width],
+                       [self.texts[i] for i in idx.tolist()], self.truncated[idx])
+
+
+def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Logits with everything outside the smallest set of mass >= top_p set to -inf."""
+    if top_p >= 1.0:
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    cum = sorted_logits.softmax(-1).cumsum(-1)
+    drop = cum - sorted_logits.softmax(-1) >= top_p   # mass before this token already reaches top_p
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+
+
+@torch.no_grad()
+def generate(model, tokenizer, prompts: Sequence[Sequence[int]], group_size: int, max_new_tokens: int,
+             temperature: float = 1.0, top_p: float = 1.0, generator: Optional[torch.Generator] = None,
+             eos_ids: Optional[Sequence[int]] = None) -> Rollout:
+    """Sample `group_size` completions for each prompt (token id lists)."""
+    device = next(model.parameters()).device
+    pad_id = tokenizer.pad_token_id
+    eos = torch.tensor(eos_ids if eos_ids is not None else [tokenizer.eos_token_id], device=device)
+    prompt_ids, prompt_mask = (t.to(device) for t in left_pad(prompts, pad_id))
+
+    # Prefill each prompt once, then copy its cache and last logits for the G samples.
+    cache = DynamicCache(config=model.config)
+    positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions,
+                   cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+    if group_size > 1:
+        cache.batch_repeat_interleave(group_size)
+        logits = logits.repeat_interleave(group_size, dim=0)
+        prompt_ids = prompt_ids.repeat_interleave(group_size, dim=0)
+        prompt_mask = prompt_mask.repeat_interleave(group_size, dim=0)
+    n = prompt_ids.shape[0]
+    tokens = torch.full((n, max_new_tokens), pad_id, dtype=torch.long, device=device)
+    logps = torch.zeros((n, max_new_tokens), device=device)
+    lengths = torch.full((n,), max_new_tokens, dtype=torch.long, device=device)
+    alive = torch.arange(n, device=device)     # rows still generating, as indices into the batch
+    attn = prompt_mask
+    next_pos = positions[:, -1].repeat_interleave(group_size) + 1
+
+    for t in range(max_new_tokens):
+        scaled = logits.float() / temperature
+        logp = scaled.log_softmax(-1)
+        probs = top_p_filter(scaled, top_p).softmax(-1)
+        tok = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        tokens[alive, t] = tok
+        logps[alive, t] = logp.gather(-1, tok[:, None]).squeeze(-1)
+        done = torch.isin(tok, eos)
+        lengths[alive[done]] = t + 1
+        if t == max_new_tokens - 1 or bool(done.all()):
+            break
+        if bool(done.any()):  # finished rows leave the batch and its cache
+            keep = (~done).nonzero().squeeze(-1)
+            cache.batch_select_indices(keep)
+            alive, attn, next_pos, tok = alive[keep], attn[keep], next_pos[keep], tok[keep]
+        attn = torch.cat([attn, attn.new_ones((attn.shape[0], 1))], dim=1)
+        logits = model(input_ids=tok[:, None], attention_mask=attn, position_ids=next_pos[:, None],
+                       cache=cache, use_cache=True).logits[:, -1]
+        next_pos = next_pos + 1
+
+    width = int(lengths.max())
+    mask = (torch.arange(width, device=device)[None] < lengths[:, None]).float()
+    tokens = tokens[:, :width].masked_fill(mask == 0, pad_id)
+    logps = logps[:, :width] * mask
+    truncated = ~torch.isin(tokens.gather(1, (lengths - 1)[:, None]).squeeze(-1), eos)
+    texts = tokenizer.batch_decode(tokens.tolist(), skip_special_tokens=True)
+    return Rollout(prompt_ids, prompt_mask, tokens, mask, logps, texts, truncated)

@@ -1,0 +1,73 @@
+"""GRPO (Shao et al. 2024, DeepSeekMath section 4.1), as in the notes.
+
+For each batch of prompts:
+  1. sample G completions o_1..o_G per prompt from pi_old (the current policy);
+  2. score them: R_i;
+  3. A_i = (R_i - mean(R)) / std(R) within the group, the same for every token of o_i;
+  4. log pi_ref of the sampled tokens (adapter off), when beta > 0;
+  5. mu times: minimise 1/G sum_i 1/|o_i| sum_t -[min(rho A, clip(rho, 1-eps, 1+eps) A) - beta KL],
+     rho = pi / pi_old.
+
+pi_old needs no pass of its own: with mu = 1 it is the current policy (rho = 1 in value, its
+gradient is the policy gradient), and with mu > 1 it is the log-prob recorded while sampling.
+"""
+
+from __future__ import annotations
+
+from typing import Dict
+
+import torch
+
+from rlnotes.notes import group_advantages, grpo_loss, kl_penalty, masked_mean, ppo_clip_fraction
+from rlnotes.runners.common import (Context, micro_batch_weight, micro_batches, optimizer_step, rollout_metrics,
+                                    sample_and_score)
+
+
+def train_step(ctx: Context) -> Dict[str, float]:
+    cfg, algo, policy = ctx.cfg, ctx.cfg.algo, ctx.policy
+    temperature = cfg.rollout.temperature
+
+    # 1-2. Sample G completions per prompt and score them.
+    rows = ctx.sampler.next_batch()
+    rollout, rewards, metrics = sample_and_score(ctx, rows, algo.group_size)
+    metrics.update(rollout_metrics(rollout, rewards, algo.group_size))
+
+    # 3. Group-normalised advantage, one per completion.
+    advantages = group_advantages(rewards, algo.group_size, scale_by_std=algo.scale_by_std)
+
+    # 4. Reference log-probs, micro-batch by micro-batch.
+    chunks = micro_batches(len(rollout), cfg.trainer.micro_batch_size)
+    batches = [rollout.select(idx) for idx in chunks]
+    ref = [None] * len(chunks)
+    if algo.beta > 0:
+        with ctx.timed("reference"):
+            ref = [policy.ref_logprobs(b.input_ids, b.attention_mask, b.completion_ids.shape[1], temperature)
+                   for b in batches]
+
+    # 5. mu policy updates on this batch; one optimizer step per pass.
+    policy.model.train()
+    sums: Dict[str, float] = {"loss": 0.0, "kl/ref": 0.0, "policy/clip_frac": 0.0}
+    with ctx.timed("policy"):
+        for epoch in range(algo.epochs):
+            for idx, b, ref_logp in zip(chunks, batches, ref):
+                logp = policy.logprobs(b.input_ids, b.attention_mask, b.completion_ids.shape[1], temperature)
+                old = logp.detach() if algo.epochs == 1 else b.logprobs
+                mask, adv = b.completion_mask, advantages[idx]
+                loss = grpo_loss(logp, old, ref_logp, adv, mask, clip_eps=algo.clip_eps, beta=algo.beta,
+                                 clip_eps_high=algo.clip_eps_high, kl_estimator=algo.kl_estimator,
+                                 aggregation=algo.aggregation, max_len=cfg.rollout.max_new_tokens)
+                weight = micro_batch_weight(algo.aggregation, mask, rollout.completion_mask)
+                (loss * weight).backward()
+                if epoch == 0:  # report the batch as sampled, before any update moved the policy
+                    share = float(mask.sum() / rollout.completion_mask.sum())  # token means over the batch
+                    sums["loss"] += float(loss.detach()) * weight
+                    sums["policy/clip_frac"] += float(ppo_clip_fraction(logp.detach(), old, adv, mask,
+                                                                        algo.clip_eps, algo.clip_eps_high)) * share
+                    if ref_logp is not None:
+                        sums["kl/ref"] += float(masked_mean(kl_penalty(logp.detach(), ref_logp, algo.kl_estimator),
+                                                            mask)) * share
+            metrics.update(optimizer_step(ctx))
+    if algo.beta == 0:
+        sums["kl/ref"] = float("nan")  # no reference pass was made
+    metrics.update(sums)
+    return metrics

@@ -1,0 +1,31 @@
+"""Shared fixtures: the tiny model and configs built in code, so no test touches a hub."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models are far faster on one thread; tests never depend on the thread count."""
+    torch.set_num_threads(1)
+
+
+def compose(*overrides: str):
+    """The composed, validated train config for `overrides`, as `rlnotes train` would build it."""
+    from rlnotes.cli import _loader, check
+
+    check(list(overrides), multirun=False, config_dir=None)
+    from hydra.types import RunMode
+    from omegaconf import open_dict
+
+    cfg = _loader(None).load_configuration("config", list(overrides), RunMode.RUN)
+    with open_dict(cfg):
+        del cfg["hydra"]  # as a Hydra job sees it
+    return cfg

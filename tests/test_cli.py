@@ -1,0 +1,93 @@
+"""The `rlnotes` command: a real run through the console script, sweeps, and one-line errors."""
+
+import json
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from rlnotes.cli import main
+
+REQUIRED = ("step", "reward/mean", "reward/std", "loss", "kl/ref", "policy/clip_frac", "completion/len_mean",
+            "optim/grad_norm", "optim/lr", "time/elapsed_s", "perf/tokens_per_s")
+
+
+def test_console_script_trains_and_saves_a_loadable_adapter(tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    out = subprocess.run(["rlnotes", "train", "algo=grpo", "model=tiny", "trainer.steps=3", f"hydra.run.dir={tmp_path}"],
+                         capture_output=True, text=True, env=env, timeout=240)
+    assert out.returncode == 0, out.stderr
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(key in rows[-1] for key in REQUIRED)
+
+    from peft import PeftModel
+    from omegaconf import OmegaConf
+
+    from rlnotes.config import ModelConfig
+    from rlnotes.models import load_base
+
+    base, _ = load_base(OmegaConf.structured(ModelConfig()))
+    model = PeftModel.from_pretrained(base, tmp_path / "final")
+    assert any("lora_B" in name and p.abs().sum() > 0 for name, p in model.named_parameters())
+
+
+def test_multirun_gives_one_run_dir_per_combination(tmp_path):
+    code = main(["train", "-m", "seed=1,2", "trainer.steps=2", "logging.progress=false",
+                 f"hydra.sweep.dir={tmp_path}"])
+    assert code == 0
+    runs = sorted(p.parent for p in tmp_path.glob("*/metrics.jsonl"))
+    assert [p.name for p in runs] == ["0", "1"]
+    seeds = [int(line.split(":")[1]) for p in runs for line in (p / "config.yaml").read_text().splitlines()
+             if line.startswith("seed:")]
+    assert seeds == [1, 2]
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("algo=foo", "algo=foo is not an option; choose one of: grpo"),
+    ("trainer.foo=1", "trainer.foo is not a setting; valid keys under trainer: steps, batch_size"),
+    ("optim.lr=abc", "optim.lr: Value 'abc' of type 'str' could not be converted to Float"),
+    ("algo.aggregation=bogus", "algo.aggregation='bogus' is not valid; choose one of: token-mean"),
+    ("reward=custom", "no reward function is configured"),
+    ("seed=1,2", "add -m"),
+    ("algo.group_size=1", "GRPO needs at least 2"),
+    ("trainer.batch_size=0", "trainer.batch_size=0 must be at least 1"),
+])
+def test_a_wrong_override_fails_in_one_line(override, expected, capsys):
+    assert main(["train", override]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("rlnotes: error: ") and expected in err and "\n" not in err, err
+
+
+def test_every_sweep_member_is_checked_before_any_run(capsys, tmp_path):
+    assert main(["train", "-m", "trainer.steps=2,0", f"hydra.sweep.dir={tmp_path}"]) == 2
+    assert "trainer.steps=0 must be at least 1" in capsys.readouterr().err
+    assert not list(tmp_path.glob("*/metrics.jsonl"))
+
+
+def test_unknown_command_and_usage(capsys):
+    assert main(["trian"]) == 2
+    assert "unknown command 'trian'; commands: train" in capsys.readouterr().err
+    assert main([]) == 0 and "rlnotes train" in capsys.readouterr().out
+
+
+def test_help_lists_the_config_groups(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = capsys.readouterr().out
+    for group in ("algo: grpo", "model: smollm2-135m, tiny", "reward: arith, custom, letters", "data: arith, letters"):
+        assert group in text
+
+
+def test_wheel_ships_the_config_tree(tmp_path):
+    root = Path(__file__).resolve().parents[1]
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                    str(tmp_path), str(root)], check=True, capture_output=True, timeout=300)
+    (wheel,) = tmp_path.glob("rlnotes-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for f in ("rlnotes/conf/config.yaml", "rlnotes/conf/algo/grpo.yaml", "rlnotes/conf/model/tiny.yaml",
+              "rlnotes/notes/grpo.py", "rlnotes/runners/grpo.py"):
+        assert f in names, f

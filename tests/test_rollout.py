@@ -1,0 +1,86 @@
+"""The rollout engine: groups laid out prompt by prompt, reproducible, stopping at EOS, and
+recording the same log-probs that a training forward pass computes."""
+
+import torch
+from omegaconf import OmegaConf
+
+from rlnotes.config import TinyModelConfig
+from rlnotes.models import tiny_model, tiny_tokenizer
+from rlnotes.policy import sequence_logprobs
+from rlnotes.rollout import encode_prompts, generate, top_p_filter
+
+PROMPTS = ["Write the letter a:", "What is 2+3?", "Hi"]
+
+
+def setup(seed=0):
+    tok = tiny_tokenizer()
+    model = tiny_model(OmegaConf.structured(TinyModelConfig()), len(tok)).eval()
+    return model, tok, encode_prompts(tok, PROMPTS, chat_template=False)
+
+
+def sample(model, tok, prompts, seed=0, **kw):
+    args = dict(group_size=4, max_new_tokens=12, temperature=1.0, top_p=1.0) | kw
+    return generate(model, tok, prompts, generator=torch.Generator().manual_seed(seed), **args)
+
+
+def test_same_seed_same_samples_other_seed_other_samples():
+    model, tok, prompts = setup()
+    a, b, c = sample(model, tok, prompts), sample(model, tok, prompts), sample(model, tok, prompts, seed=1)
+    assert torch.equal(a.completion_ids, b.completion_ids) and a.texts == b.texts
+    assert not torch.equal(a.completion_ids, c.completion_ids)
+
+
+def test_groups_are_laid_out_prompt_by_prompt():
+    model, tok, prompts = setup()
+    r = sample(model, tok, prompts)
+    assert len(r) == 12
+    for i, p in enumerate(prompts):
+        for j in range(4):
+            row = r.prompt_ids[4 * i + j][r.prompt_mask[4 * i + j].bool()]
+            assert row.tolist() == p
+
+
+def test_sampled_logprobs_match_a_training_forward_pass():
+    model, tok, prompts = setup()
+    r = sample(model, tok, prompts, temperature=0.7)
+    recomputed = sequence_logprobs(model, r.input_ids, r.attention_mask, r.completion_ids.shape[1], 0.7)
+    torch.testing.assert_close(recomputed * r.completion_mask, r.logprobs, atol=1e-5, rtol=0)
+
+
+def test_completions_stop_at_eos_and_truncation_is_flagged():
+    model, tok, prompts = setup()
+    with torch.no_grad():  # an EOS logit of 0 among random ones: rows finish at different times
+        model.lm_head.weight[tok.eos_token_id] = 0
+    r = sample(model, tok, prompts, max_new_tokens=40)
+    lengths = r.completion_mask.sum(-1).long()
+    for row, n, trunc in zip(r.completion_ids, lengths, r.truncated):
+        tokens = row.tolist()
+        if trunc:
+            assert n == r.completion_ids.shape[1] == 40 or tok.eos_token_id not in tokens[:n]
+        else:
+            assert tokens[n - 1] == tok.eos_token_id and tok.eos_token_id not in tokens[:n - 1]
+        assert all(t == tok.pad_token_id for t in tokens[n:])
+    eos_rows = (~r.truncated).sum()
+    assert 0 < eos_rows < len(r), "the test needs some rows that stop early and some that do not"
+
+
+def test_forced_eos_gives_one_token_completions():
+    model, tok, prompts = setup()
+    with torch.no_grad():
+        model.lm_head.weight.zero_()
+        model.lm_head.weight[tok.eos_token_id] = 0
+    bias = torch.full((len(tok),), -50.0)
+    bias[tok.eos_token_id] = 50.0
+    model.lm_head.bias = torch.nn.Parameter(bias)
+    r = sample(model, tok, prompts)
+    assert r.completion_ids.shape[1] == 1
+    assert (r.completion_ids[:, 0] == tok.eos_token_id).all() and not r.truncated.any()
+    assert r.texts == [""] * 12
+
+
+def test_top_p_keeps_the_smallest_nucleus():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    kept = torch.isfinite(top_p_filter(logits, 0.8))
+    assert kept.tolist() == [[True, True, False, False]]
+    assert torch.isfinite(top_p_filter(logits, 0.81)).sum() == 3
+    assert torch.isfinite(top_p_filter(logits, 1.0)).all()
