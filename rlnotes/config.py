@@ -126,7 +126,8 @@ class DataConfig:
     name: str = "letters"
     # Number of training prompts generated from the seed.
     train_size: int = 1000
-    # Number of held-out prompts (never seen in training).
+    # Number of eval prompts. arith holds them out of training when the problem space is at
+    # least 4x larger (two or more digits); small spaces (one digit, letters) are in-distribution.
     eval_size: int = 200
     # Seed of the task generator (held fixed across run seeds so runs see the same data).
     seed: int = 1234

@@ -115,9 +115,14 @@ class Rewards:
             values = list(rf.fn(prompts, completions, **columns, **rf.args))
             if len(values) != len(completions):
                 raise RewardFailure(f"returned {len(values)} values for {len(completions)} completions")
-            return [self._clean(v) for v in values], sum(_bad(v) for v in values)
         except Exception:  # noqa: BLE001 - a user's function may raise anything
             self._show(rf.name)
+        else:
+            failed = sum(_bad(v) for v in values)
+            if failed == len(completions):
+                raise RewardFailure(f"reward function {rf.name!r} returned no finite value for any sample of the "
+                                    "batch; fix the function")
+            return [self._clean(v) for v in values], failed
         values, failed = [], 0
         for i in range(len(completions)):
             try:

