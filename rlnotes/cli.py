@@ -149,12 +149,14 @@ def _train(argv: List[str]) -> int:
         from hydra.core.hydra_config import HydraConfig
         from rich.console import Console
 
+        from rlnotes.config import ConfigError
+        from rlnotes.rewards import RewardFailure
         from rlnotes.runners.common import TrainingError, train
 
         console = Console(stderr=True)
         try:
             metrics = train(cfg, Path(HydraConfig.get().runtime.output_dir), console)
-        except TrainingError as e:
+        except (TrainingError, ConfigError, RewardFailure) as e:
             console.print(f"[red]rlnotes: error:[/] {e}")
             sys.exit(1)
         return metrics.get("reward/mean")

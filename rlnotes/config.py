@@ -9,7 +9,7 @@ that define them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, ClassVar, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
@@ -26,6 +26,8 @@ class ConfigError(ValueError):
 
 @dataclass
 class GRPOConfig:
+    # Whether the algorithm samples completions and so needs a reward (not a config key).
+    samples: ClassVar[bool] = True
     # Runner to use (a key of rlnotes.runners.RUNNERS).
     name: str = "grpo"
     # G: completions sampled per prompt (DeepSeekMath uses 64; small runs use 4-16).
@@ -238,28 +240,38 @@ def check_positive(cfg, key: str, minimum: float = 1) -> None:
         raise ConfigError(f"{key}={value} must be at least {minimum}")
 
 
+def _check_grpo(cfg) -> None:
+    if cfg.algo.group_size < 2:
+        raise ConfigError(f"algo.group_size={cfg.algo.group_size}: GRPO needs at least 2 completions per prompt "
+                          "to normalise rewards within a group")
+
+
+# Checks of one algorithm's settings beyond their types, by algo.name.
+ALGO_CHECKS = {"grpo": _check_grpo}
+
+
 def validate(cfg) -> None:
     """Check the values that a schema type cannot: choices, ranges, and batch arithmetic."""
+    from omegaconf import OmegaConf
+
     from rlnotes.data import TASKS
-    from rlnotes.notes import AGGREGATIONS, KL_ESTIMATORS
+    from rlnotes.notes import AGGREGATIONS, DPO_LOSS_TYPES, KL_ESTIMATORS
     from rlnotes.rewards import check_reward_config
     from rlnotes.runners import RUNNERS
 
     check_choice("algo.name", cfg.algo.name, RUNNERS)
-    check_choice("algo.aggregation", cfg.algo.aggregation, AGGREGATIONS)
-    check_choice("algo.kl_estimator", cfg.algo.kl_estimator, KL_ESTIMATORS)
-    check_choice("data.name", cfg.data.name, TASKS)
-    check_choice("optim.schedule", cfg.optim.schedule, SCHEDULES)
-    check_choice("hardware.device", cfg.hardware.device, DEVICES)
+    choices = {"algo.aggregation": AGGREGATIONS, "algo.kl_estimator": KL_ESTIMATORS, "algo.loss_type": DPO_LOSS_TYPES,
+               "data.name": TASKS, "optim.schedule": SCHEDULES, "hardware.device": DEVICES}
+    for key, valid in choices.items():
+        if OmegaConf.select(cfg, key, default=None) is not None:
+            check_choice(key, OmegaConf.select(cfg, key), valid)
     for key in ("trainer.steps", "trainer.batch_size", "trainer.micro_batch_size", "trainer.log_every",
-                "algo.group_size", "algo.epochs", "rollout.max_new_tokens", "data.train_size"):
+                "algo.group_size", "algo.epochs", "algo.minibatch_size", "rollout.max_new_tokens", "data.train_size"):
         check_positive(cfg, key)
-    if cfg.algo.name == "grpo" and cfg.algo.group_size < 2:
-        raise ConfigError(f"algo.group_size={cfg.algo.group_size}: GRPO needs at least 2 completions per prompt "
-                          "to normalise rewards within a group")
-    if cfg.trainer.steps % cfg.algo.epochs:
+    epochs = OmegaConf.select(cfg, "algo.epochs", default=1)
+    if cfg.trainer.steps % epochs:
         raise ConfigError(f"trainer.steps={cfg.trainer.steps} counts optimizer steps and must be a multiple of "
-                          f"algo.epochs={cfg.algo.epochs} (one step per pass over a batch)")
+                          f"algo.epochs={epochs} (one step per pass over a batch)")
     if cfg.rollout.temperature <= 0:
         raise ConfigError(f"rollout.temperature={cfg.rollout.temperature} must be > 0 (log-probs divide by it)")
     if not 0 < cfg.rollout.top_p <= 1:
@@ -269,4 +281,6 @@ def validate(cfg) -> None:
     if cfg.data.train_size < cfg.trainer.batch_size:
         raise ConfigError(f"data.train_size={cfg.data.train_size} is smaller than trainer.batch_size="
                           f"{cfg.trainer.batch_size}; raise data.train_size or lower trainer.batch_size")
-    check_reward_config(cfg.reward)
+    if ALGO_SCHEMAS[cfg.algo.name].samples:
+        check_reward_config(cfg.reward)
+    ALGO_CHECKS.get(cfg.algo.name, lambda _: None)(cfg)

@@ -11,7 +11,7 @@ import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, Iterator, List
+from typing import Dict, Iterator, List, Optional
 
 import torch
 from omegaconf import OmegaConf
@@ -38,7 +38,7 @@ class Context:
     scheduler: torch.optim.lr_scheduler.LRScheduler
     sampler: PromptSampler
     eval_rows: List[Row]
-    rewards: Rewards
+    rewards: Optional[Rewards]     # None for algorithms that do not sample (DPO, SFT, RM)
     logger: MetricsLogger
     console: Console
     generator: torch.Generator
@@ -82,7 +82,9 @@ def setup(cfg, run_dir: Path, console: Console) -> Context:
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     device = resolve_device(cfg.hardware.device)
-    rewards = Rewards(cfg.reward, console)
+    from rlnotes.config import ALGO_SCHEMAS
+
+    rewards = Rewards(cfg.reward, console) if ALGO_SCHEMAS[cfg.algo.name].samples else None
     train_rows, eval_rows = load_task(cfg.data)
     policy = Policy.from_config(cfg.model, device)
     params = policy.trainable_parameters()
@@ -112,13 +114,16 @@ def sample_and_score(ctx: Context, rows: List[Row], group_size: int) -> tuple[Ro
     prompt_ids = encode_prompts(ctx.policy.tokenizer, [r["prompt"] for r in rows], cfg.model.chat_template,
                                 cfg.model.system_prompt)
     ctx.policy.model.eval()
+    start = time.perf_counter()
     with ctx.timed("generate"):
         rollout = generate(ctx.policy.model, ctx.policy.tokenizer, prompt_ids, group_size, cfg.rollout.max_new_tokens,
                            cfg.rollout.temperature, cfg.rollout.top_p, ctx.generator)
+    tokens = float(rollout.completion_mask.sum())
+    metrics = {"perf/tokens": tokens, "perf/gen_tokens_per_s": tokens / (time.perf_counter() - start)}
     prompts = [r["prompt"] for r in rows for _ in range(group_size)]
     with ctx.timed("reward"):
-        rewards, metrics = ctx.rewards(prompts, rollout.texts, columns_of(rows, group_size))
-    return rollout, rewards.to(ctx.device), metrics
+        rewards, reward_metrics = ctx.rewards(prompts, rollout.texts, columns_of(rows, group_size))
+    return rollout, rewards.to(ctx.device), {**metrics, **reward_metrics}
 
 
 def micro_batches(n: int, size: int | None) -> List[torch.Tensor]:
@@ -196,9 +201,8 @@ def train(cfg, run_dir: Path, console: Console) -> Dict[str, float]:
             start = time.perf_counter()
             metrics = train_step(ctx)
             seconds = time.perf_counter() - start
-            tokens = metrics["completion/len_mean"] * cfg.trainer.batch_size * cfg.algo.group_size
-            metrics.update(ctx.timers, **{"time/step_s": seconds, "perf/tokens_per_s": tokens / seconds,
-                                          "perf/gen_tokens_per_s": tokens / ctx.timers["time/generate_s"]})
+            metrics.update(ctx.timers, **{"time/step_s": seconds,
+                                          "perf/tokens_per_s": metrics.pop("perf/tokens") / seconds})
             if ctx.step % cfg.trainer.log_every == 0 or ctx.step >= cfg.trainer.steps:
                 ctx.logger.log(ctx.step, metrics)
             last = metrics
@@ -210,6 +214,6 @@ def train(cfg, run_dir: Path, console: Console) -> Dict[str, float]:
         ctx.logger.close()
         raise
     out = finish(ctx)
-    console.print(f"done: {ctx.step} steps in {ctx.logger.elapsed():.1f} s, reward/mean {last.get('reward/mean', float('nan')):.3f}; "
-                  f"policy saved to {out}")
+    shown = "  ".join(f"{k} {last[k]:.3f}" for k in ("reward/mean", "loss") if last.get(k) is not None)
+    console.print(f"done: {ctx.step} steps in {ctx.logger.elapsed():.1f} s, {shown}; policy saved to {out}")
     return last
