@@ -113,12 +113,13 @@ def check(overrides: List[str], multirun: bool, config_dir: Optional[str]) -> No
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from rlnotes.config import ConfigError, validate
+    from rlnotes.config import ConfigError, resolve_auto, validate
 
     loader = _loader(config_dir)
     for job in _members(overrides, multirun):
         try:
             cfg = loader.load_configuration("config", job, _run_mode())
+            resolve_auto(cfg)
             validate(cfg)
         except (HydraException, OmegaConfBaseException, ConfigError) as e:
             raise UsageError(_explain(e, loader, job)) from None
@@ -149,11 +150,12 @@ def _train(argv: List[str]) -> int:
         from hydra.core.hydra_config import HydraConfig
         from rich.console import Console
 
-        from rlnotes.config import ConfigError
+        from rlnotes.config import ConfigError, resolve_auto
         from rlnotes.rewards import RewardFailure
         from rlnotes.runners.common import TrainingError, train
 
         console = Console(stderr=True)
+        resolve_auto(cfg)
         try:
             metrics = train(cfg, Path(HydraConfig.get().runtime.output_dir), console)
         except (TrainingError, ConfigError, RewardFailure) as e:

@@ -114,6 +114,9 @@ class RewardFnConfig:
 
 @dataclass
 class RewardConfig:
+    # Which reward option this is: "auto" takes the data task's own reward (written into
+    # `functions` before the run starts), "custom" needs `target`.
+    name: str = "auto"
     # The functions whose weighted sum is the reward of a completion.
     functions: List[RewardFnConfig] = field(default_factory=list)
     # Import path of one more reward function, weight 1 (what reward=custom asks for).
@@ -124,8 +127,9 @@ class RewardConfig:
 
 @dataclass
 class DataConfig:
-    # Built-in task (see rlnotes.data.TASKS).
-    name: str = "letters"
+    # Built-in task (see rlnotes.data.TASKS); "auto" picks the algorithm's default task
+    # (DEFAULT_TASKS below), recorded in the run's config.yaml.
+    name: str = "auto"
     # Number of training prompts generated from the seed.
     train_size: int = 1000
     # Number of eval prompts. arith holds them out of training when the problem space is at
@@ -238,6 +242,20 @@ def check_positive(cfg, key: str, minimum: float = 1) -> None:
     value = OmegaConf.select(cfg, key)
     if value is not None and value < minimum:
         raise ConfigError(f"{key}={value} must be at least {minimum}")
+
+
+# The built-in task each algorithm trains on when data=auto (the default).
+DEFAULT_TASKS: Dict[str, str] = {"grpo": "letters"}
+
+
+def resolve_auto(cfg) -> None:
+    """Fill in data=auto and reward=auto with the algorithm's task and that task's reward."""
+    from rlnotes.data import TASK_REWARDS
+
+    if cfg.data.name == "auto":
+        cfg.data.name = DEFAULT_TASKS[cfg.algo.name]
+    if cfg.reward.name == "auto" and not cfg.reward.functions and cfg.data.name in TASK_REWARDS:
+        cfg.reward.functions = [RewardFnConfig(fn=TASK_REWARDS[cfg.data.name])]
 
 
 def _check_grpo(cfg) -> None:

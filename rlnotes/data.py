@@ -56,6 +56,8 @@ def letters(cfg) -> Split:
 
 
 TASKS: Dict[str, Callable] = {"arith": arith, "letters": letters}
+# The reward (a name in rlnotes.rewards.REWARDS) that reward=auto gives each task.
+TASK_REWARDS: Dict[str, str] = {"arith": "number_match", "letters": "letter_share"}
 
 
 def load_task(cfg) -> Split:

@@ -72,6 +72,8 @@ def function_specs(cfg) -> List[tuple[str, float, dict]]:
     """(name, weight, args) of every configured function; `reward.target` adds one of weight 1."""
     from rlnotes.config import ConfigError
 
+    if cfg.name == "custom" and not cfg.target:
+        raise ConfigError("reward=custom needs the import path of your function: reward.target=mypkg.rewards.my_fn")
     specs = [(f.fn, float(f.weight), dict(f.args)) for f in cfg.functions]
     specs += [(cfg.target, 1.0, {})] if cfg.target else []
     if not specs:

@@ -26,6 +26,9 @@ def compose(*overrides: str):
     from omegaconf import open_dict
 
     cfg = _loader(None).load_configuration("config", list(overrides), RunMode.RUN)
+    from rlnotes.config import resolve_auto
+
     with open_dict(cfg):
         del cfg["hydra"]  # as a Hydra job sees it
+    resolve_auto(cfg)
     return cfg

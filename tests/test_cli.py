@@ -51,7 +51,7 @@ def test_multirun_gives_one_run_dir_per_combination(tmp_path):
     ("trainer.foo=1", "trainer.foo is not a setting; valid keys under trainer: steps, batch_size"),
     ("optim.lr=abc", "optim.lr: Value 'abc' of type 'str' could not be converted to Float"),
     ("algo.aggregation=bogus", "algo.aggregation='bogus' is not valid; choose one of: token-mean"),
-    ("reward=custom", "no reward function is configured"),
+    ("reward=custom", "reward=custom needs the import path of your function: reward.target="),
     ("seed=1,2", "add -m"),
     ("algo.group_size=1", "GRPO needs at least 2"),
     ("trainer.batch_size=0", "trainer.batch_size=0 must be at least 1"),
@@ -78,7 +78,7 @@ def test_help_lists_the_config_groups(capsys):
     with pytest.raises(SystemExit):
         main(["train", "--help"])
     text = capsys.readouterr().out
-    for group in ("algo: grpo", "model: smollm2-135m, tiny", "reward: arith, custom, letters", "data: arith, letters"):
+    for group in ("algo: grpo", "model: smollm2-135m, tiny", "reward: arith, auto, custom, letters", "data: arith, auto, letters"):
         assert group in text
 
 
@@ -91,3 +91,14 @@ def test_wheel_ships_the_config_tree(tmp_path):
     for f in ("rlnotes/conf/config.yaml", "rlnotes/conf/algo/grpo.yaml", "rlnotes/conf/model/tiny.yaml",
               "rlnotes/notes/grpo.py", "rlnotes/runners/grpo.py"):
         assert f in names, f
+
+
+def test_auto_data_and_reward_follow_the_algorithm_and_task():
+    from tests.conftest import compose
+
+    cfg = compose()
+    assert cfg.data.name == "letters" and [f.fn for f in cfg.reward.functions] == ["letter_share"]
+    cfg = compose("data=arith")
+    assert [f.fn for f in cfg.reward.functions] == ["number_match"]
+    cfg = compose("data=arith", "reward=letters")
+    assert [f.fn for f in cfg.reward.functions] == ["letter_share"]
