@@ -102,3 +102,22 @@ def test_auto_data_and_reward_follow_the_algorithm_and_task():
     assert [f.fn for f in cfg.reward.functions] == ["number_match"]
     cfg = compose("data=arith", "reward=letters")
     assert [f.fn for f in cfg.reward.functions] == ["letter_share"]
+
+
+def test_weighted_rewards_from_a_users_config_dir(tmp_path, monkeypatch):
+    """A user's own reward module and a YAML of weighted functions in their --config-dir."""
+    (tmp_path / "userrewards.py").write_text(
+        "def brevity(prompts, completions, letter, **_):\n"
+        "    assert len(letter) == len(completions)  # the row's columns arrive as keywords\n"
+        "    return [1.0 / (1 + len(c)) for c in completions]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "conf" / "reward").mkdir(parents=True)
+    (tmp_path / "conf" / "reward" / "mix.yaml").write_text(
+        "functions:\n  - {fn: letter_share, weight: 1.0}\n  - {fn: userrewards.brevity, weight: 0.5}\n")
+    run = tmp_path / "run"
+    assert main(["train", "--config-dir", str(tmp_path / "conf"), "reward=mix", "trainer.steps=1",
+                 "logging.progress=false", f"hydra.run.dir={run}"]) == 0
+    (row,) = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    expected = row["reward/letter_share"] + 0.5 * row["reward/brevity"]
+    assert row["reward/mean"] == pytest.approx(expected, rel=1e-5)
+    assert 0 < row["reward/brevity"] < 1

@@ -75,3 +75,22 @@ def test_final_policy_is_saved(tmp_path):
     run(tmp_path, "trainer.steps=1")
     assert (tmp_path / "final" / "adapter_config.json").exists()
     assert (tmp_path / "config.yaml").read_text().count("group_size: 4") == 1
+
+
+def test_ctrl_c_keeps_the_policy_and_the_metrics(tmp_path, monkeypatch):
+    from rlnotes.runners import grpo
+
+    real, calls = grpo.train_step, []
+
+    def interrupted_at_third(ctx):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(ctx)
+
+    monkeypatch.setattr(grpo, "train_step", interrupted_at_third)
+    with pytest.raises(KeyboardInterrupt):
+        run(tmp_path, "trainer.steps=10")
+    assert (tmp_path / "interrupted" / "adapter_config.json").exists()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
