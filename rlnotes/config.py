@@ -48,9 +48,132 @@ class GRPOConfig:
     scale_by_std: bool = True
     # mu: policy updates (passes) per sampled batch (DeepSeekMath: 1).
     epochs: int = 1
+    # DAPO dynamic sampling (Yu et al. 2025, Sec. 3.2): drop groups whose rewards are all equal
+    # (A = 0, no signal) and sample more prompts until trainer.batch_size groups carry signal.
+    dynamic_sampling: bool = False
+    # Extra sampling rounds at most per step with dynamic_sampling; the step then trains on the
+    # informative groups it has (all of the last round's if none).
+    max_resample_rounds: int = 4
+
+
+@dataclass
+class DPOConfig:
+    # DPO learns from fixed preference pairs: it samples nothing and needs no reward.
+    samples: ClassVar[bool] = False
+    name: str = "dpo"
+    # beta: strength of the implicit KL to the reference; the implicit reward is
+    # beta log pi/pi_ref (Rafailov et al. 2023 use 0.1 and 0.5).
+    beta: float = 0.1
+    # sigmoid (the paper's -log sigma(beta h)) or ipo (Azar et al. 2023: (h - 1/(2 beta))^2).
+    loss_type: str = "sigmoid"
+    # Probability that a pair's label is flipped (conservative DPO); 0 is the paper's loss.
+    label_smoothing: float = 0.0
+    # Compute the reference log-probs of the whole train set once at the start instead of one
+    # reference pass per step: same loss, one forward per step saved once rows repeat.
+    precompute_ref: bool = False
+    # Held-out margin and accuracy every N steps (and on the first and last step).
+    eval_every: int = 20
+    # Held-out pairs each evaluation scores (at most data.eval_size); each costs a forward pass.
+    eval_rows: int = 64
+
+
+@dataclass
+class SFTConfig:
+    # Supervised fine-tuning on demonstrations: no sampling, no reward.
+    samples: ClassVar[bool] = False
+    name: str = "sft"
+    # How per-token NLLs become the loss: token-mean (every completion token weighs the same)
+    # or seq-mean-token-mean (every completion weighs the same); see rlnotes.notes.AGGREGATIONS.
+    aggregation: str = "token-mean"
+    # Held-out loss every N steps (and on the first and last step).
+    eval_every: int = 20
+    # Held-out rows each evaluation scores (at most data.eval_size).
+    eval_rows: int = 64
+
+
+@dataclass
+class RMConfig:
+    # Reward model on preference pairs (InstructGPT's RM stage): no sampling, no reward.
+    samples: ClassVar[bool] = False
+    name: str = "rm"
+    # Held-out pairwise accuracy every N steps (and on the first and last step).
+    eval_every: int = 20
+    # Held-out pairs each evaluation scores (at most data.eval_size); each costs a forward pass.
+    eval_rows: int = 64
+
+
+# Baselines b subtracted from the return G_t in REINFORCE (algo.baseline).
+REINFORCE_BASELINES = ("none", "mean", "group", "value")
+
+
+@dataclass
+class ReinforceConfig:
+    # REINFORCE (Williams 1992): one policy-gradient step per sampled batch, A_t = G_t - b.
+    samples: ClassVar[bool] = True
+    name: str = "reinforce"
+    # G: completions sampled per prompt (RLOO, Ahmadian et al. 2024, uses 2-4).
+    group_size: int = 4
+    # Weight of the per-token KL(pi || pi_ref) penalty subtracted from the reward. 0 by default:
+    # the notes' REINFORCE has none, and 0 skips the reference pass (RLOO's paper uses ~0.05).
+    beta: float = 0.0
+    # Per-token KL estimator of the penalty: k1 = log pi - log pi_ref, the InstructGPT reward term.
+    kl_estimator: str = "k1"
+    # Discount gamma of the returns-to-go (1.0: the whole completion is one episode).
+    gamma: float = 1.0
+    # b: none (b = 0), mean (running mean of sequence returns), group (mean of the other G-1
+    # completions of the prompt: RLOO), value (a learned V(s_t), trained toward G_t).
+    baseline: str = "mean"
+    # Weight of the previous running mean in baseline=mean: b <- m b + (1 - m) mean(G_0).
+    baseline_momentum: float = 0.9
+    # Weight of the value loss when baseline=value.
+    vf_coef: float = 0.5
+    # How per-token losses become one number (see rlnotes.notes.AGGREGATIONS); token-mean weighs
+    # every token alike, like the notes' E[sum_t ...] up to a constant.
+    aggregation: str = "token-mean"
+
+
+@dataclass
+class PPOConfig:
+    # PPO (Schulman et al. 2017) with a value head and GAE, InstructGPT-style KL in the reward.
+    samples: ClassVar[bool] = True
+    name: str = "ppo"
+    # Completions per prompt (InstructGPT: 1; any G works).
+    group_size: int = 1
+    # Weight of the per-token KL(pi || pi_ref) penalty in the reward (InstructGPT: 0.02; 0 skips
+    # the reference pass).
+    beta: float = 0.05
+    # Per-token KL estimator of that penalty. InstructGPT uses k1 = log pi - log pi_ref; k3 is
+    # never negative and has far less variance, which a small model's reward cannot absorb
+    # (on the letters task k1 at 0.05 drowned the reward signal, k3 learned).
+    kl_estimator: str = "k3"
+    # Discount gamma and GAE lambda (Schulman et al. 2015; RLHF PPO uses 1.0 and 0.95).
+    gamma: float = 1.0
+    lam: float = 0.95
+    # Clip range epsilon of the ratio pi/pi_old (PPO paper: 0.2).
+    clip_eps: float = 0.2
+    # Clip range of V around V_old in the value loss (OpenAI baselines: 0.2); null = plain MSE.
+    value_clip_eps: Optional[float] = 0.2
+    # Weight of the value loss c1 (PPO paper: 0.5 or 1).
+    vf_coef: float = 0.5
+    # Weight c2 of the entropy bonus, the exact entropy from full logits (PPO paper: 0.01);
+    # 0 skips computing it.
+    entropy_coef: float = 0.0
+    # K: passes over each sampled batch (PPO paper: 3-10).
+    epochs: int = 4
+    # Completions per optimizer step; must divide trainer.batch_size * group_size.
+    minibatch_size: int = 4
+    # Normalise advantages over the batch's real tokens (mean 0, std 1).
+    whiten_advantages: bool = True
+    # Stop a batch's epochs early when the mean k3 KL(pi_old || pi) of an epoch exceeds this;
+    # null = never (Spinning Up uses 0.01-0.05).
+    target_kl: Optional[float] = None
+    # How per-token losses become one number (see rlnotes.notes.AGGREGATIONS).
+    aggregation: str = "token-mean"
 
 
 ALGO_SCHEMAS: Dict[str, type] = {"grpo": GRPOConfig}
+ALGO_SCHEMAS.update({"dpo": DPOConfig, "sft": SFTConfig, "rm": RMConfig})
+ALGO_SCHEMAS.update({"reinforce": ReinforceConfig, "ppo": PPOConfig})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -123,6 +246,8 @@ class RewardConfig:
     target: Optional[str] = None
     # Reward given to a sample whose function raised or returned NaN.
     fallback: float = 0.0
+    # reward=model: the final/ dir of an algo=rm run (adapter, tokenizer, reward_head.safetensors).
+    path: Optional[str] = None
 
 
 @dataclass
@@ -246,6 +371,8 @@ def check_positive(cfg, key: str, minimum: float = 1) -> None:
 
 # The built-in task each algorithm trains on when data=auto (the default).
 DEFAULT_TASKS: Dict[str, str] = {"grpo": "letters"}
+DEFAULT_TASKS.update({"dpo": "arith_pairs", "sft": "arith_sft", "rm": "arith_pairs"})
+DEFAULT_TASKS.update({"reinforce": "letters", "ppo": "letters"})
 
 
 def resolve_auto(cfg) -> None:
@@ -265,7 +392,31 @@ def _check_grpo(cfg) -> None:
 
 
 # Checks of one algorithm's settings beyond their types, by algo.name.
+def _check_dpo(cfg) -> None:
+    if cfg.algo.loss_type == "ipo" and cfg.algo.label_smoothing != 0:
+        raise ConfigError("algo.label_smoothing applies to algo.loss_type=sigmoid only; set it to 0 for ipo")
+    if not 0 <= cfg.algo.label_smoothing < 0.5:
+        raise ConfigError(f"algo.label_smoothing={cfg.algo.label_smoothing} must be in [0, 0.5)")
+
+
 ALGO_CHECKS = {"grpo": _check_grpo}
+ALGO_CHECKS.update({"dpo": _check_dpo})
+
+
+def _check_reinforce(cfg) -> None:
+    if cfg.algo.baseline == "group" and cfg.algo.group_size < 2:
+        raise ConfigError(f"algo.group_size={cfg.algo.group_size}: baseline=group (RLOO) needs at least 2 "
+                          "completions per prompt to average the others")
+
+
+def _check_ppo(cfg) -> None:
+    n = cfg.trainer.batch_size * cfg.algo.group_size
+    if n % cfg.algo.minibatch_size:
+        raise ConfigError(f"algo.minibatch_size={cfg.algo.minibatch_size} must divide trainer.batch_size * "
+                          f"algo.group_size = {n} completions")
+
+
+ALGO_CHECKS.update({"reinforce": _check_reinforce, "ppo": _check_ppo})
 
 
 def validate(cfg) -> None:
@@ -279,15 +430,16 @@ def validate(cfg) -> None:
 
     check_choice("algo.name", cfg.algo.name, RUNNERS)
     choices = {"algo.aggregation": AGGREGATIONS, "algo.kl_estimator": KL_ESTIMATORS, "algo.loss_type": DPO_LOSS_TYPES,
-               "data.name": TASKS, "optim.schedule": SCHEDULES, "hardware.device": DEVICES}
+               "data.name": TASKS, "optim.schedule": SCHEDULES, "hardware.device": DEVICES,
+               "algo.baseline": REINFORCE_BASELINES}
     for key, valid in choices.items():
         if OmegaConf.select(cfg, key, default=None) is not None:
             check_choice(key, OmegaConf.select(cfg, key), valid)
     for key in ("trainer.steps", "trainer.batch_size", "trainer.micro_batch_size", "trainer.log_every",
-                "algo.group_size", "algo.epochs", "algo.minibatch_size", "rollout.max_new_tokens", "data.train_size"):
+                "algo.group_size", "algo.epochs", "algo.minibatch_size", "algo.eval_every", "algo.eval_rows", "rollout.max_new_tokens", "data.train_size"):
         check_positive(cfg, key)
     epochs = OmegaConf.select(cfg, "algo.epochs", default=1)
-    if cfg.trainer.steps % epochs:
+    if cfg.trainer.steps % epochs and cfg.algo.name != "ppo":  # PPO takes several steps per pass
         raise ConfigError(f"trainer.steps={cfg.trainer.steps} counts optimizer steps and must be a multiple of "
                           f"algo.epochs={epochs} (one step per pass over a batch)")
     if cfg.rollout.temperature <= 0:
@@ -301,4 +453,7 @@ def validate(cfg) -> None:
                           f"{cfg.trainer.batch_size}; raise data.train_size or lower trainer.batch_size")
     if ALGO_SCHEMAS[cfg.algo.name].samples:
         check_reward_config(cfg.reward)
+        if cfg.reward.name == "model" and not cfg.reward.path:
+            raise ConfigError("reward=model needs the reward model's directory: reward.path=RUN_DIR/final "
+                              "(the final/ dir of an algo=rm run)")
     ALGO_CHECKS.get(cfg.algo.name, lambda _: None)(cfg)

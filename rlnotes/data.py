@@ -55,9 +55,37 @@ def letters(cfg) -> Split:
     return train_rows, eval_rows
 
 
+def _wrong_answer(cfg, row: Row) -> str:
+    """A wrong answer near the right one, the same for a prompt on every call (seeded by it)."""
+    rng = random.Random(f"{cfg.seed}:{row['prompt']}")
+    return str(int(row["answer"]) + rng.choice([-3, -2, -1, 1, 2, 3]))
+
+
+def arith_pairs(cfg) -> Split:
+    """arith as preference pairs: `chosen` is the right answer, `rejected` a wrong one (DPO, RM)."""
+    return tuple([{**r, "chosen": r["answer"], "rejected": _wrong_answer(cfg, r)} for r in rows]
+                 for rows in arith(cfg))
+
+
+def arith_sft(cfg) -> Split:
+    """arith as demonstrations: `completion` is the right answer (SFT)."""
+    return tuple([{**r, "completion": r["answer"]} for r in rows] for rows in arith(cfg))
+
+
+def letters_pairs(cfg) -> Split:
+    """letters as preference pairs: `chosen` is the asked letter 4 times, `rejected` another letter
+    4 times. Far easier to separate than arith_pairs: what tests of DPO and RM learn on the tiny model."""
+    rng = random.Random(cfg.seed)
+    others = lambda c: [o for o in "abcdefghijklmnopqrstuvwxyz" if o != c]  # noqa: E731
+    return tuple([{**r, "chosen": r["letter"] * 4, "rejected": rng.choice(others(r["letter"])) * 4} for r in rows]
+                 for rows in letters(cfg))
+
+
 TASKS: Dict[str, Callable] = {"arith": arith, "letters": letters}
+TASKS.update({"arith_pairs": arith_pairs, "arith_sft": arith_sft, "letters_pairs": letters_pairs})
 # The reward (a name in rlnotes.rewards.REWARDS) that reward=auto gives each task.
 TASK_REWARDS: Dict[str, str] = {"arith": "number_match", "letters": "letter_share"}
+TASK_REWARDS.update({"arith_pairs": "number_match", "arith_sft": "number_match", "letters_pairs": "letter_share"})
 
 
 def load_task(cfg) -> Split:

@@ -45,7 +45,31 @@ def letter_share(prompts, completions, letter, **_) -> List[float]:
     return [text.count(c) / len(text) if text else 0.0 for text, c in zip(completions, letter)]
 
 
+_REWARD_MODELS: Dict[tuple, tuple] = {}   # (path, device) -> loaded reward model, loaded once per process
+
+
+def reward_model(prompts, completions, path, device="cpu", batch_size=16, **_) -> List[float]:
+    """r(x, y) of a reward model trained with algo=rm (rlnotes.reward_model), read from `path`
+    (its run's final/ dir) on first use; scored without gradients, `batch_size` sequences a pass."""
+    from rlnotes.offline import encode
+    from rlnotes.reward_model import load, sequence_rewards
+
+    dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
+                       "cpu" if device == "auto" else device)
+    if (str(path), str(dev)) not in _REWARD_MODELS:
+        _REWARD_MODELS[(str(path), str(dev))] = load(path, dev)
+    model, head, tokenizer, model_cfg = _REWARD_MODELS[(str(path), str(dev))]
+    out: List[float] = []
+    with torch.no_grad():
+        for i in range(0, len(completions), batch_size):
+            seqs = encode(tokenizer, prompts[i:i + batch_size], completions[i:i + batch_size], dev,
+                          model_cfg.chat_template, model_cfg.system_prompt)
+            out += sequence_rewards(model, head, seqs).tolist()
+    return out
+
+
 REWARDS: Dict[str, Callable] = {"number_match": number_match, "letter_share": letter_share}
+REWARDS.update({"reward_model": reward_model})
 
 
 def resolve(name: str) -> Callable:

@@ -139,3 +139,20 @@ def generate(model, tokenizer, prompts: Sequence[Sequence[int]], group_size: int
     truncated = ~torch.isin(tokens.gather(1, (lengths - 1)[:, None]).squeeze(-1), eos)
     texts = tokenizer.batch_decode(tokens.tolist(), skip_special_tokens=True)
     return Rollout(prompt_ids, prompt_mask, tokens, mask, logps, texts, truncated)
+
+
+def concat_rollouts(parts: Sequence[Rollout], pad_id: int) -> Rollout:
+    """Rollouts stacked row-wise: prompts left-padded and completions right-padded to the widest."""
+    import torch.nn.functional as F
+
+    p = max(r.prompt_ids.shape[1] for r in parts)
+    t = max(r.completion_ids.shape[1] for r in parts)
+    left = lambda x, value: F.pad(x, (p - x.shape[1], 0), value=value)  # noqa: E731
+    right = lambda x, value: F.pad(x, (0, t - x.shape[1]), value=value)  # noqa: E731
+    return Rollout(torch.cat([left(r.prompt_ids, pad_id) for r in parts]),
+                   torch.cat([left(r.prompt_mask, 0) for r in parts]),
+                   torch.cat([right(r.completion_ids, pad_id) for r in parts]),
+                   torch.cat([right(r.completion_mask, 0.0) for r in parts]),
+                   torch.cat([right(r.logprobs, 0.0) for r in parts]),
+                   [text for r in parts for text in r.texts],
+                   torch.cat([r.truncated for r in parts]))

@@ -21,3 +21,27 @@ def returns_to_go(rewards: Tensor, mask: Tensor, gamma: float = 1.0) -> Tensor:
         g = torch.where(m[..., t], r[..., t] + gamma * g, g)
         out.append(torch.where(m[..., t], g, 0.0))
     return torch.stack(out[::-1], dim=-1).to(rewards.dtype)
+
+
+def terminal_rewards(rewards: Tensor, mask: Tensor) -> Tensor:
+    """r_t = R on the last real token of each row, 0 elsewhere: an outcome reward as per-token rewards.
+
+    rewards: [B] (one per completion), mask: [B, T] -> [B, T] in at least float32. A row without
+    real tokens gets no reward.
+    """
+    m = as_bool(mask)
+    pos = torch.arange(m.shape[-1], device=m.device)
+    last = torch.where(m, pos, -1).max(-1, keepdim=True).values
+    return torch.where((pos == last) & (last >= 0), upcast(rewards)[..., None], 0.0)
+
+
+def leave_one_out_baseline(returns: Tensor, group_size: int) -> Tensor:
+    """b_i = 1/(G-1) sum_{j != i} R_j within each group (Kool et al. 2019; Ahmadian et al. 2024, RLOO).
+
+    returns: [N], group by group (G = group_size completions of one prompt next to each other)
+    -> [N]. Independent of R_i, so subtracting it keeps the policy gradient unbiased. G >= 2.
+    """
+    if group_size < 2 or returns.shape[0] % group_size:
+        raise ValueError(f"leave-one-out needs groups of at least 2; got {returns.shape[0]} returns, G={group_size}")
+    r = upcast(returns).reshape(-1, group_size)
+    return ((r.sum(-1, keepdim=True) - r) / (group_size - 1)).reshape(-1).to(returns.dtype)

@@ -8,6 +8,8 @@ from typing import Callable
 
 # algo.name -> module whose train_step implements it; imported only when chosen.
 RUNNERS = {"grpo": "rlnotes.runners.grpo"}
+RUNNERS.update({"reinforce": "rlnotes.runners.reinforce", "ppo": "rlnotes.runners.ppo"})
+RUNNERS.update({"dpo": "rlnotes.runners.dpo", "sft": "rlnotes.runners.sft", "rm": "rlnotes.runners.rm"})
 
 
 def get_runner(name: str) -> Callable:

@@ -45,6 +45,11 @@ class Context:
     timers: Dict[str, float] = field(default_factory=dict)
     step: int = 0          # optimizer steps taken
     bad_steps: int = 0     # consecutive skipped updates
+    # Modules a runner trains beside the policy (a reward model's scalar head), made on its first
+    # step and added with add_head: clipped with the policy, saved next to it as <name>.safetensors.
+    heads: Dict[str, torch.nn.Module] = field(default_factory=dict)
+    # A runner's own state kept across steps (e.g. DPO's precomputed reference log-probs).
+    cache: Dict[str, object] = field(default_factory=dict)
 
     @contextmanager
     def timed(self, name: str) -> Iterator[None]:
@@ -141,7 +146,7 @@ def micro_batch_weight(aggregation: str, chunk_mask: torch.Tensor, full_mask: to
 
 def optimizer_step(ctx: Context) -> Dict[str, float]:
     """Clip, step and schedule; a non-finite gradient skips the update (three in a row stop the run)."""
-    params = ctx.policy.trainable_parameters()
+    params = ctx.policy.trainable_parameters() + [p for head in ctx.heads.values() for p in head.parameters()]
     max_norm = ctx.cfg.optim.max_grad_norm
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm is not None else float("inf"))
     lr = ctx.scheduler.get_last_lr()[0]
@@ -160,6 +165,37 @@ def optimizer_step(ctx: Context) -> Dict[str, float]:
         ctx.scheduler.step()
     ctx.step += 1
     return {"optim/grad_norm": float(grad_norm), "optim/lr": lr, "optim/skipped": float(ctx.bad_steps > 0)}
+
+
+def add_head(ctx: Context, name: str, head: torch.nn.Module) -> torch.nn.Module:
+    """Train `head` from now on: into ctx.heads and the optimizer, with the same learning-rate
+    schedule (the scheduler is rebuilt, which is exact only before the first step)."""
+    ctx.heads[name] = head
+    ctx.optimizer.add_param_group({"params": list(head.parameters())})
+    o = ctx.cfg.optim
+    ctx.scheduler = torch.optim.lr_scheduler.LambdaLR(ctx.optimizer, lr_lambda(o.schedule, o.warmup_steps,
+                                                                               ctx.cfg.trainer.steps))
+    return head
+
+
+def penalized_token_rewards(ctx: Context, rollout: Rollout, rewards: torch.Tensor, beta: float,
+                            estimator: str) -> tuple[torch.Tensor, float]:
+    """Per-token rewards r_t: the outcome R on the last real token, minus beta * KL(pi || pi_ref)
+    on every token (InstructGPT), with the mean KL; the reference pass runs only when beta > 0."""
+    from rlnotes.notes import kl_penalty, masked_mean
+    from rlnotes.notes.reinforce import terminal_rewards
+
+    mask = rollout.completion_mask
+    token_rewards = terminal_rewards(rewards, mask)
+    if beta <= 0:
+        return token_rewards, float("nan")
+    n, temperature = rollout.completion_ids.shape[1], ctx.cfg.rollout.temperature
+    ids, attn = rollout.input_ids, rollout.attention_mask
+    with ctx.timed("reference"):
+        ref = torch.cat([ctx.policy.ref_logprobs(ids[i], attn[i], n, temperature)
+                         for i in micro_batches(len(rollout), ctx.cfg.trainer.micro_batch_size)])
+    kl = kl_penalty(rollout.logprobs, ref, estimator)
+    return token_rewards - beta * kl, float(masked_mean(kl, mask))
 
 
 def rollout_metrics(rollout: Rollout, rewards: torch.Tensor, group_size: int) -> Dict[str, float]:
@@ -182,6 +218,10 @@ def finish(ctx: Context, interrupted: bool = False) -> Path:
     ctx.logger.close()
     out = ctx.run_dir / ("interrupted" if interrupted else "final")
     ctx.policy.save(out)
+    for name, head in ctx.heads.items():
+        from safetensors.torch import save_file
+
+        save_file({k: v.contiguous() for k, v in head.state_dict().items()}, str(out / f"{name}.safetensors"))
     return out
 
 

@@ -8,6 +8,9 @@ For each batch of prompts:
   5. mu times: minimise 1/G sum_i 1/|o_i| sum_t -[min(rho A, clip(rho, 1-eps, 1+eps) A) - beta KL],
      rho = pi / pi_old.
 
+DAPO's dynamic sampling (algo.dynamic_sampling) replaces steps 1-2: groups whose rewards are all
+equal (A = 0, no gradient) are dropped and more prompts sampled until the batch is full.
+
 pi_old needs no pass of its own: with mu = 1 it is the current policy (rho = 1 in value, its
 gradient is the policy gradient), and with mu > 1 it is the log-prob recorded while sampling.
 """
@@ -19,18 +22,54 @@ from typing import Dict
 import torch
 
 from rlnotes.notes import group_advantages, grpo_loss, kl_penalty, masked_mean, ppo_clip_fraction
+from rlnotes.rollout import Rollout, concat_rollouts
 from rlnotes.runners.common import (Context, micro_batch_weight, micro_batches, optimizer_step, rollout_metrics,
                                     sample_and_score)
+
+
+def informative_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """[N / G] bool: True for the groups whose rewards are not all equal (they carry a GRPO signal)."""
+    groups = rewards.view(-1, group_size)
+    return groups.max(-1).values != groups.min(-1).values
+
+
+def sample_informative(ctx: Context, group_size: int,
+                       max_rounds: int) -> tuple[Rollout, torch.Tensor, Dict[str, float]]:
+    """DAPO dynamic sampling (Yu et al. 2025, Sec. 3.2): up to 1 + max_rounds batches of prompts,
+    keeping the informative groups until trainer.batch_size of them are found. The reward metrics
+    are the first batch's, as sampled; with no informative group at all, the last batch is used."""
+    want, kept, kept_rewards, metrics = ctx.cfg.trainer.batch_size, [], [], {}
+    for round_ in range(max_rounds + 1):
+        rollout, rewards, round_metrics = sample_and_score(ctx, ctx.sampler.next_batch(), group_size)
+        if not metrics:
+            metrics = {**round_metrics, **rollout_metrics(rollout, rewards, group_size)}
+        else:
+            metrics["perf/tokens"] += round_metrics["perf/tokens"]
+        have = sum(len(r) for r in kept_rewards) // group_size
+        groups = informative_groups(rewards, group_size).nonzero().squeeze(-1)[:want - have]
+        rows = (groups[:, None] * group_size + torch.arange(group_size, device=groups.device)).reshape(-1)
+        if len(rows):
+            kept.append(rollout.select(rows.cpu()))
+            kept_rewards.append(rewards[rows])
+        if have + len(groups) >= want:
+            break
+    metrics["reward/resample_rounds"] = float(round_)
+    if not kept:
+        return rollout, rewards, metrics
+    return concat_rollouts(kept, ctx.policy.tokenizer.pad_token_id), torch.cat(kept_rewards), metrics
 
 
 def train_step(ctx: Context) -> Dict[str, float]:
     cfg, algo, policy = ctx.cfg, ctx.cfg.algo, ctx.policy
     temperature = cfg.rollout.temperature
 
-    # 1-2. Sample G completions per prompt and score them.
-    rows = ctx.sampler.next_batch()
-    rollout, rewards, metrics = sample_and_score(ctx, rows, algo.group_size)
-    metrics.update(rollout_metrics(rollout, rewards, algo.group_size))
+    # 1-2. Sample G completions per prompt and score them (DAPO: only groups with a signal).
+    if algo.dynamic_sampling:
+        rollout, rewards, metrics = sample_informative(ctx, algo.group_size, algo.max_resample_rounds)
+    else:
+        rows = ctx.sampler.next_batch()
+        rollout, rewards, metrics = sample_and_score(ctx, rows, algo.group_size)
+        metrics.update(rollout_metrics(rollout, rewards, algo.group_size))
 
     # 3. Group-normalised advantage, one per completion.
     advantages = group_advantages(rewards, algo.group_size, scale_by_std=algo.scale_by_std)

@@ -1,0 +1,113 @@
+"""DPO (Rafailov et al. 2023, Direct Preference Optimization), as in the notes.
+
+For each batch of preference pairs (x, y_w, y_l), micro-batch by micro-batch:
+  1. log pi_ref(y|x), summed over the completion's tokens, for y_w and y_l: a pass of the base
+     model with the adapter off, or a look-up in a table made once (algo.precompute_ref);
+  2. log pi(y|x) for y_w and y_l in one forward pass of the policy (both halves in one batch);
+  3. minimise the mean over pairs of -log sigma(beta [log pi/pi_ref (y_w) - log pi/pi_ref (y_l)])
+     (Eq. 7), one optimizer step per batch;
+  4. report the implicit rewards r = beta log pi/pi_ref (Eq. 5) and how often r(y_w) > r(y_l),
+     on the batch and, now and then, on held-out pairs (eval/* in a step's row is measured before
+     its update, so the first row shows the initial policy; the last row shows the final one).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List
+
+import torch
+
+from rlnotes.data import Row
+from rlnotes.notes import dpo_implicit_rewards, dpo_loss
+from rlnotes.offline import Sequences, chunks, encode_pairs, eval_due, summed_logprobs
+from rlnotes.runners.common import Context, optimizer_step
+
+
+def ref_logprobs(ctx: Context, rows: List[Row], seqs: Sequences) -> torch.Tensor:
+    """[2n] summed reference log-probs of `encode_pairs(rows)`: from the table or a fresh pass."""
+    table = ctx.cache.get("ref")
+    if table is None:
+        logp = ctx.policy.ref_logprobs(seqs.input_ids, seqs.attention_mask, seqs.n_completion)
+        return summed_logprobs(logp, seqs)
+    keys = [_key(r) for r in rows]
+    return torch.tensor([table[k][0] for k in keys] + [table[k][1] for k in keys], device=ctx.device)
+
+
+def _key(row: Row) -> tuple:
+    return row["prompt"], row["chosen"], row["rejected"]
+
+
+def precompute_reference(ctx: Context) -> None:
+    """Reference log-probs of every distinct train pair, made once: the reference never changes,
+    so this replaces the per-step no-grad pass over 2B sequences by one pass over the train set
+    (a win once training sees pairs more than once; it costs memory of two floats per pair)."""
+    unique = list({_key(r): r for r in ctx.sampler.rows}.values())
+    table: Dict[tuple, tuple] = {}
+    size = ctx.cfg.trainer.micro_batch_size or ctx.cfg.trainer.batch_size
+    for chunk, _ in chunks(unique, size):
+        seqs = encode_pairs(ctx, chunk)
+        ref = ref_logprobs(ctx, chunk, seqs).tolist()
+        for i, r in enumerate(chunk):
+            table[_key(r)] = (ref[i], ref[len(chunk) + i])
+    ctx.cache["ref"] = table
+
+
+@torch.no_grad()
+def evaluate(ctx: Context) -> Dict[str, float]:
+    """Held-out implicit-reward margin and pairwise accuracy on up to algo.eval_rows pairs."""
+    rows = ctx.eval_rows[:ctx.cfg.algo.eval_rows]
+    ctx.policy.model.eval()
+    margins = []
+    refs = ctx.cache.setdefault("eval_ref", {})  # the reference never changes: one pass per eval chunk
+    for i, (chunk, _) in enumerate(chunks(rows, ctx.cfg.trainer.micro_batch_size or ctx.cfg.trainer.batch_size)):
+        seqs = encode_pairs(ctx, chunk)
+        if i not in refs:
+            refs[i] = summed_logprobs(ctx.policy.ref_logprobs(seqs.input_ids, seqs.attention_mask,
+                                                              seqs.n_completion), seqs)
+        ref = refs[i]
+        logp = summed_logprobs(ctx.policy.logprobs(seqs.input_ids, seqs.attention_mask, seqs.n_completion), seqs)
+        r = dpo_implicit_rewards(logp, ref, ctx.cfg.algo.beta)
+        margins.append(r[:len(chunk)] - r[len(chunk):])
+    margin = torch.cat(margins)
+    return {"eval/dpo_margin": float(margin.mean()), "eval/dpo_accuracy": float((margin > 0).float().mean())}
+
+
+def train_step(ctx: Context) -> Dict[str, float]:
+    cfg, algo, policy = ctx.cfg, ctx.cfg.algo, ctx.policy
+    metrics: Dict[str, float] = {}
+    if algo.precompute_ref and "ref" not in ctx.cache:
+        with ctx.timed("reference"):
+            precompute_reference(ctx)
+    if eval_due(ctx):
+        metrics.update(evaluate(ctx))
+
+    rows = ctx.sampler.next_batch()
+    sums = {"loss": 0.0, "dpo/chosen_reward": 0.0, "dpo/rejected_reward": 0.0, "dpo/margin": 0.0,
+            "dpo/accuracy": 0.0, "perf/tokens": 0.0}
+    for chunk, share in chunks(rows, cfg.trainer.micro_batch_size):
+        seqs = encode_pairs(ctx, chunk)
+        n = len(chunk)
+        # 1. Reference log-probs (no grad).
+        with ctx.timed("reference"):
+            ref = ref_logprobs(ctx, chunk, seqs)
+        # 2. Policy log-probs of chosen and rejected in one pass.
+        policy.model.train()
+        with ctx.timed("policy"):
+            logp = summed_logprobs(policy.logprobs(seqs.input_ids, seqs.attention_mask, seqs.n_completion), seqs)
+            # 3. The DPO loss, its share of the batch mean.
+            loss = dpo_loss(logp[:n], logp[n:], ref[:n], ref[n:], beta=algo.beta, loss_type=algo.loss_type,
+                            label_smoothing=algo.label_smoothing).mean()
+            (loss * share).backward()
+        # 4. Implicit rewards of the batch as it was before the update.
+        rewards = dpo_implicit_rewards(logp.detach(), ref, algo.beta)
+        chosen, rejected = rewards[:n], rewards[n:]
+        for key, value in (("loss", loss.detach()), ("dpo/chosen_reward", chosen.mean()),
+                           ("dpo/rejected_reward", rejected.mean()), ("dpo/margin", (chosen - rejected).mean()),
+                           ("dpo/accuracy", (chosen > rejected).float().mean())):
+            sums[key] += float(value) * share
+        sums["perf/tokens"] += seqs.tokens()
+    metrics.update(sums)
+    metrics.update(optimizer_step(ctx))
+    if ctx.step == cfg.trainer.steps:
+        metrics.update(evaluate(ctx))
+    return metrics

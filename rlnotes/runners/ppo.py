@@ -1,0 +1,103 @@
+"""PPO (Schulman et al. 2017) for language models, as in the notes: reward -> V(s_t) -> GAE ->
+A_t -> clipped update, with InstructGPT's (Ouyang et al. 2022) KL penalty inside the reward.
+
+For each batch of prompts:
+  1. sample G completions per prompt from pi_old and score them: R_i;
+  2. no-grad passes, once per batch: log pi_ref (adapter off; only when beta > 0) and V_old(s_t);
+  3. per-token rewards: R_i on the last real token, minus beta KL(pi_old || pi_ref) on every token;
+  4. GAE: A_t and the value targets R_t = A_t + V_old(s_t); advantages whitened over the batch;
+  5. K epochs over the batch in shuffled minibatches, one optimizer step each, on
+     aggregate(-min(rho A, clip(rho) A)) + c1 * value loss - c2 * entropy; log-probs and values
+     come from one forward pass. An epoch whose approximate KL to pi_old exceeds target_kl ends
+     the batch.
+
+log pi_old is the log-prob recorded while sampling, so it needs no pass of its own.
+"""
+
+from __future__ import annotations
+
+from typing import Dict
+
+import torch
+
+from rlnotes.critic import explained_variance, logprobs_and_values, value_head, values
+from rlnotes.notes import (aggregate, gae, kl_penalty, masked_mean, masked_whiten, ppo_clip_fraction, ppo_clip_loss,
+                           value_loss)
+from rlnotes.runners.common import (Context, add_head, micro_batch_weight, micro_batches, optimizer_step,
+                                    penalized_token_rewards, rollout_metrics, sample_and_score)
+
+
+def minibatch_loss(ctx: Context, b, adv, returns, old_values) -> tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    """PPO's loss on the rollout rows `b` (trimmed to width w) and its parts, for logging."""
+    cfg, algo = ctx.cfg, ctx.cfg.algo
+    w, m = b.completion_ids.shape[1], b.completion_mask
+    logp, v, entropy = logprobs_and_values(ctx.policy.model, ctx.heads["value_head"], b.input_ids, b.attention_mask,
+                                           w, cfg.rollout.temperature, entropy=algo.entropy_coef > 0)
+    agg = lambda x: aggregate(x, m, algo.aggregation, cfg.rollout.max_new_tokens)  # noqa: E731
+    pg_loss = agg(ppo_clip_loss(logp, b.logprobs, adv, algo.clip_eps))
+    v_loss = agg(value_loss(v, old_values, returns, algo.value_clip_eps))
+    loss = pg_loss + algo.vf_coef * v_loss
+    if entropy is not None:
+        loss = loss - algo.entropy_coef * agg(entropy)
+    logp = logp.detach()
+    parts = {"value/loss": v_loss.detach(),
+             "policy/clip_frac": ppo_clip_fraction(logp, b.logprobs, adv, m, algo.clip_eps),
+             "policy/approx_kl": masked_mean(kl_penalty(b.logprobs, logp, "k3"), m)}  # KL(pi_old || pi)
+    return loss, parts
+
+
+def train_step(ctx: Context) -> Dict[str, float]:
+    cfg, algo, policy = ctx.cfg, ctx.cfg.algo, ctx.policy
+    if "value_head" not in ctx.heads:
+        add_head(ctx, "value_head", value_head(policy.model.config.hidden_size, ctx.device))
+    head = ctx.heads["value_head"]
+
+    # 1. Sample G completions per prompt and score them.
+    rows = ctx.sampler.next_batch()
+    rollout, rewards, metrics = sample_and_score(ctx, rows, algo.group_size)
+    metrics.update(rollout_metrics(rollout, rewards, algo.group_size))
+    mask, n = rollout.completion_mask, rollout.completion_ids.shape[1]
+    input_ids, attention_mask = rollout.input_ids, rollout.attention_mask
+    chunks = micro_batches(len(rollout), cfg.trainer.micro_batch_size)
+
+    # 2. The batch's fixed quantities: log pi_ref and V_old, one no-grad pass each.
+    policy.model.eval()
+    # 3. Per-token rewards: the outcome at the end, the KL penalty on every token.
+    token_rewards, metrics["kl/ref"] = penalized_token_rewards(ctx, rollout, rewards, algo.beta, algo.kl_estimator)
+    with ctx.timed("values"), torch.no_grad():
+        old_values = torch.cat([values(policy.model, head, input_ids[i], attention_mask[i], n) for i in chunks])
+
+    # 4. Generalized advantage estimation.
+    adv, returns = gae(token_rewards, old_values, mask, algo.gamma, algo.lam)
+    metrics["value/explained_variance"] = float(explained_variance(old_values, returns, mask))
+    if algo.whiten_advantages:
+        adv = masked_whiten(adv, mask)
+
+    # 5. K epochs of shuffled minibatches, one optimizer step per minibatch.
+    policy.model.train()
+    sums = {"loss": 0.0, "value/loss": 0.0, "policy/clip_frac": 0.0, "policy/approx_kl": 0.0}
+    updates = 0
+    with ctx.timed("policy"):
+        for _ in range(algo.epochs):
+            epoch_kl, order = 0.0, torch.randperm(len(rollout), generator=ctx.generator, device=ctx.device)
+            for mb in order.split(algo.minibatch_size):
+                for part in micro_batches(len(mb), cfg.trainer.micro_batch_size):
+                    idx = mb[part]
+                    b = rollout.select(idx)
+                    w = b.completion_ids.shape[1]
+                    loss, parts = minibatch_loss(ctx, b, adv[idx, :w], returns[idx, :w], old_values[idx, :w])
+                    weight = micro_batch_weight(algo.aggregation, b.completion_mask, mask[mb])
+                    (loss * weight).backward()
+                    sums["loss"] += float(loss.detach()) * weight
+                    for key, value in parts.items():
+                        sums[key] += float(value) * len(idx) / len(mb)
+                    epoch_kl += float(parts["policy/approx_kl"]) * len(idx) / len(rollout)
+                metrics.update(optimizer_step(ctx))
+                updates += 1
+                if ctx.step >= cfg.trainer.steps:
+                    break
+            if ctx.step >= cfg.trainer.steps or (algo.target_kl is not None and epoch_kl > algo.target_kl):
+                break
+    metrics.update({key: value / updates for key, value in sums.items()})
+    metrics["policy/updates"] = float(updates)
+    return metrics

@@ -1,0 +1,99 @@
+"""REINFORCE (Williams 1992) with a baseline, as in the notes; algo=rloo is baseline=group.
+
+For each batch of prompts:
+  1. sample G completions per prompt from pi and score them: R_i;
+  2. per-token rewards: R_i on the last real token, minus beta KL(pi || pi_ref) on every token
+     when beta > 0 (the only use of the reference pass);
+  3. returns-to-go G_t = sum_l gamma^l r_{t+l};
+  4. a baseline b: none (0), mean (running mean of the returns G_0 of earlier batches), group
+     (the mean G_0 of the prompt's other G-1 completions: RLOO) or value (a learned V(s_t));
+  5. one step on L = aggregate(-(G_t - b) log pi(a_t | s_t)) (+ vf_coef * value loss).
+
+The baselines average the sequence return G_0 (R minus its KL penalty): with beta = 0 that is
+the reward R itself.
+"""
+
+from __future__ import annotations
+
+from typing import Dict
+
+import torch
+
+from rlnotes.critic import explained_variance, logprobs_and_values, value_head
+from rlnotes.notes import aggregate, policy_gradient_loss, returns_to_go, value_loss
+from rlnotes.notes.reinforce import leave_one_out_baseline
+from rlnotes.runners.common import (Context, add_head, micro_batch_weight, micro_batches, optimizer_step,
+                                    penalized_token_rewards, rollout_metrics, sample_and_score)
+
+
+def mean_baseline(state: dict, returns: torch.Tensor, momentum: float) -> torch.Tensor:
+    """b = running mean of earlier batches' mean return (this batch's own mean on the first
+    batch, when there is none); then b <- momentum b + (1 - momentum) mean(returns)."""
+    batch_mean = float(returns.mean())
+    b = state.get("reinforce/mean_return", batch_mean)
+    state["reinforce/mean_return"] = momentum * b + (1 - momentum) * batch_mean
+    return torch.full_like(returns, b)
+
+
+# algo.baseline -> b per completion [N] from the returns G_0 [N]; "value" subtracts V(s_t) per
+# token on top of a zero here, from the same forward pass as the log-probs.
+BASELINES = {
+    "none": lambda ctx, g0: torch.zeros_like(g0),
+    "mean": lambda ctx, g0: mean_baseline(ctx.cache, g0, ctx.cfg.algo.baseline_momentum),
+    "group": lambda ctx, g0: leave_one_out_baseline(g0, ctx.cfg.algo.group_size),
+    "value": lambda ctx, g0: torch.zeros_like(g0),
+}
+
+
+def train_step(ctx: Context) -> Dict[str, float]:
+    cfg, algo, policy = ctx.cfg, ctx.cfg.algo, ctx.policy
+    temperature, use_value = cfg.rollout.temperature, algo.baseline == "value"
+    if use_value and "value_head" not in ctx.heads:
+        add_head(ctx, "value_head", value_head(policy.model.config.hidden_size, ctx.device))
+
+    # 1. Sample G completions per prompt and score them.
+    rows = ctx.sampler.next_batch()
+    rollout, rewards, metrics = sample_and_score(ctx, rows, algo.group_size)
+    metrics.update(rollout_metrics(rollout, rewards, algo.group_size))
+    mask = rollout.completion_mask
+    chunks = micro_batches(len(rollout), cfg.trainer.micro_batch_size)
+
+    # 2. Per-token rewards; the KL uses the sampled log-probs (pi itself: one step per batch).
+    token_rewards, metrics["kl/ref"] = penalized_token_rewards(ctx, rollout, rewards, algo.beta, algo.kl_estimator)
+
+    # 3-4. Returns-to-go and the baseline of each completion.
+    returns = returns_to_go(token_rewards, mask, algo.gamma)
+    baseline = BASELINES[algo.baseline](ctx, returns[:, 0])
+    if not use_value:
+        metrics["reward/baseline"] = float(baseline.mean())
+
+    # 5. One policy-gradient step, micro-batch by micro-batch.
+    policy.model.train()
+    sums = {"loss": 0.0, "value/loss": 0.0, "value/explained_variance": 0.0}
+    with ctx.timed("policy"):
+        for idx in chunks:
+            b = rollout.select(idx)
+            w, m = b.completion_ids.shape[1], b.completion_mask
+            g = returns[idx, :w]
+            adv = g - baseline[idx, None]
+            if use_value:
+                logp, v, _ = logprobs_and_values(policy.model, ctx.heads["value_head"], b.input_ids,
+                                                 b.attention_mask, w, temperature)
+                adv = adv - v.detach()
+                v_loss = aggregate(value_loss(v, None, g), m, algo.aggregation)
+                loss = policy_gradient_loss(logp, adv, m, algo.aggregation) + algo.vf_coef * v_loss
+            else:
+                logp = policy.logprobs(b.input_ids, b.attention_mask, w, temperature)
+                loss = policy_gradient_loss(logp, adv, m, algo.aggregation)
+            weight = micro_batch_weight(algo.aggregation, m, mask)
+            (loss * weight).backward()
+            sums["loss"] += float(loss.detach()) * weight
+            if use_value:
+                share = len(idx) / len(rollout)
+                sums["value/loss"] += float(v_loss.detach()) * weight
+                sums["value/explained_variance"] += float(explained_variance(v.detach(), g, m)) * share
+        metrics.update(optimizer_step(ctx))
+    if not use_value:
+        del sums["value/loss"], sums["value/explained_variance"]
+    metrics.update(sums)
+    return metrics

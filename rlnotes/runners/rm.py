@@ -1,0 +1,71 @@
+"""Reward model training on preference pairs (Ouyang et al. 2022, InstructGPT, Sec. 3.5).
+
+For each batch of pairs (x, y_w, y_l), micro-batch by micro-batch:
+  1. r(x, y) for y_w and y_l in one forward pass: a scalar head on the final hidden state of the
+     last token (EOS) of [x | y], on the base model with LoRA;
+  2. minimise the mean over pairs of the Bradley-Terry loss -log sigma(r(x, y_w) - r(x, y_l))
+     (Eq. 1), head and adapter together, one optimizer step per batch;
+  3. report how often r(y_w) > r(y_l), on the batch and, now and then, on held-out pairs.
+Rewards are defined up to a constant (only differences enter the loss); InstructGPT normalises
+them afterwards so that the demonstrations score 0 on average; this runner does not.
+"""
+
+from __future__ import annotations
+
+from typing import Dict
+
+import torch
+
+from rlnotes.notes import bradley_terry_loss
+from rlnotes.offline import chunks, encode_pairs, eval_due
+from rlnotes.reward_model import HEAD, make_head, sequence_rewards
+from rlnotes.runners.common import Context, add_head, optimizer_step
+
+
+def pair_rewards(ctx: Context, rows) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """(r chosen [n], r rejected [n], tokens) of the pairs `rows`."""
+    seqs = encode_pairs(ctx, rows)
+    r = sequence_rewards(ctx.policy.model, ctx.heads[HEAD], seqs)
+    return r[:len(rows)], r[len(rows):], seqs.tokens()
+
+
+@torch.no_grad()
+def evaluate(ctx: Context) -> Dict[str, float]:
+    """Held-out pairwise accuracy and mean margin on up to algo.eval_rows pairs."""
+    ctx.policy.model.eval()
+    rows = ctx.eval_rows[:ctx.cfg.algo.eval_rows]
+    margins = []
+    for chunk, _ in chunks(rows, ctx.cfg.trainer.micro_batch_size or ctx.cfg.trainer.batch_size):
+        chosen, rejected, _ = pair_rewards(ctx, chunk)
+        margins.append(chosen - rejected)
+    margin = torch.cat(margins)
+    return {"eval/rm_accuracy": float((margin > 0).float().mean()), "eval/rm_margin": float(margin.mean())}
+
+
+def train_step(ctx: Context) -> Dict[str, float]:
+    cfg = ctx.cfg
+    if HEAD not in ctx.heads:  # made on the first step; trained and saved with the adapter
+        add_head(ctx, HEAD, make_head(ctx.policy.model).to(ctx.device))
+    metrics: Dict[str, float] = evaluate(ctx) if eval_due(ctx) else {}
+
+    rows = ctx.sampler.next_batch()
+    ctx.policy.model.train()
+    sums = {"loss": 0.0, "rm/accuracy": 0.0, "rm/margin": 0.0, "rm/chosen_reward": 0.0, "perf/tokens": 0.0}
+    with ctx.timed("policy"):
+        for chunk, share in chunks(rows, cfg.trainer.micro_batch_size):
+            # 1. Rewards of chosen and rejected completions in one pass.
+            chosen, rejected, tokens = pair_rewards(ctx, chunk)
+            # 2. Bradley-Terry loss, this micro-batch's share of the batch mean.
+            loss = bradley_terry_loss(chosen, rejected).mean()
+            (loss * share).backward()
+            # 3. Ranking metrics of the batch before the update.
+            margin = (chosen - rejected).detach()
+            for key, value in (("loss", loss.detach()), ("rm/accuracy", (margin > 0).float().mean()),
+                               ("rm/margin", margin.mean()), ("rm/chosen_reward", chosen.detach().mean())):
+                sums[key] += float(value) * share
+            sums["perf/tokens"] += tokens
+    metrics.update(sums)
+    metrics.update(optimizer_step(ctx))
+    if ctx.step == cfg.trainer.steps:
+        metrics.update(evaluate(ctx))
+    return metrics

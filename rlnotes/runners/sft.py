@@ -1,0 +1,57 @@
+"""Supervised fine-tuning on demonstrations (the first stage of InstructGPT, Ouyang et al. 2022).
+
+For each batch of (prompt x, completion y) rows, micro-batch by micro-batch:
+  1. log pi(y_t | x, y_<t) of every completion token (its EOS included), in one forward pass;
+  2. minimise the negative log-likelihood -log pi(y_t | ...), averaged by algo.aggregation
+     (token-mean: every completion token of the batch weighs the same); the prompt is context
+     only and gets no loss;
+  3. one optimizer step per batch; now and then, the same loss on held-out rows.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Dict
+
+import torch
+
+from rlnotes.notes import aggregate
+from rlnotes.offline import Sequences, encode_rows, eval_due
+from rlnotes.runners.common import Context, micro_batch_weight, micro_batches, optimizer_step
+
+
+def nll(ctx: Context, seqs: Sequences) -> torch.Tensor:
+    """The aggregated negative log-likelihood of the completions of `seqs` (a scalar)."""
+    logp = ctx.policy.logprobs(seqs.input_ids, seqs.attention_mask, seqs.n_completion)
+    return aggregate(-logp, seqs.completion_mask, ctx.cfg.algo.aggregation)
+
+
+@torch.no_grad()
+def evaluate(ctx: Context) -> Dict[str, float]:
+    """Held-out loss on up to algo.eval_rows rows (one batch, exact for either aggregation)."""
+    ctx.policy.model.eval()
+    loss = float(nll(ctx, encode_rows(ctx, ctx.eval_rows[:ctx.cfg.algo.eval_rows], "completion")))
+    return {"eval/sft_loss": loss, "eval/sft_ppl": math.exp(min(loss, 50.0))}
+
+
+def train_step(ctx: Context) -> Dict[str, float]:
+    cfg, algo, policy = ctx.cfg, ctx.cfg.algo, ctx.policy
+    metrics: Dict[str, float] = evaluate(ctx) if eval_due(ctx) else {}
+
+    seqs = encode_rows(ctx, ctx.sampler.next_batch(), "completion")
+    policy.model.train()
+    loss_sum = 0.0
+    with ctx.timed("policy"):
+        for idx in micro_batches(seqs.input_ids.shape[0], cfg.trainer.micro_batch_size):
+            # 1-2. Completion-token NLL, this micro-batch's share of the batch's loss.
+            chunk = seqs.select(idx)
+            loss = nll(ctx, chunk)
+            weight = micro_batch_weight(algo.aggregation, chunk.completion_mask, seqs.completion_mask)
+            (loss * weight).backward()
+            loss_sum += float(loss.detach()) * weight
+    # 3. One optimizer step per batch.
+    metrics.update(optimizer_step(ctx))
+    metrics.update({"loss": loss_sum, "sft/ppl": math.exp(min(loss_sum, 50.0)), "perf/tokens": seqs.tokens()})
+    if ctx.step == cfg.trainer.steps:
+        metrics.update(evaluate(ctx))
+    return metrics
