@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import MISSING, OmegaConf
 
 
 class ConfigError(ValueError):
@@ -174,9 +174,8 @@ class PPOConfig:
     aggregation: str = "token-mean"
 
 
-ALGO_SCHEMAS: Dict[str, type] = {"grpo": GRPOConfig}
-ALGO_SCHEMAS.update({"dpo": DPOConfig, "sft": SFTConfig, "rm": RMConfig})
-ALGO_SCHEMAS.update({"reinforce": ReinforceConfig, "ppo": PPOConfig})
+ALGO_SCHEMAS: Dict[str, type] = {"grpo": GRPOConfig, "reinforce": ReinforceConfig, "ppo": PPOConfig,
+                                  "dpo": DPOConfig, "sft": SFTConfig, "rm": RMConfig}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -365,17 +364,14 @@ def check_choice(key: str, value: Any, choices) -> None:
 
 
 def check_positive(cfg, key: str, minimum: float = 1) -> None:
-    from omegaconf import OmegaConf
-
     value = OmegaConf.select(cfg, key)
     if value is not None and value < minimum:
         raise ConfigError(f"{key}={value} must be at least {minimum}")
 
 
 # The built-in task each algorithm trains on when data=auto (the default).
-DEFAULT_TASKS: Dict[str, str] = {"grpo": "letters"}
-DEFAULT_TASKS.update({"dpo": "arith_pairs", "sft": "arith_sft", "rm": "arith_pairs"})
-DEFAULT_TASKS.update({"reinforce": "letters", "ppo": "letters"})
+DEFAULT_TASKS: Dict[str, str] = {"grpo": "letters", "reinforce": "letters", "ppo": "letters",
+                                  "dpo": "arith_pairs", "sft": "arith_sft", "rm": "arith_pairs"}
 
 
 def resolve_auto(cfg) -> None:
@@ -392,18 +388,16 @@ def _check_grpo(cfg) -> None:
     if cfg.algo.group_size < 2:
         raise ConfigError(f"algo.group_size={cfg.algo.group_size}: GRPO needs at least 2 completions per prompt "
                           "to normalise rewards within a group")
+    if cfg.trainer.steps % cfg.algo.epochs:
+        raise ConfigError(f"trainer.steps={cfg.trainer.steps} counts optimizer steps and must be a multiple of "
+                          f"algo.epochs={cfg.algo.epochs} (one step per pass over a batch)")
 
 
-# Checks of one algorithm's settings beyond their types, by algo.name.
 def _check_dpo(cfg) -> None:
     if cfg.algo.loss_type == "ipo" and cfg.algo.label_smoothing != 0:
         raise ConfigError("algo.label_smoothing applies to algo.loss_type=sigmoid only; set it to 0 for ipo")
     if not 0 <= cfg.algo.label_smoothing < 0.5:
         raise ConfigError(f"algo.label_smoothing={cfg.algo.label_smoothing} must be in [0, 0.5)")
-
-
-ALGO_CHECKS = {"grpo": _check_grpo}
-ALGO_CHECKS.update({"dpo": _check_dpo})
 
 
 def _check_reinforce(cfg) -> None:
@@ -419,13 +413,12 @@ def _check_ppo(cfg) -> None:
                           f"algo.group_size = {n} completions")
 
 
-ALGO_CHECKS.update({"reinforce": _check_reinforce, "ppo": _check_ppo})
+# Checks of one algorithm's settings beyond their types, by algo.name.
+ALGO_CHECKS = {"grpo": _check_grpo, "reinforce": _check_reinforce, "ppo": _check_ppo, "dpo": _check_dpo}
 
 
 def validate(cfg) -> None:
     """Check the values that a schema type cannot: choices, ranges, and batch arithmetic."""
-    from omegaconf import OmegaConf
-
     from rlnotes.data import TASKS
     from rlnotes.notes import AGGREGATIONS, DPO_LOSS_TYPES, KL_ESTIMATORS
     from rlnotes.rewards import check_reward_config
@@ -439,12 +432,9 @@ def validate(cfg) -> None:
         if OmegaConf.select(cfg, key, default=None) is not None:
             check_choice(key, OmegaConf.select(cfg, key), valid)
     for key in ("trainer.steps", "trainer.batch_size", "trainer.micro_batch_size", "trainer.log_every",
-                "algo.group_size", "algo.epochs", "algo.minibatch_size", "algo.eval_every", "algo.eval_rows", "rollout.max_new_tokens", "data.train_size"):
+                "algo.group_size", "algo.epochs", "algo.minibatch_size", "algo.eval_every", "algo.eval_rows",
+                "rollout.max_new_tokens", "data.train_size"):
         check_positive(cfg, key)
-    epochs = OmegaConf.select(cfg, "algo.epochs", default=1)
-    if cfg.trainer.steps % epochs and cfg.algo.name != "ppo":  # PPO takes several steps per pass
-        raise ConfigError(f"trainer.steps={cfg.trainer.steps} counts optimizer steps and must be a multiple of "
-                          f"algo.epochs={epochs} (one step per pass over a batch)")
     if cfg.rollout.temperature <= 0:
         raise ConfigError(f"rollout.temperature={cfg.rollout.temperature} must be > 0 (log-probs divide by it)")
     if not 0 < cfg.rollout.top_p <= 1:

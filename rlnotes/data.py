@@ -81,11 +81,11 @@ def letters_pairs(cfg) -> Split:
                  for rows in letters(cfg))
 
 
-TASKS: Dict[str, Callable] = {"arith": arith, "letters": letters}
-TASKS.update({"arith_pairs": arith_pairs, "arith_sft": arith_sft, "letters_pairs": letters_pairs})
+TASKS: Dict[str, Callable] = {"arith": arith, "letters": letters, "arith_pairs": arith_pairs, "arith_sft": arith_sft,
+                              "letters_pairs": letters_pairs}
 # The reward (a name in rlnotes.rewards.REWARDS) that reward=auto gives each task.
-TASK_REWARDS: Dict[str, str] = {"arith": "number_match", "letters": "letter_share"}
-TASK_REWARDS.update({"arith_pairs": "number_match", "arith_sft": "number_match", "letters_pairs": "letter_share"})
+TASK_REWARDS: Dict[str, str] = {"arith": "number_match", "letters": "letter_share", "arith_pairs": "number_match",
+                                "arith_sft": "number_match", "letters_pairs": "letter_share"}
 
 
 def load_task(cfg) -> Split:

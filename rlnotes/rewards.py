@@ -68,8 +68,8 @@ def reward_model(prompts, completions, path, device="cpu", batch_size=16, **_) -
     return out
 
 
-REWARDS: Dict[str, Callable] = {"number_match": number_match, "letter_share": letter_share}
-REWARDS.update({"reward_model": reward_model})
+REWARDS: Dict[str, Callable] = {"number_match": number_match, "letter_share": letter_share,
+                                "reward_model": reward_model}
 
 
 def resolve(name: str) -> Callable:

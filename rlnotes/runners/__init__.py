@@ -7,9 +7,7 @@ import importlib
 from typing import Callable
 
 # algo.name -> module whose train_step implements it; imported only when chosen.
-RUNNERS = {"grpo": "rlnotes.runners.grpo"}
-RUNNERS.update({"reinforce": "rlnotes.runners.reinforce", "ppo": "rlnotes.runners.ppo"})
-RUNNERS.update({"dpo": "rlnotes.runners.dpo", "sft": "rlnotes.runners.sft", "rm": "rlnotes.runners.rm"})
+RUNNERS = {name: f"rlnotes.runners.{name}" for name in ("grpo", "reinforce", "ppo", "dpo", "sft", "rm")}
 
 
 def get_runner(name: str) -> Callable:
