@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from rlnotes.notes import masked_mean
-from rlnotes.policy import token_logprobs
+from rlnotes.policy import forward, token_logprobs
 
 
 def value_head(hidden_size: int, device: torch.device) -> torch.nn.Linear:
@@ -35,12 +35,6 @@ def token_entropy(logits: torch.Tensor, temperature: float = 1.0, chunk: int = 8
     return torch.cat(out)
 
 
-def _forward(model, input_ids, attention_mask, n_completion: int, logits_to_keep: int):
-    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-    return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
-                 logits_to_keep=logits_to_keep, output_hidden_states=True)
-
-
 def _values(head: torch.nn.Module, out, n_completion: int) -> torch.Tensor:
     # hidden_states[-1] is after the final norm: the LM head's input.
     hidden = out.hidden_states[-1][:, -(n_completion + 1):-1]
@@ -55,7 +49,7 @@ def logprobs_and_values(model, head, input_ids, attention_mask, n_completion: in
     completion positions reach the LM head. The exact entropy needs a full softmax per token,
     so it is computed only when asked for.
     """
-    out = _forward(model, input_ids, attention_mask, n_completion, n_completion + 1)
+    out = forward(model, input_ids, attention_mask, n_completion + 1, hidden_states=True)
     logits = out.logits[:, :-1]
     logp = token_logprobs(logits, input_ids[:, -n_completion:], temperature)
     ent = token_entropy(logits, temperature) if entropy else None
@@ -64,7 +58,7 @@ def logprobs_and_values(model, head, input_ids, attention_mask, n_completion: in
 
 def values(model, head, input_ids, attention_mask, n_completion: int) -> torch.Tensor:
     """V(s_t) [B, n] alone: the LM head sees one position only."""
-    return _values(head, _forward(model, input_ids, attention_mask, n_completion, 1), n_completion)
+    return _values(head, forward(model, input_ids, attention_mask, 1, hidden_states=True), n_completion)
 
 
 def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

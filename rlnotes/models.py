@@ -26,6 +26,15 @@ TINY_SPECIALS = ("<pad>", "<bos>", "<eos>")
 TINY_CHARS = string.printable[:95] + "\n"
 
 
+def resolve_device(name: str) -> torch.device:
+    """cpu, cuda, or auto (cuda when torch sees a GPU)."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("hardware.device=cuda but torch sees no GPU; use hardware=cpu or install a CUDA torch")
+    return torch.device(name)
+
+
 def tiny_tokenizer() -> PreTrainedTokenizerFast:
     """A character-level tokenizer built in code: the same ids on every machine, no files."""
     from tokenizers import Tokenizer, decoders, models

@@ -32,6 +32,19 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
     return torch.cat(out)
 
 
+def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions that skip left padding: 0 at each row's first real token."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
+            hidden_states: bool = False):
+    """One forward pass over [left-padded prompt | completion] rows, with position ids that follow
+    the attention mask and logits for the last `logits_to_keep` positions only."""
+    return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask),
+                 use_cache=False, logits_to_keep=logits_to_keep, output_hidden_states=hidden_states)
+
+
 def sequence_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, n_completion: int,
                       temperature: float = 1.0) -> torch.Tensor:
     """Log-probs [B, n_completion] of the last `n_completion` tokens of each row.
@@ -39,9 +52,7 @@ def sequence_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tens
     Rows are [left-padded prompt | completion]; position ids follow the attention mask so
     padding never shifts positions, and only the completion positions reach the LM head.
     """
-    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                   use_cache=False, logits_to_keep=n_completion + 1).logits[:, :-1]
+    logits = forward(model, input_ids, attention_mask, n_completion + 1).logits[:, :-1]
     return token_logprobs(logits, input_ids[:, -n_completion:], temperature)
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from rlnotes.offline import Sequences
+from rlnotes.policy import forward
 
 HEAD = "reward_head"   # its name in Context.heads and its file name in final/
 
@@ -31,9 +32,7 @@ def make_head(model: torch.nn.Module) -> torch.nn.Linear:
 
 def sequence_rewards(model: torch.nn.Module, head: torch.nn.Module, seqs: Sequences) -> torch.Tensor:
     """r(x, y) = w . h_last + b for each row of `seqs`: [N] float32."""
-    position_ids = (seqs.attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-    out = model(input_ids=seqs.input_ids, attention_mask=seqs.attention_mask, position_ids=position_ids,
-                use_cache=False, output_hidden_states=True, logits_to_keep=1)
+    out = forward(model, seqs.input_ids, seqs.attention_mask, 1, hidden_states=True)
     last = out.hidden_states[-1][torch.arange(seqs.input_ids.shape[0], device=seqs.input_ids.device),
                                  seqs.last_index]
     return head(last.float()).squeeze(-1)

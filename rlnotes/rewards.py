@@ -51,11 +51,11 @@ _REWARD_MODELS: Dict[tuple, tuple] = {}   # (path, device) -> loaded reward mode
 def reward_model(prompts, completions, path, device="cpu", batch_size=16, **_) -> List[float]:
     """r(x, y) of a reward model trained with algo=rm (rlnotes.reward_model), read from `path`
     (its run's final/ dir) on first use; scored without gradients, `batch_size` sequences a pass."""
+    from rlnotes.models import resolve_device
     from rlnotes.offline import encode
     from rlnotes.reward_model import load, sequence_rewards
 
-    dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
-                       "cpu" if device == "auto" else device)
+    dev = resolve_device(device)
     if (str(path), str(dev)) not in _REWARD_MODELS:
         _REWARD_MODELS[(str(path), str(dev))] = load(path, dev)
     model, head, tokenizer, model_cfg = _REWARD_MODELS[(str(path), str(dev))]

@@ -14,6 +14,8 @@ from typing import List, Optional, Sequence
 import torch
 from transformers import DynamicCache
 
+from rlnotes.policy import position_ids
+
 
 def encode_prompts(tokenizer, prompts: Sequence[str], chat_template: bool = True,
                    system_prompt: Optional[str] = None) -> List[List[int]]:
@@ -96,7 +98,7 @@ def generate(model, tokenizer, prompts: Sequence[Sequence[int]], group_size: int
 
     # Prefill each prompt once, then copy its cache and last logits for the G samples.
     cache = DynamicCache(config=model.config)
-    positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
+    positions = position_ids(prompt_mask)
     logits = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions,
                    cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
     if group_size > 1:

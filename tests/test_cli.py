@@ -17,8 +17,8 @@ REQUIRED = ("step", "reward/mean", "reward/std", "loss", "kl/ref", "policy/clip_
 
 def test_console_script_trains_and_saves_a_loadable_adapter(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    out = subprocess.run(["rlnotes", "train", "algo=grpo", "model=tiny", "trainer.steps=3", f"hydra.run.dir={tmp_path}"],
-                         capture_output=True, text=True, env=env, timeout=240)
+    command = ["rlnotes", "train", "algo=grpo", "model=tiny", "trainer.steps=3", f"hydra.run.dir={tmp_path}"]
+    out = subprocess.run(command, capture_output=True, text=True, env=env, timeout=240)
     assert out.returncode == 0, out.stderr
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]

@@ -166,3 +166,12 @@ def test_load_base_smollm2(tmp_path, monkeypatch):
     assert tok.padding_side == "left" and tok.pad_token is not None
     assert 100e6 < sum(p.numel() for p in model.parameters()) < 200e6
     assert (tmp_path / "smollm2-135m-instruct" / "model.safetensors").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
+def test_device_names_without_a_gpu():
+    from rlnotes.models import resolve_device
+
+    assert resolve_device("auto") == torch.device("cpu") == resolve_device("cpu")
+    with pytest.raises(ConfigError, match="torch sees no GPU; use hardware=cpu"):
+        resolve_device("cuda")

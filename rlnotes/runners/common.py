@@ -19,6 +19,9 @@ from rich.console import Console
 
 from rlnotes.data import PromptSampler, Row, load_task
 from rlnotes.logger import MetricsLogger
+from rlnotes.notes import kl_penalty, masked_mean
+from rlnotes.notes.reinforce import terminal_rewards
+from rlnotes.models import resolve_device
 from rlnotes.policy import Policy
 from rlnotes.rewards import Rewards
 from rlnotes.rollout import Rollout, encode_prompts, generate
@@ -57,14 +60,6 @@ class Context:
         start = time.perf_counter()
         yield
         self.timers[f"time/{name}_s"] = self.timers.get(f"time/{name}_s", 0.0) + time.perf_counter() - start
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda" and not torch.cuda.is_available():
-        raise TrainingError("hardware.device=cuda but torch sees no GPU; use hardware=cpu or install a CUDA torch")
-    return torch.device(name)
 
 
 def lr_lambda(schedule: str, warmup: int, total: int):
@@ -182,9 +177,6 @@ def penalized_token_rewards(ctx: Context, rollout: Rollout, rewards: torch.Tenso
                             estimator: str) -> tuple[torch.Tensor, float]:
     """Per-token rewards r_t: the outcome R on the last real token, minus beta * KL(pi || pi_ref)
     on every token (InstructGPT), with the mean KL; the reference pass runs only when beta > 0."""
-    from rlnotes.notes import kl_penalty, masked_mean
-    from rlnotes.notes.reinforce import terminal_rewards
-
     mask = rollout.completion_mask
     token_rewards = terminal_rewards(rewards, mask)
     if beta <= 0:
@@ -198,14 +190,19 @@ def penalized_token_rewards(ctx: Context, rollout: Rollout, rewards: torch.Tenso
     return token_rewards - beta * kl, float(masked_mean(kl, mask))
 
 
+def informative_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """[N / G] bool: True for the groups whose rewards are not all equal (they carry a GRPO signal)."""
+    groups = rewards.view(-1, group_size)
+    return groups.max(-1).values != groups.min(-1).values
+
+
 def rollout_metrics(rollout: Rollout, rewards: torch.Tensor, group_size: int) -> Dict[str, float]:
     mask = rollout.completion_mask
     lengths = mask.sum(-1)
-    groups = rewards.view(-1, group_size)
     return {
         "reward/mean": float(rewards.mean()),
         "reward/std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
-        "reward/zero_std_frac": float((groups.max(-1).values == groups.min(-1).values).float().mean()),
+        "reward/zero_std_frac": float((~informative_groups(rewards, group_size)).float().mean()),
         "completion/len_mean": float(lengths.mean()),
         "completion/truncated_frac": float(rollout.truncated.float().mean()),
         # Mean -log pi of the sampled tokens: a Monte-Carlo estimate of the policy's entropy.

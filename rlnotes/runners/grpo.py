@@ -23,14 +23,8 @@ import torch
 
 from rlnotes.notes import group_advantages, grpo_loss, kl_penalty, masked_mean, ppo_clip_fraction
 from rlnotes.rollout import Rollout, concat_rollouts
-from rlnotes.runners.common import (Context, micro_batch_weight, micro_batches, optimizer_step, rollout_metrics,
-                                    sample_and_score)
-
-
-def informative_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-    """[N / G] bool: True for the groups whose rewards are not all equal (they carry a GRPO signal)."""
-    groups = rewards.view(-1, group_size)
-    return groups.max(-1).values != groups.min(-1).values
+from rlnotes.runners.common import (Context, informative_groups, micro_batch_weight, micro_batches, optimizer_step,
+                                    rollout_metrics, sample_and_score)
 
 
 def sample_informative(ctx: Context, group_size: int,

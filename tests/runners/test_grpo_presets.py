@@ -7,7 +7,7 @@ import pytest
 import torch
 from rich.console import Console
 
-from rlnotes.runners import grpo
+from rlnotes.runners import common, grpo
 from rlnotes.runners.common import train
 from tests.conftest import compose
 
@@ -30,7 +30,7 @@ def test_presets_compose_to_their_papers_settings():
 
 def test_informative_groups():
     rewards = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.5, 0.5])
-    assert grpo.informative_groups(rewards, 2).tolist() == [False, True, False]
+    assert common.informative_groups(rewards, 2).tolist() == [False, True, False]
 
 
 def test_dynamic_sampling_drops_groups_without_signal(tmp_path, monkeypatch):
