@@ -16,12 +16,13 @@ from typing import Dict, Iterator, List, Optional
 import torch
 from omegaconf import OmegaConf
 from rich.console import Console
+from safetensors.torch import save_file
 
 from rlnotes.data import PromptSampler, Row, load_task
 from rlnotes.logger import MetricsLogger
+from rlnotes.models import resolve_device
 from rlnotes.notes import kl_penalty, masked_mean
 from rlnotes.notes.reinforce import terminal_rewards
-from rlnotes.models import resolve_device
 from rlnotes.policy import Policy
 from rlnotes.rewards import Rewards
 from rlnotes.rollout import Rollout, encode_prompts, generate
@@ -216,8 +217,6 @@ def finish(ctx: Context, interrupted: bool = False) -> Path:
     out = ctx.run_dir / ("interrupted" if interrupted else "final")
     ctx.policy.save(out)
     for name, head in ctx.heads.items():
-        from safetensors.torch import save_file
-
         save_file({k: v.contiguous() for k, v in head.state_dict().items()}, str(out / f"{name}.safetensors"))
     return out
 
