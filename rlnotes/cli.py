@@ -7,6 +7,7 @@ as one line naming the key and what it accepts.
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from pathlib import Path
@@ -17,6 +18,12 @@ USAGE = """usage: rlnotes COMMAND [OVERRIDES...]
 commands:
   train    fine-tune a model: rlnotes train algo=grpo model=tiny trainer.steps=40
            (Hydra flags work: -m for sweeps, --cfg job, --help for the config groups)
+  eval     evaluate the base model or a trained policy on the task's eval split:
+           rlnotes eval model=smollm2-135m data=arith   |   rlnotes eval eval.policy=RUN_DIR/final
+  plot     figures of runs overlaid, and a table of their final metrics (pip extra: plot):
+           rlnotes plot RUN_DIR [RUN_DIR...] | SWEEP_DIR [--out DIR] [--sort METRIC] [--smooth 0.9]
+  export   merge a LoRA adapter into its base and save a Hugging Face model dir:
+           rlnotes export RUN_DIR/final OUT_DIR [--dtype bfloat16]
 """
 
 CONFIG_MODULE = "rlnotes.conf"
@@ -75,7 +82,7 @@ def _explain(exc: BaseException, loader, overrides: List[str]) -> str:
     text = str(exc)
     cause = exc.__cause__ or exc.__context__
     full = f"{text}\n{cause}" if cause else text
-    missing = re.search(r"Could not find '([^']+)/([^']+)'", full)
+    missing = re.search(r"Could not (?:find|load) '([^']+)/([^']+)'", full)  # load: an option in a list
     if missing:
         group, option = missing.groups()
         options = loader.get_group_options(group)
@@ -121,7 +128,7 @@ def check(overrides: List[str], multirun: bool, config_dir: Optional[str]) -> No
             cfg = loader.load_configuration("config", job, _run_mode())
             resolve_auto(cfg)
             validate(cfg)
-        except (HydraException, OmegaConfBaseException, ConfigError) as e:
+        except (HydraException, OmegaConfBaseException, ConfigError, ValueError) as e:  # ValueError: logging=null
             raise UsageError(_explain(e, loader, job)) from None
 
 
@@ -133,15 +140,9 @@ def _train(argv: List[str]) -> int:
     if not informational:
         check(args.overrides, args.multirun, args.config_dir)
 
-    import warnings
-
     import hydra
 
     from rlnotes.config import register
-
-    # Deprecation notices from the libraries below us mean nothing to a user of rlnotes.
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    warnings.filterwarnings("ignore", category=DeprecationWarning)
 
     register()
 
@@ -154,7 +155,7 @@ def _train(argv: List[str]) -> int:
         from rlnotes.rewards import RewardFailure
         from rlnotes.runners.common import TrainingError, train
 
-        console = Console(stderr=True)
+        console = Console(stderr=True, soft_wrap=True)  # a message is one line, however narrow the screen
         resolve_auto(cfg)
         try:
             metrics = train(cfg, Path(HydraConfig.get().runtime.output_dir), console)
@@ -168,11 +169,103 @@ def _train(argv: List[str]) -> int:
     return 0
 
 
-COMMANDS = {"train": _train}
+def _eval(argv: List[str]) -> int:
+    """`rlnotes eval [overrides]`: evaluate the base model or eval.policy on the task's eval split."""
+    from hydra._internal.utils import get_args_parser
+
+    args = get_args_parser().parse_args(argv)
+    check(args.overrides, False, args.config_dir)
+
+    from omegaconf import open_dict
+    from rich.console import Console
+    from rich.table import Table
+
+    from rlnotes.config import ConfigError, resolve_auto, validate
+    from rlnotes.evaluate import run, with_run_settings
+    from rlnotes.rewards import RewardFailure
+
+    console = Console(stderr=True)
+    cfg = _loader(args.config_dir).load_configuration("config", args.overrides, _run_mode())
+    with open_dict(cfg):
+        del cfg["hydra"]
+    try:
+        cfg = with_run_settings(cfg, args.overrides)
+        resolve_auto(cfg)
+        validate(cfg)
+        evaluation, out = run(cfg, console)
+    except (ConfigError, RewardFailure) as e:
+        console.print(f"[red]rlnotes: error:[/] {e}")
+        return 1
+    table = Table(title=f"{cfg.eval.policy or cfg.model.name_or_path} on {cfg.data.name} "
+                        f"({len(evaluation.samples)} completions)")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for key, value in evaluation.metrics.items():
+        table.add_row(key, f"{value:.4g}")
+    Console().print(table)
+    console.print(f"eval.jsonl and samples.jsonl written to {out}")
+    return 0
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose mistakes are one UsageError line, like every other rlnotes error."""
+
+    def error(self, message: str):
+        raise UsageError(f"{message}; usage: {' '.join(self.format_usage().split()[1:])}")
+
+
+def _plot(argv: List[str]) -> int:
+    parser = _Parser(prog="rlnotes plot", description="PNG figures of runs overlaid (reward, eval accuracy, KL, "
+                     "loss, length; DPO margin and accuracy) and a table of their final metrics.")
+    parser.add_argument("paths", nargs="+", metavar="DIR", help="run dirs (with metrics.jsonl) or multirun sweep dirs")
+    parser.add_argument("--out", help="where the PNGs go (default: the one run or sweep dir given)")
+    parser.add_argument("--sort", metavar="METRIC", help="sort the table by this metric's final value, best first "
+                        "(default: reward/mean or the first key metric logged)")
+    parser.add_argument("--smooth", type=float, default=0.0, metavar="W",
+                        help="exponential smoothing weight in [0, 1) for dense curves (default 0: none)")
+    args = parser.parse_args(argv)
+    if not 0 <= args.smooth < 1:
+        raise UsageError(f"--smooth {args.smooth} must be in [0, 1)")
+    from rlnotes.plot import plot
+    from rlnotes.sweep import RunError, stdout_console
+
+    console = stdout_console()
+    try:
+        result = plot(args.paths, args.out, args.sort, args.smooth, console)
+    except RunError as e:
+        raise UsageError(str(e)) from None
+    console.print(f"figures: {', '.join(str(f) for f in result.figures + result.written)}")
+    return 0
+
+
+def _export(argv: List[str]) -> int:
+    parser = _Parser(prog="rlnotes export", description="Merge a trained LoRA adapter into its base model (or "
+                     "copy a fully fine-tuned one) and save a standard Hugging Face model dir.")
+    parser.add_argument("policy", metavar="POLICY_DIR", help="RUN_DIR/final, RUN_DIR/interrupted or a checkpoint dir")
+    parser.add_argument("out", metavar="OUT_DIR", help="new (or empty) dir for the model, tokenizer and config")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                        help="dtype of the saved weights (default float32)")
+    args = parser.parse_args(argv)
+    from rich.console import Console
+
+    from rlnotes.config import ConfigError
+    from rlnotes.export import export
+
+    try:
+        export(args.policy, args.out, args.dtype, Console(stderr=True))
+    except ConfigError as e:
+        raise UsageError(str(e)) from None
+    return 0
+
+
+COMMANDS = {"train": _train, "eval": _eval, "plot": _plot, "export": _export}
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     _environment()
+    from rlnotes.logger import quiet_libraries
+
+    quiet_libraries()  # deprecation notices and advice from the libraries below us mean nothing to a user
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(USAGE)

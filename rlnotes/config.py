@@ -233,8 +233,11 @@ class RewardFnConfig:
     fn: str = MISSING
     # Weight in the sum over functions.
     weight: float = 1.0
-    # Keyword arguments bound to the function.
+    # Keyword arguments bound to the function (an arg named like a data column replaces it).
     args: Dict[str, Any] = field(default_factory=dict)
+    # Its metric is reward/<name>; null = the function's name (the last part of its import path,
+    # lengthened when two functions would share it, e.g. a.score and b.score).
+    name: Optional[str] = None
 
 
 @dataclass
@@ -246,28 +249,60 @@ class RewardConfig:
     functions: List[RewardFnConfig] = field(default_factory=list)
     # Import path of one more reward function, weight 1 (what reward=custom asks for).
     target: Optional[str] = None
-    # Reward given to a sample whose function raised or returned NaN.
+    # Reward given to a sample whose function raised or returned NaN, inf or a non-number.
     fallback: float = 0.0
-    # reward=model: the final/ dir of an algo=rm run (adapter, tokenizer, reward_head.safetensors).
+    # reward=model: the final/ dir of an algo=rm run (adapter, tokenizer, reward_head.safetensors)
+    # or a local Hugging Face model dir that AutoModelForSequenceClassification loads (one label).
     path: Optional[str] = None
 
 
 @dataclass
 class DataConfig:
-    # Built-in task (see rlnotes.data.TASKS); "auto" picks the algorithm's default task
-    # (DEFAULT_TASKS below), recorded in the run's config.yaml.
+    # Where rows come from (rlnotes.data.SOURCES): task (a built-in task named by `name`), file
+    # (`path`) or hub (the dataset `name`); data=file and data=hub set it.
+    source: str = "task"
+    # task: the built-in task (see rlnotes.data.TASKS); "auto" picks the algorithm's default task
+    # (DEFAULT_TASKS below), recorded in the run's config.yaml. hub: the dataset id (org/set) or a
+    # local dataset folder.
     name: str = "auto"
-    # Number of training prompts generated from the seed.
+    # file: the training file; the format comes from the extension (.jsonl, .json, .parquet, .csv).
+    path: Optional[str] = None
+    # hub: the dataset's subset (configuration) name, e.g. "main"; null = its default.
+    subset: Optional[str] = None
+    # hub: the split to train on.
+    split: str = "train"
+    # file and hub: eval rows from their own file, or (hub) split; null = hold out eval_size rows.
+    eval_path: Optional[str] = None
+    eval_split: Optional[str] = None
+    # Rename the source's columns to the ones rlnotes reads: ours -> theirs, e.g.
+    # data.columns.prompt=question (also chosen, rejected, completion, messages, reward columns).
+    columns: Dict[str, str] = field(default_factory=lambda: OmegaConf.create({}, flags={"struct": False}))
+    # System message of prompts without a system turn; null = model.system_prompt.
+    system_prompt: Optional[str] = None
+    # Plain-text prompts become template.format(**row), e.g. "Question: {prompt}\nAnswer:";
+    # null = the prompt as it is.
+    prompt_template: Optional[str] = None
+    # Longest prompt in tokens (chat template included); null = what the model's context holds
+    # beside the completion (a longer prompt is then an error).
+    max_prompt_len: Optional[int] = None
+    # What happens to a prompt over max_prompt_len: drop the row, truncate (keep its last tokens,
+    # as the question usually ends it) or error. The count is shown at the start of the run.
+    overlong: str = "drop"
+    # Number of training prompts generated from the seed (built-in tasks; a file or hub dataset
+    # trains on all of its rows that are not held out).
     train_size: int = 1000
     # Number of eval prompts. arith holds them out of training when the problem space is at
     # least 4x larger (two or more digits); small spaces (one digit, letters) are in-distribution.
+    # file and hub without eval_path/eval_split: rows held out at random (with `seed`).
     eval_size: int = 200
-    # Seed of the task generator (held fixed across run seeds so runs see the same data).
+    # Seed of the task generator and of the held-out rows (held fixed across run seeds so runs
+    # see the same data).
     seed: int = 1234
-    # arith: digits per operand, and operators to draw from.
+    # arith: digits per operand, and operators to draw from; countdown: digits of each number
+    # (at most) and the operators of the hidden expression that makes the target.
     digits: int = 1
     ops: str = "+"
-    # arith: text appended to each question.
+    # arith and countdown: text appended to each question.
     instruction: str = "Answer with just the number."
     # letters: letters the prompts ask for.
     letters: str = "a"
@@ -287,6 +322,19 @@ class TrainerConfig:
     micro_batch_size: Optional[int] = None
     # Log a metrics row every N steps (each row averages nothing: it is that step).
     log_every: int = 1
+    # Evaluate the policy on the task's eval split (see `eval`) every N optimizer steps, before the
+    # first step and after the last; null = never. Logged as eval/* in metrics.jsonl.
+    eval_every: Optional[int] = None
+    # Write a checkpoint (RUN_DIR/checkpoints/step_NNNNNN: weights, optimizer, RNG, data position)
+    # every N optimizer steps; null or 0 = only at the end of the run and when it is stopped
+    # (Ctrl-C, SIGTERM). A LoRA checkpoint of the 135M model is a few MB and takes well under a second.
+    save_every: Optional[int] = 100
+    # Checkpoints kept: after each save all but the N newest are deleted; null keeps every one.
+    keep_last: Optional[int] = 2
+    # Start from a checkpoint: null = a fresh run; auto = the latest checkpoint in this run's dir
+    # (pass the old run's dir: hydra.run.dir=RUN_DIR), or a fresh start when it has none; or a
+    # path: a checkpoint dir (RUN_DIR/checkpoints/step_NNNNNN) or a run dir (its latest checkpoint).
+    resume: Optional[str] = None
 
 
 @dataclass
@@ -325,8 +373,61 @@ class HardwareConfig:
 
 @dataclass
 class LoggingConfig:
-    # Show the live progress bar.
+    # Show the live progress bar with the key metrics under it; false (or output that is not a
+    # terminal: CI, a log file) prints a plain line every print_every steps instead.
     progress: bool = True
+    # Plain mode: a progress line every N steps; null = about 20 lines a run.
+    print_every: Optional[int] = None
+    # A table of a few sampled prompts, completions and rewards every N steps (also appended to
+    # RUN_DIR/samples.jsonl); 0 = never. Algorithms that sample only.
+    samples_every: int = 20
+    # Completions the samples table shows (spread over the batch, so from different prompts).
+    samples_shown: int = 4
+    # Trackers that get every metrics row besides metrics.jsonl (always written). Pick them with
+    # the logging group, several at once: `logging=tensorboard`, `logging=[tensorboard,mlflow]`;
+    # each option only sets its flag here. A tracker's package comes with the pip extra of its name.
+    # TensorBoard event files in RUN_DIR/tensorboard (`tensorboard --logdir RUN_DIR`).
+    tensorboard: bool = False
+    # Weights & Biases; WANDB_MODE=offline logs to RUN_DIR/wandb without an account.
+    wandb: bool = False
+    # MLflow: $MLFLOW_TRACKING_URI, else a file store RUN_DIR/mlruns (SWEEP_DIR/mlruns in a multirun).
+    mlflow: bool = False
+    # trackio: a local dashboard (`trackio show --project PROJECT`).
+    trackio: bool = False
+    # Project (wandb, trackio) or experiment (MLflow) the runs are filed under.
+    project: str = "rlnotes"
+    # Run name in the trackers; null: the run dir's name, and in a multirun the sweep's name, the
+    # member's number and the swept overrides that set it apart (e.g. "12-00-00-grpo/1 seed=1").
+    name: Optional[str] = None
+    # Metric the sweep summary (after `-m`, and `rlnotes plot`) is sorted by, best first; null: the
+    # first of reward/mean, eval/accuracy, dpo/accuracy, ... that the runs logged.
+    sort_by: Optional[str] = None
+
+
+@dataclass
+class EvalConfig:
+    # The policy to evaluate with `rlnotes eval`: a run's final/ dir or a checkpoint dir (its
+    # run's model and data are used unless model=/data= are given); null = the base model.
+    policy: Optional[str] = None
+    # Eval prompts used, the first N of the task's eval split; null = all of it (data.eval_size).
+    size: Optional[int] = None
+    # Greedy decoding (one completion per prompt); false samples `samples_per_prompt` completions
+    # at rollout.temperature and reports pass@k.
+    greedy: bool = True
+    samples_per_prompt: int = 1
+    # Completion tokens at most; null = rollout.max_new_tokens.
+    max_new_tokens: Optional[int] = None
+    # Prompts per generation batch.
+    batch_size: int = 100
+    # Data settings that differ for evaluation, merged over `data` (e.g. {digits: 2}: train on
+    # one-digit sums, evaluate on held-out two-digit ones); empty = the training data's eval split.
+    data: Dict[str, Any] = field(default_factory=dict)
+    # Scoring function (a built-in reward or an import path); null = the task's own checker
+    # (e.g. number_match for arith), so shaping terms of the training reward do not count.
+    reward: Optional[str] = None
+    # Where `rlnotes eval` writes eval.jsonl and samples.jsonl; null = <policy>/../eval/<policy name>,
+    # or outputs/eval/<time> for the base model.
+    out: Optional[str] = None
 
 
 @dataclass
@@ -340,6 +441,7 @@ class TrainConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     # Seed of sampling, dropout and data order.
     seed: int = 0
 
@@ -378,9 +480,10 @@ def resolve_auto(cfg) -> None:
     """Fill in data=auto and reward=auto with the algorithm's task and that task's reward."""
     from rlnotes.data import TASK_REWARDS
 
-    if cfg.data.name == "auto":
+    task = cfg.data.source == "task"   # a file or hub dataset has no reward of its own
+    if task and cfg.data.name == "auto":
         cfg.data.name = DEFAULT_TASKS[cfg.algo.name]
-    if cfg.reward.name == "auto" and not cfg.reward.functions and cfg.data.name in TASK_REWARDS:
+    if task and cfg.reward.name == "auto" and not cfg.reward.functions and cfg.data.name in TASK_REWARDS:
         cfg.reward.functions = [RewardFnConfig(fn=TASK_REWARDS[cfg.data.name])]
 
 
@@ -391,6 +494,9 @@ def _check_grpo(cfg) -> None:
     if cfg.trainer.steps % cfg.algo.epochs:
         raise ConfigError(f"trainer.steps={cfg.trainer.steps} counts optimizer steps and must be a multiple of "
                           f"algo.epochs={cfg.algo.epochs} (one step per pass over a batch)")
+    if cfg.algo.dynamic_sampling and cfg.algo.max_resample_rounds < 0:
+        raise ConfigError(f"algo.max_resample_rounds={cfg.algo.max_resample_rounds} counts extra sampling rounds "
+                          "per step with algo.dynamic_sampling and must be at least 0")
 
 
 def _check_dpo(cfg) -> None:
@@ -411,6 +517,38 @@ def _check_ppo(cfg) -> None:
     if n % cfg.algo.minibatch_size:
         raise ConfigError(f"algo.minibatch_size={cfg.algo.minibatch_size} must divide trainer.batch_size * "
                           f"algo.group_size = {n} completions")
+    m = cfg.trainer.micro_batch_size
+    if m is not None and m > cfg.algo.minibatch_size:
+        raise ConfigError(f"trainer.micro_batch_size={m} is larger than algo.minibatch_size="
+                          f"{cfg.algo.minibatch_size}, the completions of one PPO update; lower it or set it to null")
+
+
+def _check_micro_batch(cfg) -> None:
+    """trainer.micro_batch_size splits one update's completions (or pairs, rows): more than there are is a mistake."""
+    m, b = cfg.trainer.micro_batch_size, cfg.trainer.batch_size
+    if m is None or cfg.algo.name == "ppo":
+        return
+    if ALGO_SCHEMAS[cfg.algo.name].samples:
+        n, what = b * cfg.algo.group_size, (f"completions of a step (trainer.batch_size={b} x algo.group_size="
+                                             f"{cfg.algo.group_size})")
+    else:
+        n, what = b, f"{'pairs' if cfg.algo.name in ('dpo', 'rm') else 'rows'} of a step (trainer.batch_size)"
+    if m > n:
+        raise ConfigError(f"trainer.micro_batch_size={m} is larger than the {n} {what}; lower it to at most {n} "
+                          "or set it to null")
+
+
+def _check_checkpointing(trainer) -> None:
+    """trainer.save_every, keep_last and resume; a resume path must hold a checkpoint now, before
+    any model loads (auto is looked up in the run dir when the run starts)."""
+    if trainer.save_every is not None and trainer.save_every < 0:
+        raise ConfigError(f"trainer.save_every={trainer.save_every} must be >= 0 (0 or null: save only at the end)")
+    if trainer.keep_last is not None and trainer.keep_last < 1:
+        raise ConfigError(f"trainer.keep_last={trainer.keep_last} must be at least 1 (null keeps every checkpoint)")
+    if trainer.resume not in (None, "auto"):
+        from rlnotes.checkpoint import resolve
+
+        resolve(trainer.resume)
 
 
 # Checks of one algorithm's settings beyond their types, by algo.name.
@@ -419,34 +557,40 @@ ALGO_CHECKS = {"grpo": _check_grpo, "reinforce": _check_reinforce, "ppo": _check
 
 def validate(cfg) -> None:
     """Check the values that a schema type cannot: choices, ranges, and batch arithmetic."""
-    from rlnotes.data import TASKS
+    from rlnotes.data import check_data_config
     from rlnotes.notes import AGGREGATIONS, DPO_LOSS_TYPES, KL_ESTIMATORS
     from rlnotes.rewards import check_reward_config
     from rlnotes.runners import RUNNERS
 
     check_choice("algo.name", cfg.algo.name, RUNNERS)
     choices = {"algo.aggregation": AGGREGATIONS, "algo.kl_estimator": KL_ESTIMATORS, "algo.loss_type": DPO_LOSS_TYPES,
-               "data.name": TASKS, "optim.schedule": SCHEDULES, "hardware.device": DEVICES,
+               "optim.schedule": SCHEDULES, "hardware.device": DEVICES,
                "algo.baseline": REINFORCE_BASELINES}
     for key, valid in choices.items():
         if OmegaConf.select(cfg, key, default=None) is not None:
             check_choice(key, OmegaConf.select(cfg, key), valid)
     for key in ("trainer.steps", "trainer.batch_size", "trainer.micro_batch_size", "trainer.log_every",
                 "algo.group_size", "algo.epochs", "algo.minibatch_size", "algo.eval_every", "algo.eval_rows",
-                "rollout.max_new_tokens", "data.train_size"):
+                "rollout.max_new_tokens", "data.train_size", "trainer.eval_every", "eval.size",
+                "eval.samples_per_prompt", "eval.max_new_tokens", "eval.batch_size", "logging.print_every",
+                "logging.samples_shown"):
         check_positive(cfg, key)
+    check_positive(cfg, "logging.samples_every", 0)
     if cfg.rollout.temperature <= 0:
         raise ConfigError(f"rollout.temperature={cfg.rollout.temperature} must be > 0 (log-probs divide by it)")
     if not 0 < cfg.rollout.top_p <= 1:
         raise ConfigError(f"rollout.top_p={cfg.rollout.top_p} must be in (0, 1]")
     if cfg.optim.lr <= 0:
         raise ConfigError(f"optim.lr={cfg.optim.lr} must be > 0")
-    if cfg.data.train_size < cfg.trainer.batch_size:
-        raise ConfigError(f"data.train_size={cfg.data.train_size} is smaller than trainer.batch_size="
-                          f"{cfg.trainer.batch_size}; raise data.train_size or lower trainer.batch_size")
+    check_data_config(cfg)
     if ALGO_SCHEMAS[cfg.algo.name].samples:
-        check_reward_config(cfg.reward)
         if cfg.reward.name == "model" and not cfg.reward.path:
             raise ConfigError("reward=model needs the reward model's directory: reward.path=RUN_DIR/final "
-                              "(the final/ dir of an algo=rm run)")
+                              "(the final/ dir of an algo=rm run) or a Hugging Face reward model dir")
+        check_reward_config(cfg.reward)
+    _check_checkpointing(cfg.trainer)
+    _check_micro_batch(cfg)
     ALGO_CHECKS.get(cfg.algo.name, lambda _: None)(cfg)
+    from rlnotes.tracking import check_backends
+
+    check_backends(cfg.logging)  # a chosen tracker's package is installed

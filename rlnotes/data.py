@@ -1,16 +1,32 @@
 """Built-in tasks: prompts generated from a seed, with train and held-out eval splits.
 
-A row is a dict with a `prompt` (plain text) and the columns its reward needs (`answer`,
-`letter`); reward functions receive those columns as keyword arguments.
+A row is a dict with a `prompt` (plain text, or a list of {role, content} messages) and the
+columns its reward needs (`answer`, `letter`, `numbers` and `target`); reward functions receive
+those columns as keyword arguments. Preference rows add `chosen` and `rejected`, demonstrations
+`completion`. Rows from files and the hub (rlnotes.datasets) take the same shape.
 """
 
 from __future__ import annotations
 
 import random
-from typing import Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
-Row = Dict[str, str]
+Row = Dict[str, Any]
 Split = Tuple[List[Row], List[Row]]
+
+
+# The operators of arith and countdown.
+_OPS: Dict[str, Callable[[int, int], int]] = {"+": lambda a, b: a + b, "-": lambda a, b: a - b,
+                                              "*": lambda a, b: a * b}
+
+
+def _check_ops(ops: str) -> Dict[str, Callable[[int, int], int]]:
+    """The operators named by data.ops."""
+    if not ops or set(ops) - set(_OPS):
+        from rlnotes.config import ConfigError
+
+        raise ConfigError(f"data.ops={ops!r}: use a string of the operators {', '.join(_OPS)}")
+    return {op: _OPS[op] for op in ops}
 
 
 def _split(space: List[Row], train_size: int, eval_size: int, seed: int) -> Split:
@@ -27,12 +43,7 @@ def _split(space: List[Row], train_size: int, eval_size: int, seed: int) -> Spli
 def arith(cfg) -> Split:
     """'What is 23+58? Answer with just the number.' with operands of `cfg.digits` digits."""
     lo, hi = (0, 9) if cfg.digits == 1 else (10 ** (cfg.digits - 1), 10**cfg.digits - 1)
-    ops = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
-    bad = set(cfg.ops) - set(ops)
-    if bad or not cfg.ops:
-        from rlnotes.config import ConfigError
-
-        raise ConfigError(f"data.ops={cfg.ops!r}: use a string of the operators {', '.join(ops)}")
+    ops = _check_ops(cfg.ops)
     rng = random.Random(cfg.seed)
     size = (hi - lo + 1) ** 2 * len(set(cfg.ops))
     if size <= 50_000:
@@ -81,15 +92,104 @@ def letters_pairs(cfg) -> Split:
                  for rows in letters(cfg))
 
 
-TASKS: Dict[str, Callable] = {"arith": arith, "letters": letters, "arith_pairs": arith_pairs, "arith_sft": arith_sft,
-                              "letters_pairs": letters_pairs}
+def hidden_expression(numbers: List[int], ops: str, rng: random.Random) -> Tuple[str, int]:
+    """(text, value) of a random expression that uses each of `numbers` exactly once: neighbours in
+    a shuffled order are joined by a random operator until one term is left (any tree shape)."""
+    terms = [(str(n), n) for n in rng.sample(numbers, len(numbers))]
+    while len(terms) > 1:
+        i = rng.randrange(len(terms) - 1)
+        op = rng.choice(ops)
+        (a, x), (b, y) = terms[i], terms[i + 1]
+        terms[i:i + 2] = [(f"({a} {op} {b})", _OPS[op](x, y))]
+    text, value = terms[0]
+    return (text[1:-1] if text.startswith("(") else text), value
+
+
+def countdown(cfg) -> Split:
+    """'Using the numbers [3, 7, 2], write an expression that equals 23.' with 3 or 4 numbers of
+    `cfg.digits` digits (at most) and a target from 1 to 999. The target is the value of a hidden
+    random expression over the numbers (kept in the `solution` column), so every problem has an
+    answer. Problems are distinct and the eval problems never appear in train."""
+    ops = "".join(op for op in _OPS if op in _check_ops(cfg.ops))
+    rng = random.Random(cfg.seed)
+    hi = 10**cfg.digits - 1
+    wanted = cfg.eval_size + cfg.train_size
+    rows: Dict[str, Row] = {}
+    misses = 0
+    while len(rows) < wanted and misses < 2000:  # 2000 draws in a row with nothing new: the space is spent
+        numbers = [rng.randint(1, hi) for _ in range(rng.choice((3, 4)))]
+        solution, target = hidden_expression(numbers, ops, rng)
+        prompt = (f"Using the numbers {numbers}, write an expression that equals {target}. Use {' '.join(ops)} "
+                  f"and parentheses, each number at most once. {cfg.instruction}").strip()
+        new = 1 <= target <= 999 and prompt not in rows
+        if new:
+            rows[prompt] = {"prompt": prompt, "numbers": numbers, "target": target, "solution": solution}
+        misses = 0 if new else misses + 1
+    space = list(rows.values())
+    if len(space) < wanted:
+        from rlnotes.config import ConfigError
+
+        raise ConfigError(f"data.train_size + data.eval_size = {wanted} is more than the {len(space)} distinct "
+                          "countdown problems found; lower them or raise data.digits")
+    return space[cfg.eval_size:], space[:cfg.eval_size]
+
+
+TASKS: Dict[str, Callable] = {"arith": arith, "letters": letters, "countdown": countdown, "arith_pairs": arith_pairs,
+                              "arith_sft": arith_sft, "letters_pairs": letters_pairs}
 # The reward (a name in rlnotes.rewards.REWARDS) that reward=auto gives each task.
-TASK_REWARDS: Dict[str, str] = {"arith": "number_match", "letters": "letter_share", "arith_pairs": "number_match",
-                                "arith_sft": "number_match", "letters_pairs": "letter_share"}
+TASK_REWARDS: Dict[str, str] = {"arith": "number_match", "letters": "letter_share", "countdown": "countdown",
+                                "arith_pairs": "number_match", "arith_sft": "number_match",
+                                "letters_pairs": "letter_share"}
+# Where data.source takes its rows from: a built-in task (data.name), a local file (data.path) or
+# a hub dataset (data.name = org/set); files and the hub are read by rlnotes.datasets.
+SOURCES = ("task", "file", "hub")
+# What data.overlong does with a prompt longer than data.max_prompt_len tokens.
+OVERLONG = ("drop", "truncate", "error")
 
 
 def load_task(cfg) -> Split:
-    return TASKS[cfg.name](cfg)
+    """(train rows, eval rows) of the data config `cfg`: a built-in task, a file or a hub dataset,
+    normalised to the row shape above (rlnotes.datasets, which builds on the tasks here)."""
+    from rlnotes.datasets import read
+
+    return read(cfg).split()
+
+
+def system_prompt(cfg) -> Optional[str]:
+    """The system message of prompts that have no system turn: data.system_prompt (it belongs to
+    the data), else model.system_prompt (a default for the model), else none."""
+    return cfg.data.system_prompt if cfg.data.system_prompt is not None else cfg.model.system_prompt
+
+
+def check_data_config(cfg) -> None:
+    """The data settings a schema type cannot check, before anything loads."""
+    from rlnotes.config import ALGO_SCHEMAS, ConfigError, check_choice
+
+    d = cfg.data
+    check_choice("data.source", d.source, SOURCES)
+    check_choice("data.overlong", d.overlong, OVERLONG)
+    if d.source == "task":
+        check_choice("data.name", d.name, TASKS)
+        if d.train_size < cfg.trainer.batch_size:
+            raise ConfigError(f"data.train_size={d.train_size} is smaller than trainer.batch_size="
+                              f"{cfg.trainer.batch_size}; raise data.train_size or lower trainer.batch_size")
+    if d.source == "hub" and d.name in ("auto", ""):  # "auto" is the schema's default, not a dataset
+        raise ConfigError("data=hub needs the dataset: data.name=org/set (or a local dataset folder)")
+    if d.source == "file" and not d.path:
+        raise ConfigError("data=file needs the file to read: data.path=FILE (.jsonl, .json, .parquet or .csv)")
+    if d.source != "hub" and d.eval_split is not None:
+        raise ConfigError(f"data.eval_split names a split of a hub dataset (data=hub); with data.source={d.source} "
+                          "give an eval file (data.eval_path=FILE) or hold out data.eval_size rows")
+    if d.eval_path is not None and d.source == "task":
+        raise ConfigError("data.eval_path is for data=file and data=hub; a built-in task makes its own eval rows")
+    if d.max_prompt_len is not None and d.max_prompt_len < 1:
+        raise ConfigError(f"data.max_prompt_len={d.max_prompt_len} must be at least 1 (tokens), or null for none")
+    if d.eval_size < 0:
+        raise ConfigError(f"data.eval_size={d.eval_size} must be 0 or more")
+    held_out = d.eval_path is not None or d.eval_split is not None
+    if not ALGO_SCHEMAS[cfg.algo.name].samples and d.eval_size < 1 and not held_out:
+        raise ConfigError(f"algo={cfg.algo.name} scores held-out rows now and then: set data.eval_size to 1 or more "
+                          "or give data.eval_path (a hub dataset: data.eval_split)")
 
 
 class PromptSampler:

@@ -13,8 +13,9 @@ from typing import Optional, Sequence
 
 import torch
 
+from rlnotes.data import system_prompt
 from rlnotes.notes import masked_sum
-from rlnotes.rollout import encode_prompts, left_pad
+from rlnotes.rollout import Prompt, completion_text, encode_prompts, left_pad
 
 
 @dataclass
@@ -40,13 +41,14 @@ class Sequences:
         return Sequences(self.input_ids[idx], self.attention_mask[idx], self.completion_mask[idx])
 
 
-def encode(tokenizer, prompts: Sequence[str], completions: Sequence[str], device: torch.device,
+def encode(tokenizer, prompts: Sequence[Prompt], completions: Sequence[Prompt], device: torch.device,
            chat_template: bool = True, system_prompt: Optional[str] = None) -> Sequences:
-    """Prompts as the rollout engine encodes them, then each completion's tokens and EOS."""
+    """Prompts (text or messages) as the rollout engine encodes them, then each completion's tokens
+    (text, or assistant messages as text) and EOS."""
     prompt_ids, prompt_mask = left_pad(encode_prompts(tokenizer, prompts, chat_template, system_prompt),
                                        tokenizer.pad_token_id)
-    completion_rows = [tokenizer(c, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-                       for c in completions]
+    eos = [tokenizer.eos_token_id]
+    completion_rows = [tokenizer(completion_text(c), add_special_tokens=False)["input_ids"] + eos for c in completions]
     width = max(len(r) for r in completion_rows)
     completion_ids = torch.full((len(completion_rows), width), tokenizer.pad_token_id, dtype=torch.long)
     completion_mask = torch.zeros((len(completion_rows), width))
@@ -60,11 +62,10 @@ def encode(tokenizer, prompts: Sequence[str], completions: Sequence[str], device
 def encode_rows(ctx, rows, key: Optional[str]) -> Sequences:
     """`encode` of the rows' prompts and their `key` column, with the run's prompt settings
     (key None: the first half of `rows` gives its `chosen` column, the second half `rejected`)."""
-    m = ctx.cfg.model
     completions = [r[key] for r in rows] if key else \
         [r["chosen"] for r in rows[:len(rows) // 2]] + [r["rejected"] for r in rows[len(rows) // 2:]]
     return encode(ctx.policy.tokenizer, [r["prompt"] for r in rows], completions, ctx.device,
-                  m.chat_template, m.system_prompt)
+                  ctx.cfg.model.chat_template, system_prompt(ctx.cfg))
 
 
 def encode_pairs(ctx, rows) -> Sequences:

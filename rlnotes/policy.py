@@ -78,6 +78,23 @@ class Policy:
                           task_type="CAUSAL_LM")
         return cls(get_peft_model(base, lora), tokenizer)
 
+    @classmethod
+    def from_saved(cls, cfg, path: Path, device: torch.device) -> "Policy":
+        """A saved policy (for evaluation): a LoRA adapter dir on top of `cfg`'s base model, or a full
+        model dir (a run with model.lora=null). The reference is not loaded."""
+        path = Path(path)
+        if (path / "adapter_config.json").is_file():
+            from peft import PeftModel
+
+            base, tokenizer = load_base(cfg)
+            model = PeftModel.from_pretrained(base.to(device), str(path))
+        else:
+            from omegaconf import OmegaConf
+
+            model, tokenizer = load_base(OmegaConf.merge(cfg, {"name_or_path": str(path)}))
+            model.to(device)
+        return cls(model.eval(), tokenizer, reference=model)
+
     @contextlib.contextmanager
     def reference(self) -> Iterator[torch.nn.Module]:
         """The reference model: the base with the adapter disabled, or the frozen copy."""

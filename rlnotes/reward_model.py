@@ -4,18 +4,20 @@ there a 6B model with its unembedding replaced by a scalar head).
 
 `algo=rm` trains the adapter and head together on preference pairs; its run's `final/` holds the
 adapter, the tokenizer and `reward_head.safetensors`, and `reward=model reward.path=RUN/final`
-scores completions with it.
+scores completions with it. `reward.path` may also be any local Hugging Face model dir that
+AutoModelForSequenceClassification loads with one label (a published reward model).
 """
 
 from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
-from rlnotes.offline import Sequences
-from rlnotes.policy import forward
+if TYPE_CHECKING:  # the model code loads only when a model is scored: config checks stay light
+    from rlnotes.offline import Sequences
 
 HEAD = "reward_head"   # its name in Context.heads and its file name in final/
 
@@ -32,6 +34,8 @@ def make_head(model: torch.nn.Module) -> torch.nn.Linear:
 
 def sequence_rewards(model: torch.nn.Module, head: torch.nn.Module, seqs: Sequences) -> torch.Tensor:
     """r(x, y) = w . h_last + b for each row of `seqs`: [N] float32."""
+    from rlnotes.policy import forward
+
     out = forward(model, seqs.input_ids, seqs.attention_mask, 1, hidden_states=True)
     last = out.hidden_states[-1][torch.arange(seqs.input_ids.shape[0], device=seqs.input_ids.device),
                                  seqs.last_index]
@@ -59,3 +63,93 @@ def load(path: Path, device: torch.device):
     head = make_head(base)
     head.load_state_dict(load_file(str(weights)))
     return model, head.to(device).eval().requires_grad_(False), tokenizer, model_cfg
+
+
+# A loaded reward model: (prompts, completions) -> r(x, y) [N] on CPU, no gradients.
+Scorer = Callable[[Sequence, Sequence[str]], torch.Tensor]
+
+
+def kind(path) -> str:
+    """"rm" for the final/ dir of an algo=rm run, "hf" for a Hugging Face model dir; anything else
+    is a config mistake, reported before a model loads."""
+    from rlnotes.config import ConfigError
+
+    path = Path(path)
+    if (path / f"{HEAD}.safetensors").is_file():
+        return "rm"
+    if (path / "config.json").is_file():
+        return "hf"
+    raise ConfigError(f"reward model path {str(path)!r} is neither the final/ dir of an algo=rm run "
+                      f"(with {HEAD}.safetensors) nor a Hugging Face model dir (with config.json)")
+
+
+def load_scorer(path, device: torch.device, batch_size: int) -> Scorer:
+    """The reward model at `path` (either kind), loaded once, scoring `batch_size` sequences a pass."""
+    load_kind = {"rm": _rm_scorer, "hf": _hf_scorer}[kind(path)]
+    return load_kind(Path(path), device, batch_size)
+
+
+def _rm_scorer(path: Path, device: torch.device, batch_size: int) -> Scorer:
+    """An algo=rm model: prompts encoded as its training run encoded them (rlnotes.offline.encode,
+    with that run's chat template setting and system prompt: data.system_prompt, else model's)."""
+    from omegaconf import OmegaConf
+
+    from rlnotes.offline import encode
+
+    model, head, tokenizer, model_cfg = load(path, device)
+    data_system = OmegaConf.select(OmegaConf.load(path.parent / "config.yaml"), "data.system_prompt")
+    system = data_system if data_system is not None else model_cfg.system_prompt
+
+    @torch.no_grad()
+    def score(prompts, completions) -> torch.Tensor:
+        out = []
+        for i in range(0, len(completions), batch_size):
+            seqs = encode(tokenizer, prompts[i:i + batch_size], completions[i:i + batch_size], device,
+                          model_cfg.chat_template, system)
+            out.append(sequence_rewards(model, head, seqs).float().cpu())
+        return torch.cat(out)
+    return score
+
+
+def _hf_scorer(path: Path, device: torch.device, batch_size: int) -> Scorer:
+    """A sequence-classification model with one label: r(x, y) is its logit on the conversation
+    [user: x, assistant: y] rendered with its tokenizer's chat template (x + y without one)."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from rlnotes.config import ConfigError
+
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    model = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32, local_files_only=True)
+    if model.config.num_labels != 1:
+        raise ConfigError(f"reward model {str(path)!r} has {model.config.num_labels} labels; a reward model gives "
+                          "one score per sequence (num_labels=1)")
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    # Right padding keeps each row's positions 0..L-1 without position ids; the model reads the
+    # score at the last token that is not padding.
+    tokenizer.padding_side = "right"
+    model.config.pad_token_id = tokenizer.pad_token_id
+    model = model.to(device).eval().requires_grad_(False)
+
+    @torch.no_grad()
+    def score(prompts, completions) -> torch.Tensor:
+        texts = [conversation_text(tokenizer, p, c) for p, c in zip(prompts, completions)]
+        out = []
+        for i in range(0, len(texts), batch_size):
+            batch = tokenizer(texts[i:i + batch_size], padding=True, add_special_tokens=not tokenizer.chat_template,
+                              return_tensors="pt").to(device)
+            out.append(model(**batch).logits[:, 0].float().cpu())
+        return torch.cat(out)
+    return score
+
+
+def conversation_text(tokenizer, prompt, completion: str) -> str:
+    """The text a Hugging Face reward model scores: [prompt messages or user: prompt, assistant:
+    completion] through the chat template when the tokenizer has one, else the prompt as the
+    rollout engine renders plain text (rlnotes.rollout.render_plain), then the completion."""
+    from rlnotes.rollout import as_messages, render_plain
+
+    if tokenizer.chat_template:
+        messages = as_messages(prompt) + [{"role": "assistant", "content": completion}]
+        return tokenizer.apply_chat_template(messages, tokenize=False)
+    return render_plain(prompt) + completion

@@ -1,75 +1,337 @@
 """Reward functions and their weighted sum.
 
-Every reward function has the signature TRL uses, so users can bring theirs unchanged:
+Every reward function has the signature TRL uses, so a function written for TRL works unchanged:
 
-    fn(prompts: list[str], completions: list[str], **columns) -> list[float | None]
+    fn(prompts, completions, **columns) -> list[float | None]
 
-where `columns` are the dataset row's other fields, one list per column. None means "no
-opinion" and leaves that function out of the sample's weighted sum.
+`columns` are the dataset row's other fields, one list per column (e.g. `answer`), then the
+function's configured `args` (an arg named like a column replaces it), and during training
+`completion_ids`: each completion's sampled token ids, EOS included. A prompt is a string, or a
+list of {role, content} messages for conversational data; a completion then comes as
+[{"role": "assistant", "content": text}], as TRL passes it, and as plain text otherwise.
+
+The reward of a sample is the weighted sum sum_k w_k r_k over the functions k that gave it a
+number. None means "no opinion" and leaves that function out of the sum; a sample on which every
+function says None gets 0, the empty sum (a warning says so once: it usually means a column is
+missing). A function that raises, or gives NaN, inf or a non-number, does not stop the run: a
+batched call that raises is retried sample by sample, every failing sample gets `reward.fallback`
+and is counted in reward/failures, and the first traceback is shown once. A function that fails
+on every sample it scores in a batch stops the run (RewardFailure).
 """
 
 from __future__ import annotations
 
+import ast
 import importlib
+import importlib.util
+import inspect
 import math
+import operator
 import re
+import threading
 import traceback
+import unicodedata
+from collections import Counter
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
+from omegaconf import DictConfig, OmegaConf
 
-_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+# ---------------------------------------------------------------------------------------------
+# completions as text
+
+
+def completion_text(completion) -> str:
+    """The text of a completion: the string itself, or its messages' contents one after another."""
+    return completion if isinstance(completion, str) else "".join(m["content"] for m in completion)
+
+
+_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)
+
+
+def answer_section(text: str) -> str:
+    """What is inside the last <answer>...</answer> of `text`, or all of it when there is none."""
+    tags = _ANSWER_TAG.findall(text)
+    return tags[-1] if tags else text
+
+
+def in_prompt_format(prompt, text: str):
+    """A completion shaped like its prompt: [assistant message] for a conversation, else text."""
+    return [{"role": "assistant", "content": text}] if isinstance(prompt, list) else text
+
+
+# ---------------------------------------------------------------------------------------------
+# built-in reward functions
+
+# A number: an optional sign, digits with or without thousands commas ("1,234" but not "1,2,3"),
+# optional decimals ("3.5"; the period of "is 12." is not a decimal point).
+_NUMBER = re.compile(r"[-\u2212]?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?")
 
 
 def last_number(text: str) -> Optional[str]:
-    """The last number in `text` ("1,234" -> "1234"), or None."""
-    found = _NUMBER.findall(text)
-    return found[-1].replace(",", "") if found else None
+    """The last number in `text` as plain digits ("1,234" -> "1234"), or None. A minus sign right
+    after a letter, digit or ")" is a subtraction, not a sign: "4-3" ends in 3, "x = -3" in -3."""
+    found = list(_NUMBER.finditer(text))
+    if not found:
+        return None
+    match = found[-1]
+    number = match.group()
+    before = text[match.start() - 1] if match.start() else " "
+    if number[0] in "-\u2212" and (before.isalnum() or before == ")"):
+        number = number[1:]
+    return number.replace(",", "").replace("\u2212", "-")
+
+
+def _as_number(value) -> Optional[float]:
+    """A dataset answer ("12", "-3", "1,234", 7) as a float, or None when it is not a number."""
+    try:
+        return float(str(value).strip().replace(",", "").replace("\u2212", "-"))
+    except ValueError:
+        return None
 
 
 def number_match(prompts, completions, answer, **_) -> List[float]:
-    """1.0 when the last number in the completion equals the `answer` column, else 0.0."""
+    """1.0 when the last number in the completion equals the `answer` column as a number ("3.0"
+    equals "3", "1,234" equals "1234", text after the number is ignored), else 0.0."""
     out = []
-    for text, ans in zip(completions, answer):
-        got = last_number(text)
-        try:
-            out.append(float(got is not None and float(got) == float(ans)))
-        except ValueError:
-            out.append(0.0)
+    for completion, ans in zip(completions, answer):
+        got, want = last_number(completion_text(completion)), _as_number(ans)
+        out.append(float(got is not None and want is not None and float(got) == want))
     return out
 
 
 def letter_share(prompts, completions, letter, **_) -> List[float]:
     """Share of the completion's characters that are the row's `letter` (0 for an empty one)."""
-    return [text.count(c) / len(text) if text else 0.0 for text, c in zip(completions, letter)]
+    texts = [completion_text(c) for c in completions]
+    return [text.count(c) / len(text) if text else 0.0 for text, c in zip(texts, letter)]
 
 
-_REWARD_MODELS: Dict[tuple, tuple] = {}   # (path, device) -> loaded reward model, loaded once per process
+def normalize_text(text: str) -> str:
+    """Lower case, punctuation (Unicode category P) removed, whitespace runs made one space."""
+    kept = "".join(ch for ch in text.lower() if not unicodedata.category(ch).startswith("P"))
+    return " ".join(kept.split())
 
 
-def reward_model(prompts, completions, path, device="cpu", batch_size=16, **_) -> List[float]:
-    """r(x, y) of a reward model trained with algo=rm (rlnotes.reward_model), read from `path`
-    (its run's final/ dir) on first use; scored without gradients, `batch_size` sequences a pass."""
-    from rlnotes.models import resolve_device
-    from rlnotes.offline import encode
-    from rlnotes.reward_model import load, sequence_rewards
-
-    dev = resolve_device(device)
-    if (str(path), str(dev)) not in _REWARD_MODELS:
-        _REWARD_MODELS[(str(path), str(dev))] = load(path, dev)
-    model, head, tokenizer, model_cfg = _REWARD_MODELS[(str(path), str(dev))]
-    out: List[float] = []
-    with torch.no_grad():
-        for i in range(0, len(completions), batch_size):
-            seqs = encode(tokenizer, prompts[i:i + batch_size], completions[i:i + batch_size], dev,
-                          model_cfg.chat_template, model_cfg.system_prompt)
-            out += sequence_rewards(model, head, seqs).tolist()
+def exact_match(prompts, completions, answer, normalize=False, **_) -> List[float]:
+    """1.0 when the completion equals the `answer` column (or any of a row's answers, when it is a
+    list), else 0.0. Surrounding whitespace never counts; normalize=true also ignores case,
+    punctuation and runs of whitespace (normalize_text: "The Cat." equals "the cat")."""
+    fix = normalize_text if normalize else str.strip
+    out = []
+    for completion, ans in zip(completions, answer):
+        accepted = {fix(str(a)) for a in (ans if isinstance(ans, (list, tuple)) else [ans])}
+        out.append(float(fix(completion_text(completion)) in accepted))
     return out
 
 
+def format_match(prompts, completions, pattern, **_) -> List[float]:
+    """1.0 when the whole completion (surrounding whitespace aside) matches the regular expression
+    `pattern`, else 0.0; "." also matches newlines. DeepSeek-R1's format reward is
+    pattern: '<think>.*?</think>\\s*<answer>.*?</answer>'."""
+    regex = re.compile(pattern, re.DOTALL)
+    return [float(regex.fullmatch(completion_text(c).strip()) is not None) for c in completions]
+
+
+LENGTH_UNITS = ("chars", "tokens")
+
+
+def length_penalty(prompts, completions, target, slope=0.01, max_penalty=1.0, unit="chars", completion_ids=None,
+                   **_) -> List[float]:
+    """-min(slope * max(0, L - target), max_penalty): 0 up to `target`, then `slope` less for each
+    unit of length beyond it, never below -max_penalty (null: no floor). L counts characters
+    (unit=chars) or the completion's sampled tokens, EOS included (unit=tokens, from the
+    completion_ids training passes). DAPO's overlong penalty (Yu et al. 2025, Eq. 13) is
+    target = L_max - L_cache, slope = 1 / L_cache, max_penalty = 1."""
+    if unit == "tokens":
+        if completion_ids is None:
+            raise ValueError("length_penalty with unit=tokens needs completion_ids, which training passes; "
+                             "use unit=chars to score plain text")
+        lengths = [len(ids) for ids in completion_ids]
+    else:
+        lengths = [len(completion_text(c)) for c in completions]
+    penalties = [slope * max(0, n - target) for n in lengths]
+    return [0.0 - (p if max_penalty is None else min(p, max_penalty)) for p in penalties]
+
+
+MATH_HINT = 'the math_match reward needs the math-verify package: pip install "rlnotes[math]"'
+
+
+def _math_verify():
+    try:
+        import math_verify
+    except ImportError:
+        raise ImportError(MATH_HINT) from None
+    return math_verify
+
+
+def math_match(prompts, completions, answer, timeout=5, **_) -> List[Optional[float]]:
+    """1.0 when the completion's final answer equals the `answer` column mathematically, else 0.0,
+    as the math-verify package decides (parse both, then verify: LaTeX, \\boxed{}, fractions,
+    sets, 0.5 = \\frac{1}{2}). The `answer` column is the final answer, bare ("3\\pi", "(1, 2)",
+    "x^2+1") or, when it holds $...$ or \\boxed{}, a text to parse as it stands. The completion's
+    answer is read from its last <answer>...</answer> when it has one (answer_section), else from
+    all of it. None (no opinion) for a row whose answer math-verify cannot parse.
+    `timeout`: seconds per parse and per check, enforced on the main thread only (the library
+    uses SIGALRM). An optional extra: pip install "rlnotes[math]"."""
+    mv = _math_verify()
+    seconds = timeout if threading.current_thread() is threading.main_thread() else None
+    golds: Dict[str, list] = {}
+    out: List[Optional[float]] = []
+    for completion, ans in zip(completions, answer):
+        key = str(ans).strip()
+        if key not in golds:  # a bare answer ("3\\pi", "(1, 2)") is one expression: read it as a boxed one
+            text = key if "$" in key or "\\boxed" in key else f"\\boxed{{{key}}}"
+            golds[key] = mv.parse(text, parsing_timeout=seconds)
+        if not golds[key]:
+            out.append(None)
+            continue
+        got = mv.parse(answer_section(completion_text(completion)), parsing_timeout=seconds)
+        out.append(float(bool(got) and mv.verify(golds[key], got, timeout_seconds=seconds)))
+    return out
+
+
+_ANSWER_COLON = re.compile(r"answer\s*:(.*)", re.IGNORECASE)
+_OPERATOR_SPELLINGS = {"\u00d7": "*", "\u00b7": "*", "\u2217": "*", "\\times": "*", "\\cdot": "*", "\u00f7": "/",
+                       "\\div": "/", "\u2212": "-", "$": "", "`": ""}
+_COUNTDOWN_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
+
+
+def countdown_expression(text: str) -> str:
+    """The expression a countdown completion proposes: inside its last <answer>...</answer>, else
+    after its last "answer:" (to the end of that line), else its last non-empty line; of an
+    equation, the left side ("(3+5)*2 = 16" -> "(3+5)*2"); a final period dropped."""
+    tags = _ANSWER_TAG.findall(text)
+    colons = _ANSWER_COLON.findall(text)
+    lines = [line for line in text.splitlines() if line.strip()]
+    expr = tags[-1] if tags else colons[-1] if colons else lines[-1] if lines else ""
+    for spelling, op in _OPERATOR_SPELLINGS.items():
+        expr = expr.replace(spelling, op)
+    return expr.split("=")[0].strip().rstrip(".").strip()
+
+
+def evaluate_arithmetic(expr: str) -> tuple[Fraction, List[int]]:
+    """(exact value, integers used) of an expression of integers, + - * /, unary minus and
+    parentheses, read with `ast` (never eval). Anything else raises ValueError; x/0 raises
+    ZeroDivisionError."""
+    if len(expr) > 200:
+        raise ValueError("expression too long")
+    used: List[int] = []
+
+    def value(node) -> Fraction:
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            used.append(node.value)
+            return Fraction(node.value)
+        if isinstance(node, ast.BinOp) and type(node.op) in _COUNTDOWN_OPS:
+            left, right = value(node.left), value(node.right)
+            return _COUNTDOWN_OPS[type(node.op)](left, right)
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+            return -value(node.operand)
+        raise ValueError(f"{type(node).__name__} is not allowed in an arithmetic expression")
+
+    return value(ast.parse(expr, mode="eval").body), used
+
+
+def countdown(prompts, completions, numbers, target, **_) -> List[float]:
+    """1.0 when the completion's expression (countdown_expression) uses only the row's `numbers`,
+    each at most as often as it is given, and equals `target` exactly; else 0.0 (also for an
+    expression that does not parse or divides by zero)."""
+    out = []
+    for completion, given, goal in zip(completions, numbers, target):
+        try:
+            result, used = evaluate_arithmetic(countdown_expression(completion_text(completion)))
+        except (SyntaxError, ValueError, ZeroDivisionError, RecursionError, MemoryError):
+            out.append(0.0)
+            continue
+        allowed = not Counter(used) - Counter(int(n) for n in given)
+        out.append(float(bool(used) and allowed and result == int(goal)))
+    return out
+
+
+_SCORERS: Dict[tuple, Callable] = {}   # (path, device, batch size) -> loaded reward model, once per process
+
+
+def reward_model(prompts, completions, path, device="cpu", batch_size=16, **_) -> List[float]:
+    """r(x, y) of the reward model at `path`: the final/ dir of an algo=rm run, or a local Hugging
+    Face sequence-classification model dir with one label (rlnotes.reward_model). Loaded once on
+    `device` (reward=model passes hardware.device: the training device), scored without
+    gradients, `batch_size` sequences a pass."""
+    from rlnotes.models import resolve_device
+    from rlnotes.reward_model import load_scorer
+
+    dev = resolve_device(device)
+    key = (str(path), str(dev), int(batch_size))
+    if key not in _SCORERS:
+        _SCORERS[key] = load_scorer(path, dev, int(batch_size))
+    return _SCORERS[key](list(prompts), [completion_text(c) for c in completions]).tolist()
+
+
 REWARDS: Dict[str, Callable] = {"number_match": number_match, "letter_share": letter_share,
+                                "exact_match": exact_match, "format_match": format_match,
+                                "length_penalty": length_penalty, "math_match": math_match, "countdown": countdown,
                                 "reward_model": reward_model}
+
+
+# ---------------------------------------------------------------------------------------------
+# checks of the built-ins' args, before a model loads
+
+
+def _check_format(args: dict) -> None:
+    from rlnotes.config import ConfigError
+
+    try:
+        re.compile(args["pattern"])
+    except re.error as e:
+        raise ConfigError(f"format_match args.pattern={args['pattern']!r} is not a regular expression ({e})") from None
+
+
+def _check_length(args: dict) -> None:
+    from rlnotes.config import ConfigError, check_choice
+
+    check_choice("length_penalty args.unit", args.get("unit", "chars"), LENGTH_UNITS)
+    if args["target"] < 0 or (args.get("slope") or 0) < 0:
+        raise ConfigError(f"length_penalty args.target={args['target']} and args.slope={args.get('slope')} "
+                          "must be >= 0 (the penalty grows with length beyond target)")
+
+
+def _check_math(args: dict) -> None:
+    from rlnotes.config import ConfigError
+
+    if importlib.util.find_spec("math_verify") is None:
+        raise ConfigError(MATH_HINT)
+
+
+def _check_model(args: dict) -> None:
+    from rlnotes.reward_model import kind
+
+    kind(args["path"])
+
+
+# Built-in args that must be set (and why), then each built-in's own checks.
+REQUIRED_ARGS = {"format_match": {"pattern": "a regular expression the whole completion must match"},
+                 "length_penalty": {"target": "the length that costs nothing"},
+                 "reward_model": {"path": "reward=model: reward.path=RUN_DIR/final or a Hugging Face model dir"}}
+ARG_CHECKS = {"format_match": _check_format, "length_penalty": _check_length, "math_match": _check_math,
+              "reward_model": _check_model}
+
+
+def check_builtin_args(name: str, args: dict) -> None:
+    """A built-in's args: known names, required ones set, values that can work."""
+    from rlnotes.config import ConfigError
+
+    params = [p for p in list(inspect.signature(REWARDS[name]).parameters)[2:] if p != "_"]
+    unknown = [a for a in args if a not in params]
+    if unknown:
+        raise ConfigError(f"reward function {name} has no argument {unknown[0]!r}; its arguments: {', '.join(params)}")
+    for arg, meaning in REQUIRED_ARGS.get(name, {}).items():
+        if args.get(arg) is None:
+            raise ConfigError(f"reward function {name} needs args.{arg} ({meaning})")
+    ARG_CHECKS.get(name, lambda _: None)(args)
+
+
+# ---------------------------------------------------------------------------------------------
+# the configured functions
 
 
 def resolve(name: str) -> Callable:
@@ -92,106 +354,184 @@ def resolve(name: str) -> Callable:
     return fn
 
 
-def function_specs(cfg) -> List[tuple[str, float, dict]]:
-    """(name, weight, args) of every configured function; `reward.target` adds one of weight 1."""
+def function_specs(cfg) -> List[tuple[str, float, dict, Optional[str]]]:
+    """(fn, weight, args, name) of every configured function; `reward.target` adds one of weight 1."""
     from rlnotes.config import ConfigError
 
     if cfg.name == "custom" and not cfg.target:
         raise ConfigError("reward=custom needs the import path of your function: reward.target=mypkg.rewards.my_fn")
-    specs = [(f.fn, float(f.weight), dict(f.args)) for f in cfg.functions]
-    specs += [(cfg.target, 1.0, {})] if cfg.target else []
+    specs = [(f.fn, float(f.weight), _plain(f.args), f.get("name")) for f in cfg.functions]
+    specs += [(cfg.target, 1.0, {}, None)] if cfg.target else []
     if not specs:
         raise ConfigError("no reward function is configured; pick a built-in (reward=arith, reward=letters) or "
                           "name yours: reward=custom reward.target=mypkg.rewards.my_fn")
     return specs
 
 
-def check_reward_config(cfg) -> None:
-    for name, _, _ in function_specs(cfg):
-        resolve(name)
+def _plain(args) -> dict:
+    return OmegaConf.to_container(args, resolve=True) if isinstance(args, DictConfig) else dict(args)
+
+
+# Metrics the runners write under reward/; no function's metric may take these names.
+RESERVED = ("mean", "std", "zero_std_frac", "failures", "baseline", "resample_rounds")
+
+
+def metric_names(fns: Sequence[str], names: Sequence[Optional[str]]) -> List[str]:
+    """Each function's metric name (reward/<name>): its configured `name`, else the last part of
+    its import path, lengthened part by part while another function's name is the same ("a.score"
+    and "b.score" rather than "score" twice); the same function twice gets "_2", "_3", ...
+    Names the runners use under reward/ (RESERVED) are never taken."""
+    from rlnotes.config import ConfigError
+
+    given = [n for n in names if n]
+    for n in given:
+        if n in RESERVED or given.count(n) > 1:
+            why = "a metric the runners write" if n in RESERVED else "given to two functions"
+            raise ConfigError(f"reward function name {n!r} is {why}; choose another name")
+    parts = [fn.split(".") for fn in fns]
+    depth = [1] * len(fns)
+
+    def clashes(i: int, labels: List[str]) -> bool:
+        """Whether a longer label could set function i apart: its label is reserved or shared with
+        a given name or another function."""
+        return labels[i] in RESERVED or any(labels[j] == labels[i] and (names[j] or fns[j] != fns[i])
+                                            for j in range(len(fns)) if j != i)
+
+    while True:
+        labels = [names[i] or ".".join(parts[i][-depth[i]:]) for i in range(len(fns))]
+        grow = [i for i in range(len(fns)) if not names[i] and depth[i] < len(parts[i]) and clashes(i, labels)]
+        if not grow:
+            break
+        for i in grow:
+            depth[i] += 1
+    taken, out = set(given) | set(RESERVED), list(labels)
+    for i, label in enumerate(labels):
+        if not names[i]:
+            name, k = label, 2
+            while name in taken:
+                name, k = f"{label}_{k}", k + 1
+            taken.add(name)
+            out[i] = name
+    return out
 
 
 @dataclass
 class RewardFn:
-    name: str
+    name: str        # its metric: reward/<name>
     fn: Callable
     weight: float
     args: dict
 
 
+def build(cfg) -> List[RewardFn]:
+    """The configured functions, resolved, named and their built-in args checked."""
+    specs = function_specs(cfg)
+    names = metric_names([s[0] for s in specs], [s[3] for s in specs])
+    fns = []
+    for (path, weight, args, _), name in zip(specs, names):
+        if path in REWARDS:
+            check_builtin_args(path, args)
+        fns.append(RewardFn(name, resolve(path), weight, args))
+    return fns
+
+
+def check_reward_config(cfg) -> None:
+    build(cfg)
+
+
+# ---------------------------------------------------------------------------------------------
+# the weighted sum
+
+
 class RewardFailure(RuntimeError):
-    pass
+    """A reward function gave no usable value for any sample of a batch: the run cannot learn."""
+
+
+def _number(value) -> Optional[float]:
+    """`value` as a finite float; None for NaN, inf, a string, a list or anything else."""
+    if isinstance(value, (str, bytes)):
+        return None
+    try:
+        number = float(value)
+    except (TypeError, ValueError, RuntimeError):
+        return None
+    return number if math.isfinite(number) else None
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
 
 
 class Rewards:
-    """The weighted sum of the configured reward functions, robust to a function that fails.
-
-    A batched call that raises is retried sample by sample; a failing sample or a NaN gets
-    `fallback`. A function that fails on every sample of a batch stops the run.
-    """
+    """The weighted sum of the configured reward functions, robust to a function that fails."""
 
     def __init__(self, cfg, console=None):
-        self.fns = [RewardFn(name, resolve(name), weight, args) for name, weight, args in function_specs(cfg)]
+        self.fns = build(cfg)
         self.fallback = float(cfg.fallback)
         self.console = console
-        self._shown_traceback = False
+        self._said: set = set()
+
+    def _once(self, key: str, message: str) -> None:
+        """Print `message` the first time `key` comes up in this run."""
+        if key not in self._said and self.console is not None:
+            self.console.print(message)
+        self._said.add(key)
+
+    def _sample(self, rf: RewardFn, prompts, completions, columns, i: int):
+        """rf's value for sample i alone; NaN when it raises or gives other than one value."""
+        try:
+            (value,) = rf.fn(prompts[i:i + 1], completions[i:i + 1],
+                             **{**{k: col[i:i + 1] for k, col in columns.items()}, **rf.args})
+        except Exception:  # noqa: BLE001 - a user's function may raise anything
+            return float("nan")
+        return value
 
     def _call(self, rf: RewardFn, prompts, completions, columns) -> tuple[List[Optional[float]], int]:
+        """One number or None per sample, failing samples replaced by the fallback, and their count."""
+        error = None
         try:
-            values = list(rf.fn(prompts, completions, **columns, **rf.args))
+            values = list(rf.fn(prompts, completions, **{**columns, **rf.args}))
             if len(values) != len(completions):
                 raise RewardFailure(f"returned {len(values)} values for {len(completions)} completions")
-        except Exception:  # noqa: BLE001 - a user's function may raise anything
-            self._show(rf.name)
-        else:
-            failed = sum(_bad(v) for v in values)
-            if failed == len(completions):
-                raise RewardFailure(f"reward function {rf.name!r} returned no finite value for any sample of the "
-                                    "batch; fix the function")
-            return [self._clean(v) for v in values], failed
-        values, failed = [], 0
-        for i in range(len(completions)):
-            try:
-                (v,) = rf.fn(prompts[i:i + 1], completions[i:i + 1],
-                             **{k: col[i:i + 1] for k, col in columns.items()}, **rf.args)
-            except Exception:  # noqa: BLE001
-                v = float("nan")
-            failed += _bad(v)
-            values.append(self._clean(v))
-        if failed == len(completions):
-            raise RewardFailure(f"reward function {rf.name!r} failed on every sample of the batch; "
-                                "see the traceback above and fix the function")
-        return values, failed
+        except Exception as e:  # noqa: BLE001 - a user's function may raise anything
+            error = _first_line(e)
+            self._once("traceback", f"[yellow]reward function {rf.name!r} raised; retrying sample by sample "
+                                    f"(failures get {self.fallback}). First traceback:[/]\n{traceback.format_exc()}")
+            values = [self._sample(rf, prompts, completions, columns, i) for i in range(len(completions))]
+        failed = [v for v in values if v is not None and _number(v) is None]
+        if failed and len(failed) == sum(v is not None for v in values):
+            why = error or f"it returned {failed[0]!r}"
+            raise RewardFailure(f"reward function {rf.name!r} gave no finite number for any sample of the batch "
+                                f"({why}); fix it or remove it from reward.functions")
+        if failed and error is None:
+            self._once(f"bad:{rf.name}", f"[yellow]reward function {rf.name!r} returned {failed[0]!r} for "
+                                         f"{len(failed)} samples; they get {self.fallback}[/]")
+        return [None if v is None else (self.fallback if _number(v) is None else _number(v)) for v in values], \
+            len(failed)
 
-    def _clean(self, v) -> Optional[float]:
-        return None if v is None else (self.fallback if _bad(v) else float(v))
-
-    def _show(self, name: str) -> None:
-        if not self._shown_traceback and self.console is not None:
-            self.console.print(f"[yellow]reward function {name!r} raised; retrying sample by sample "
-                               f"(failures get {self.fallback}). First traceback:[/]\n{traceback.format_exc()}")
-        self._shown_traceback = True
-
-    def __call__(self, prompts: Sequence[str], completions: Sequence[str],
-                 columns: Dict[str, list]) -> tuple[torch.Tensor, Dict[str, float]]:
-        """Total rewards [N] and metrics: each function's mean and the count of failed samples."""
-        total = torch.zeros(len(completions))
+    def __call__(self, prompts: Sequence, completions: Sequence[str], columns: Dict[str, list],
+                 completion_ids: Optional[Sequence[Sequence[int]]] = None) -> tuple[torch.Tensor, Dict[str, float]]:
+        """Total rewards [N] of the text `completions` and metrics: reward/<name> (the mean of each
+        function over the samples it scored) and reward/failures (samples that got the fallback)."""
+        prompts = list(prompts)
+        shaped = [in_prompt_format(p, c) for p, c in zip(prompts, completions)]
+        if completion_ids is not None:
+            columns = {**columns, "completion_ids": [list(ids) for ids in completion_ids]}
+        totals, scored = [0.0] * len(shaped), [0] * len(shaped)
         metrics: Dict[str, float] = {}
         failures = 0
         for rf in self.fns:
-            values, failed = self._call(rf, list(prompts), list(completions), columns)
+            values, failed = self._call(rf, prompts, shaped, columns)
             failures += failed
+            for i, v in enumerate(values):
+                if v is not None:
+                    totals[i] += rf.weight * v
+                    scored[i] += 1
             given = [v for v in values if v is not None]
-            total += torch.tensor([rf.weight * v if v is not None else 0.0 for v in values])
-            metrics[f"reward/{rf.name.rpartition('.')[2]}"] = sum(given) / len(given) if given else float("nan")
+            metrics[f"reward/{rf.name}"] = sum(given) / len(given) if given else float("nan")
+        if 0 in scored:
+            self._once("unscored", f"[yellow]every reward function said None (no opinion) for {scored.count(0)} of "
+                                   f"{len(scored)} samples; they get 0. Check the columns your functions read.[/]")
         metrics["reward/failures"] = failures
-        return total, metrics
-
-
-def _bad(v) -> bool:
-    if v is None:
-        return False
-    try:
-        return not math.isfinite(float(v))
-    except (TypeError, ValueError):
-        return True
+        return torch.tensor(totals), metrics

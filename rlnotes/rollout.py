@@ -9,27 +9,49 @@ comes out of the same pass that sampled it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Union
 
 import torch
 from transformers import DynamicCache
 
 from rlnotes.policy import position_ids
 
+# A prompt: plain text, or a conversation of {"role": ..., "content": ...} messages.
+Prompt = Union[str, List[Dict[str, str]]]
 
-def encode_prompts(tokenizer, prompts: Sequence[str], chat_template: bool = True,
+
+def as_messages(prompt: Prompt, system_prompt: Optional[str] = None) -> List[Dict[str, str]]:
+    """The prompt as chat messages: text becomes one user turn, and `system_prompt` opens the
+    conversation when it has no system turn of its own (the data's own system turn wins)."""
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+    if system_prompt and not any(m["role"] == "system" for m in messages):
+        messages = [{"role": "system", "content": system_prompt}] + messages
+    return messages
+
+
+def render_plain(prompt: Prompt, system_prompt: Optional[str] = None) -> str:
+    """The prompt as text for a model without a chat template: text as it is (after the system
+    prompt and a blank line, if there is one); a conversation as "role: content" lines and a last
+    "assistant:" line that cues the reply."""
+    if isinstance(prompt, str):
+        return f"{system_prompt}\n\n{prompt}" if system_prompt else prompt
+    return "\n".join([f"{m['role']}: {m['content']}" for m in as_messages(prompt, system_prompt)] + ["assistant:"])
+
+
+def completion_text(completion: Prompt) -> str:
+    """A completion as text: a conversational one (a list of assistant messages, as TRL passes
+    completions of chat prompts) gives its messages' contents, one after another."""
+    return completion if isinstance(completion, str) else "".join(m["content"] for m in completion)
+
+
+def encode_prompts(tokenizer, prompts: Sequence[Prompt], chat_template: bool = True,
                    system_prompt: Optional[str] = None) -> List[List[int]]:
-    """Token ids of each prompt: through the chat template (with the generation prompt) when the
-    tokenizer has one and `chat_template` is on, else the plain text."""
+    """Token ids of each prompt (text or messages): through the chat template with the generation
+    prompt when the tokenizer has one and `chat_template` is on, else as `render_plain` text."""
     if chat_template and tokenizer.chat_template:
-        out = []
-        for p in prompts:
-            messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + \
-                       [{"role": "user", "content": p}]
-            out.append(list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                          return_dict=True)["input_ids"]))
-        return out
-    return [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+        return [list(tokenizer.apply_chat_template(as_messages(p, system_prompt), add_generation_prompt=True,
+                                                   tokenize=True, return_dict=True)["input_ids"]) for p in prompts]
+    return [tokenizer(render_plain(p, system_prompt), add_special_tokens=False)["input_ids"] for p in prompts]
 
 
 def left_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,8 +111,9 @@ def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
 @torch.no_grad()
 def generate(model, tokenizer, prompts: Sequence[Sequence[int]], group_size: int, max_new_tokens: int,
              temperature: float = 1.0, top_p: float = 1.0, generator: Optional[torch.Generator] = None,
-             eos_ids: Optional[Sequence[int]] = None) -> Rollout:
-    """Sample `group_size` completions for each prompt (token id lists)."""
+             eos_ids: Optional[Sequence[int]] = None, greedy: bool = False) -> Rollout:
+    """Sample `group_size` completions for each prompt (token id lists); `greedy` takes the most
+    likely token instead (the log-probs are then those of softmax(z / temperature))."""
     device = next(model.parameters()).device
     pad_id = tokenizer.pad_token_id
     eos = torch.tensor(eos_ids if eos_ids is not None else [tokenizer.eos_token_id], device=device)
@@ -117,8 +140,10 @@ def generate(model, tokenizer, prompts: Sequence[Sequence[int]], group_size: int
     for t in range(max_new_tokens):
         scaled = logits.float() / temperature
         logp = scaled.log_softmax(-1)
-        probs = top_p_filter(scaled, top_p).softmax(-1)
-        tok = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        if greedy:
+            tok = scaled.argmax(-1)
+        else:
+            tok = torch.multinomial(top_p_filter(scaled, top_p).softmax(-1), 1, generator=generator).squeeze(-1)
         tokens[alive, t] = tok
         logps[alive, t] = logp.gather(-1, tok[:, None]).squeeze(-1)
         done = torch.isin(tok, eos)

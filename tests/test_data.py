@@ -1,12 +1,16 @@
-"""Built-in tasks (arith, letters) and the prompt sampler: determinism, prompt text, answers, splits."""
+"""Built-in tasks (arith, letters, countdown) and the prompt sampler: determinism, prompt text,
+answers, splits, solvability."""
 
+import ast
+import random
 import re
+from collections import Counter
 
 import pytest
 from omegaconf import OmegaConf
 
 from rlnotes.config import ConfigError, DataConfig
-from rlnotes.data import PromptSampler, arith, letters, load_task
+from rlnotes.data import TASK_REWARDS, TASKS, PromptSampler, arith, countdown, hidden_expression, letters, load_task
 
 ARITH = re.compile(r"^What is (\d+)([+*-])(\d+)\? Answer with just the number\.$")
 
@@ -106,6 +110,20 @@ def test_arith_bad_ops_raise_config_error(ops):
         arith(data_cfg(name="arith", ops=ops))
 
 
+def test_arith_negative_answers_are_scored_by_the_task_reward():
+    from rlnotes.rewards import REWARDS
+
+    _, space = arith(data_cfg(name="arith", digits=1, ops="-", train_size=1, eval_size=1000))
+    negative = [r for r in space if r["answer"].startswith("-")]
+    assert len(negative) == 45  # a - b < 0 for 45 of the 100 pairs of digits
+    reward = REWARDS[TASK_REWARDS["arith"]]
+    prompts = [r["prompt"] for r in negative]
+    answers = [r["answer"] for r in negative]
+    assert reward(prompts, answers, answer=answers) == [1.0] * 45
+    assert reward(prompts, [f"The answer is {a}." for a in answers], answer=answers) == [1.0] * 45
+    assert reward(prompts, [a.lstrip("-") for a in answers], answer=answers) == [0.0] * 45
+
+
 # --------------------------------------------------------------------------------------------- letters
 
 
@@ -164,3 +182,96 @@ def test_sampler_never_repeats_a_row_within_an_epoch_when_the_batch_does_not_div
     for i in (0, 2, 4):
         epoch = batches[i] + batches[i + 1]
         assert len(set(epoch)) == 8
+
+
+# --------------------------------------------------------------------------------------------- countdown
+
+COUNTDOWN = re.compile(r"^Using the numbers \[([\d, ]+)\], write an expression that equals (\d+)\. "
+                       r"Use \+ - \* and parentheses, each number at most once\. Answer with just the expression\.$")
+
+
+def value_and_numbers(expr):
+    """(value, integers used) of an expression of integers, + - * and parentheses (a test's own reader)."""
+    used = []
+
+    def walk(node):
+        if isinstance(node, ast.Constant):
+            used.append(node.value)
+            return node.value
+        ops = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b}
+        assert isinstance(node, ast.BinOp) and type(node.op) in ops, ast.dump(node)
+        return ops[type(node.op)](walk(node.left), walk(node.right))
+
+    return walk(ast.parse(expr, mode="eval").body), used
+
+
+def countdown_cfg(**kw):
+    return data_cfg(**{"name": "countdown", "ops": "+-*", "train_size": 300, "eval_size": 50,
+                       "instruction": "Answer with just the expression.", **kw})
+
+
+def test_every_countdown_problem_is_solved_by_its_hidden_expression():
+    train, eval_rows = countdown(countdown_cfg())
+    assert len(train) == 300 and len(eval_rows) == 50
+    for row in train + eval_rows:
+        numbers, target = COUNTDOWN.match(row["prompt"]).groups()
+        assert [int(n) for n in numbers.split(", ")] == row["numbers"] and int(target) == row["target"]
+        assert len(row["numbers"]) in (3, 4) and all(1 <= n <= 9 for n in row["numbers"])
+        assert 1 <= row["target"] <= 999
+        value, used = value_and_numbers(row["solution"])
+        assert value == row["target"]
+        assert Counter(used) == Counter(row["numbers"])  # each number exactly once
+    assert {len(r["numbers"]) for r in train} == {3, 4}
+
+
+def test_countdown_reward_accepts_the_hidden_expression():
+    from rlnotes.rewards import REWARDS
+
+    train, _ = countdown(countdown_cfg(train_size=40, eval_size=1))
+    reward = REWARDS[TASK_REWARDS["countdown"]]
+    columns = {"numbers": [r["numbers"] for r in train], "target": [r["target"] for r in train]}
+    assert reward([r["prompt"] for r in train], [r["solution"] for r in train], **columns) == [1.0] * 40
+
+
+def test_countdown_is_deterministic_distinct_and_holds_out_its_eval_problems():
+    cfg = countdown_cfg()
+    train, eval_rows = countdown(cfg)
+    assert (train, eval_rows) == countdown(cfg) == load_task(cfg)
+    assert len(set(prompts(train + eval_rows))) == 350
+    assert countdown(countdown_cfg(seed=9))[1] != eval_rows
+
+
+def test_countdown_ops_and_digits_shape_the_problems():
+    train, _ = countdown(countdown_cfg(ops="+", digits=2, train_size=50, eval_size=1,
+                                       instruction="Answer with just the number."))
+    for row in train:
+        assert "Use + and parentheses" in row["prompt"]
+        assert row["target"] == sum(row["numbers"]) and max(row["numbers"]) <= 99
+    with pytest.raises(ConfigError, match="data.ops"):
+        countdown(countdown_cfg(ops="/"))
+
+
+def test_hidden_expression_uses_every_number_once_in_any_tree_shape():
+    rng = random.Random(0)
+    shapes = set()
+    for _ in range(200):
+        text, value = hidden_expression([2, 3, 5, 7], "+-*", rng)
+        got, used = value_and_numbers(text)
+        assert got == value and sorted(used) == [2, 3, 5, 7]
+        shapes.add(re.sub(r"\d|[-+*]", "", text))
+    assert len(shapes) == 5  # the five ways to bracket four terms, outer brackets dropped
+
+
+def test_too_many_countdown_problems_for_the_space_is_a_config_error():
+    with pytest.raises(ConfigError, match="distinct countdown problems"):
+        countdown(countdown_cfg(ops="+", digits=1, train_size=100_000, eval_size=1))
+
+
+def test_every_task_has_a_reward_and_a_config():
+    from pathlib import Path
+
+    import rlnotes
+
+    conf = Path(rlnotes.__file__).parent.parent / "conf" / "data"
+    assert set(TASK_REWARDS) == set(TASKS)
+    assert all((conf / f"{name}.yaml").exists() for name in TASKS)

@@ -1,37 +1,72 @@
-"""Reward functions, name resolution, and the weighted sum that survives a failing function."""
+"""Reward functions, their checks and names, the weighted sum that survives a failing function,
+conversational completions, and reward models (a Hugging Face dir and an algo=rm run)."""
 
 import importlib
+import json
 import math
 import sys
 import textwrap
+from fractions import Fraction
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from rlnotes.config import ConfigError, RewardConfig, RewardFnConfig
-from rlnotes.rewards import RewardFailure, Rewards, function_specs, last_number, letter_share, number_match, resolve
+from rlnotes.rewards import (
+    RewardFailure,
+    Rewards,
+    check_builtin_args,
+    countdown,
+    countdown_expression,
+    evaluate_arithmetic,
+    exact_match,
+    format_match,
+    function_specs,
+    last_number,
+    length_penalty,
+    letter_share,
+    math_match,
+    metric_names,
+    normalize_text,
+    number_match,
+    resolve,
+)
 
-# --------------------------------------------------------------------------------------------- built-ins
+THINK = r"<think>.*?</think>\s*<answer>.*?</answer>"
+
+# --------------------------------------------------------------------------------------------- number_match
 
 
 @pytest.mark.parametrize("completion, answer, score", [
     ("7", "7", 1.0),
     ("-3", "-3", 1.0),
     ("The answer is -3.", "-3", 1.0),
+    ("x = -3", "-3", 1.0),
+    ("\u22123", "-3", 1.0),            # a Unicode minus sign
     ("3", "-3", 0.0),
     ("-3", "3", 0.0),
+    ("4-3", "1", 0.0),                 # the last number is 3: the minus is a subtraction
+    ("4-3", "3", 1.0),
     ("1,234", "1234", 1.0),
     ("It is 1,234.", "1234", 1.0),
+    ("1,234", "1,234", 1.0),           # commas in the answer column too
+    ("1,234,567 stars", "1234567", 1.0),
+    ("1,2,3", "3", 1.0),               # a list, not a thousands separator
+    ("1,2,3", "123", 0.0),
     ("The answer is 12.", "12", 1.0),
     ("12 apples, I think", "12", 1.0),
     ("4 + 3 = 7", "7", 1.0),
     ("4 + 3 = 7", "4", 0.0),
     ("no number here", "7", 0.0),
     ("", "7", 0.0),
-    ("7.0", "7", 1.0),
+    ("3.0", "3", 1.0),
+    ("3", "3.0", 1.0),
     ("7.5", "7", 0.0),
     ("0.5", "0.50", 1.0),
+    ("1,234.5 kg", "1234.5", 1.0),
     ("7", "seven", 0.0),
+    ("7", 7, 1.0),                     # an int column
 ])
 def test_number_match(completion, answer, score):
     assert number_match(["q"], [completion], answer=[answer]) == [score]
@@ -43,7 +78,11 @@ def test_number_match_is_per_sample_and_ignores_other_columns():
 
 def test_last_number():
     assert last_number("from 3 to 1,000,000.") == "1000000"
+    assert last_number("(2)-5") == "5"
     assert last_number("none") is None
+
+
+# --------------------------------------------------------------------------------------------- letter_share
 
 
 @pytest.mark.parametrize("completion, letter, share", [
@@ -57,6 +96,219 @@ def test_last_number():
 ])
 def test_letter_share(completion, letter, share):
     assert letter_share(["q"], [completion], letter=[letter]) == [pytest.approx(share)]
+
+
+# --------------------------------------------------------------------------------------------- exact_match
+
+
+@pytest.mark.parametrize("completion, answer, normalize, score", [
+    ("Paris", "Paris", False, 1.0),
+    ("  Paris\n", "Paris", False, 1.0),       # surrounding whitespace never counts
+    ("paris", "Paris", False, 0.0),
+    ("Paris.", "Paris", False, 0.0),
+    ("paris", "Paris", True, 1.0),
+    ("Paris!", "paris", True, 1.0),
+    ("The  Eiffel\ttower.", "the eiffel tower", True, 1.0),
+    ("New-York", "new york", True, 0.0),      # punctuation is removed, not made a space
+    ("Paris, France", "Paris", True, 0.0),
+    ("", "Paris", True, 0.0),
+    ("Lyon", ["Paris", "Lyon"], False, 1.0),  # a row may accept several answers
+    ("Nice", ["Paris", "Lyon"], False, 0.0),
+])
+def test_exact_match(completion, answer, normalize, score):
+    assert exact_match(["q"], [completion], answer=[answer], normalize=normalize) == [score]
+
+
+def test_normalize_text():
+    assert normalize_text("  Hello,   WORLD!\n") == "hello world"
+    assert normalize_text("\u00abQuoted\u00bb \u2014 text") == "quoted text"
+
+
+# --------------------------------------------------------------------------------------------- format_match
+
+
+@pytest.mark.parametrize("completion, score", [
+    ("<think>3+4 is 7</think><answer>7</answer>", 1.0),
+    ("<think>line one\nline two</think>\n\n<answer>7</answer>\n", 1.0),   # newlines inside and between
+    ("<think></think><answer></answer>", 1.0),
+    ("Sure! <think>x</think><answer>7</answer>", 0.0),                  # text before: not the whole completion
+    ("<think>x</think><answer>7</answer> done", 0.0),
+    ("<think>x</think>", 0.0),
+    ("<answer>7</answer>", 0.0),
+    ("7", 0.0),
+])
+def test_format_match_think_answer(completion, score):
+    assert format_match(["q"], [completion], pattern=THINK) == [score]
+
+
+def test_format_match_pattern_is_anchored_at_both_ends():
+    assert format_match(["q"] * 2, ["The answer is 7", "answer 7"], pattern=r".*answer is \d+") == [1.0, 0.0]
+
+
+# --------------------------------------------------------------------------------------------- length_penalty
+
+
+def test_length_penalty_in_characters():
+    texts = ["a" * 5, "a" * 10, "a" * 12, "a" * 30, "a" * 500]
+    # 0 up to target=10, then -0.05 per character, floored at -1
+    assert length_penalty(["q"] * 5, texts, target=10, slope=0.05) == pytest.approx([0, 0, -0.1, -1.0, -1.0])
+    assert length_penalty(["q"] * 5, texts, target=10, slope=0.05, max_penalty=None) == \
+        pytest.approx([0, 0, -0.1, -1.0, -24.5])
+
+
+def test_length_penalty_dapo_overlong_shape():
+    # L_max = 20, L_cache = 4: free up to 16 tokens, -1 at 20 and beyond (DAPO Eq. 13).
+    ids = [[1] * n for n in (16, 17, 18, 20, 25)]
+    values = length_penalty(["q"] * 5, ["x"] * 5, target=16, slope=1 / 4, unit="tokens", completion_ids=ids)
+    assert values == pytest.approx([0, -0.25, -0.5, -1.0, -1.0])
+
+
+def test_length_penalty_in_tokens_needs_completion_ids():
+    with pytest.raises(ValueError, match="completion_ids"):
+        length_penalty(["q"], ["abc"], target=1, unit="tokens")
+
+
+# --------------------------------------------------------------------------------------------- math_match
+
+
+@pytest.mark.parametrize("completion, answer, score", [
+    (r"So the answer is $\boxed{\frac{2}{4}}$.", r"\frac{1}{2}", 1.0),
+    (r"\boxed{0.5}", r"$\frac{1}{2}$", 1.0),
+    (r"\boxed{1+x^2}", "x^2+1", 1.0),           # a bare answer column is read as math
+    (r"First 8. Final answer: \boxed{7}. Then 9", "7", 1.0),
+    ("<think>2+2=4, then 5</think><answer>7</answer>", "7", 1.0),   # the <answer> section, not the thinking
+    ("<think>it is 7</think><answer>5</answer>", "7", 0.0),
+    (r"\boxed{\sqrt{2}}", r"\sqrt{2}", 1.0),
+    (r"\boxed{1.41}", r"\sqrt{2}", 0.0),
+    (r"\boxed{\{2, 1\}}", r"$\{1, 2\}$", 1.0),
+    (r"It is $3\pi$.", r"3\pi", 1.0),              # bare answers are read whole, not as their first number
+    (r"\boxed{3}", r"3\pi", 0.0),
+    (r"\boxed{(1, 2)}", "(1, 2)", 1.0),
+    (r"\boxed{2}", "(1, 2)", 0.0),
+    (r"The solution: $x = \frac{1}{2}$, so \boxed{\frac{1}{2}}", r"We get $\boxed{0.5}$.", 1.0),
+    ("I do not know", "7", 0.0),
+    ("", "7", 0.0),
+])
+def test_math_match(completion, answer, score):
+    pytest.importorskip("math_verify")
+    assert math_match(["q"], [completion], answer=[answer]) == [score]
+
+
+def test_math_match_has_no_opinion_on_an_answer_it_cannot_parse():
+    pytest.importorskip("math_verify")
+    assert math_match(["q"] * 3, ["7", "7", "7"], answer=["", "}{", "7"]) == [None, None, 1.0]
+
+
+def test_math_match_without_the_package_says_how_to_install_it(monkeypatch):
+    monkeypatch.setitem(sys.modules, "math_verify", None)   # import math_verify now raises ImportError
+    with pytest.raises(ImportError, match=r'pip install "rlnotes\[math\]"'):
+        math_match(["q"], ["7"], answer=["7"])
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    with pytest.raises(ConfigError, match=r'rlnotes\[math\]'):
+        check_builtin_args("math_match", {})
+
+
+# --------------------------------------------------------------------------------------------- countdown
+
+
+@pytest.mark.parametrize("completion, numbers, target, score", [
+    ("<answer>(3 + 5) * 2</answer>", [3, 5, 2], 16, 1.0),
+    ("<answer>(3+5)*2</answer>", [2, 3, 5, 7], 16, 1.0),          # not every number has to be used
+    ("Let me think.\nAnswer: (3 + 5) * 2", [3, 5, 2], 16, 1.0),
+    ("Trying things\n(3 + 5) * 2 = 16", [3, 5, 2], 16, 1.0),       # last line, the left side of '='
+    ("(3 + 5) \u00d7 2.", [3, 5, 2], 16, 1.0),                     # x sign, final period
+    ("<answer>(8 / 3) * 6</answer>", [8, 3, 6], 16, 1.0),          # exact: no float rounding
+    ("<answer>-(3 - 5) * 8</answer>", [3, 5, 8], 16, 1.0),
+    ("<answer>(3 + 5) * 2</answer>", [3, 5, 2], 17, 0.0),          # wrong value
+    ("<answer>8 * 2</answer>", [3, 5, 2], 16, 0.0),                # 8 is not given
+    ("<answer>(3 + 5) * 2 * 1</answer>", [3, 5, 2], 16, 0.0),
+    ("<answer>4 * 4</answer>", [4, 3], 16, 0.0),                   # 4 used twice, given once
+    ("<answer>4 * 4</answer>", [4, 4], 16, 1.0),                   # given twice
+    ("<answer>16</answer>", [16, 1], 16, 1.0),
+    ("<answer>2 ** 4</answer>", [2, 4], 16, 0.0),                  # only + - * /
+    ("<answer>16.0</answer>", [16], 16, 0.0),                      # integers only
+    ("<answer>5 / (3 - 3) + 16</answer>", [5, 3, 3, 16], 16, 0.0),  # division by zero
+    ("<answer>__import__('os').getcwd()</answer>", [1], 16, 0.0),
+    ("<answer>(3 + 5</answer>", [3, 5], 8, 0.0),
+    ("", [3, 5], 8, 0.0),
+    ("<answer>" + "(" * 500 + "1" + ")" * 500 + "</answer>", [1], 1, 0.0),
+])
+def test_countdown(completion, numbers, target, score):
+    assert countdown(["q"], [completion], numbers=[numbers], target=[target]) == [score]
+
+
+def test_countdown_expression_sources():
+    assert countdown_expression("<answer>1+2</answer> then answer: 3+4") == "1+2"   # tags first
+    assert countdown_expression("x\nThe answer: 3*4 = 12\nthanks") == "3*4"
+    assert countdown_expression("first\n\n 5 - 1 \n\n") == "5 - 1"
+
+
+def test_evaluate_arithmetic():
+    assert evaluate_arithmetic("(8 / 3) * 6") == (Fraction(16), [8, 3, 6])
+    assert evaluate_arithmetic("-2 - -3") == (Fraction(1), [2, 3])
+    with pytest.raises(ValueError):
+        evaluate_arithmetic("a + 1")
+
+
+# --------------------------------------------------------------------------------------------- built-in args
+
+
+@pytest.mark.parametrize("name, args, message", [
+    ("exact_match", {"normalise": True}, "no argument 'normalise'; its arguments: answer, normalize"),
+    ("format_match", {}, "needs args.pattern"),
+    ("format_match", {"pattern": "(unclosed"}, "not a regular expression"),
+    ("length_penalty", {"slope": 0.1}, "needs args.target"),
+    ("length_penalty", {"target": 10, "unit": "words"}, "choose one of: chars, tokens"),
+    ("length_penalty", {"target": 10, "slope": -1}, "must be >= 0"),
+    ("reward_model", {}, "reward.path"),
+    ("reward_model", {"path": "/no/such/dir"}, "neither the final/ dir of an algo=rm run"),
+])
+def test_builtin_args_are_checked(name, args, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        check_builtin_args(name, args)
+
+
+def test_bad_builtin_args_fail_when_the_config_is_checked():
+    from rlnotes.cli import UsageError
+    from tests.conftest import compose
+
+    with pytest.raises(UsageError, match="format_match needs args.pattern"):
+        compose("reward.functions=[{fn: format_match}]")
+
+
+def test_shipped_reward_configs_compose():
+    from tests.conftest import compose
+
+    for option, names in [("exact", ["exact_match"]), ("countdown", ["countdown"]),
+                          ("reasoning", ["accuracy", "format"]), ("arith", ["number_match"])]:
+        if option == "reasoning":
+            pytest.importorskip("math_verify")
+        assert [f.name for f in Rewards(compose(f"reward={option}").reward).fns] == names
+
+
+# --------------------------------------------------------------------------------------------- names
+
+
+@pytest.mark.parametrize("fns, names, expected", [
+    (["number_match", "letter_share"], [None, None], ["number_match", "letter_share"]),
+    (["pkg.a.score", "pkg.b.score"], [None, None], ["a.score", "b.score"]),
+    (["x.a.score", "y.a.score", "z.other"], [None] * 3, ["x.a.score", "y.a.score", "other"]),
+    (["format_match", "format_match"], [None, None], ["format_match", "format_match_2"]),
+    (["format_match", "format_match"], ["think", "boxed"], ["think", "boxed"]),
+    (["pkg.score", "number_match"], [None, "score"], ["pkg.score", "score"]),   # a given name wins
+    (["stats.mean"], [None], ["stats.mean"]),                                   # reward/mean is the total
+    (["m.score", "m.score", "m.score"], [None, None, "score_2"], ["score", "score_3", "score_2"]),
+    (["a.score", "a.score", "b.score"], [None] * 3, ["a.score", "a.score_2", "b.score"]),
+])
+def test_metric_names_are_unique_and_readable(fns, names, expected):
+    assert metric_names(fns, names) == expected
+
+
+@pytest.mark.parametrize("names, message", [(["mean"], "a metric the runners write"),
+                                            (["a", "a"], "given to two functions")])
+def test_given_metric_names_must_be_free(names, message):
+    with pytest.raises(ConfigError, match=message):
+        metric_names(["number_match"] * len(names), names)
 
 
 # --------------------------------------------------------------------------------------------- resolve
@@ -87,8 +339,17 @@ def nan_on_empty(prompts, completions, **kw):
     return [float("nan") if not c else (math.inf if c == "inf" else 1.0) for c in completions]
 
 
+def odd_values(prompts, completions, **kw):
+    table = {"str": "1.0", "list": [1.0], "none": None, "bool": True, "tensor": __import__("torch").tensor(0.5)}
+    return [table.get(c, 2.0) for c in completions]
+
+
 def always_raises(prompts, completions, **kw):
-    raise RuntimeError("broken")
+    raise RuntimeError("broken\\nsecond line")
+
+
+def none_or_nan(prompts, completions, **kw):
+    return [None if c == "skip" else float("nan") for c in completions]
 
 
 def too_many(prompts, completions, **kw):
@@ -102,6 +363,10 @@ def first_only(prompts, completions, **kw):
 def record(prompts, completions, **kw):
     CALLS.append({"prompts": list(prompts), "completions": list(completions), **kw})
     return [2.0] * len(completions)
+
+
+def score(prompts, completions, **kw):
+    return [0.25] * len(completions)
 
 
 NOT_A_FUNCTION = 3
@@ -146,19 +411,29 @@ def test_resolve_not_callable(user_module):
 
 def test_resolve_unknown_plain_name_lists_builtins():
     with pytest.raises(ConfigError) as err:
-        resolve("exact_match")
+        resolve("exact_matchh")
     message = str(err.value)
-    assert "'exact_match'" in message
-    assert "number_match" in message and "letter_share" in message
+    assert "'exact_matchh'" in message
+    assert all(name in message for name in ("number_match", "exact_match", "format_match", "countdown"))
 
 
 # --------------------------------------------------------------------------------------------- Rewards
 
 
 def rewards(*fns, target=None, fallback=0.0, console=None):
-    """Rewards from (name, weight) pairs or (name, weight, args) triples."""
-    functions = [RewardFnConfig(fn=f[0], weight=f[1], args=f[2] if len(f) > 2 else {}) for f in fns]
-    return Rewards(RewardConfig(functions=functions, target=target, fallback=fallback), console=console)
+    """Rewards from (fn, weight), (fn, weight, args) or (fn, weight, args, name) tuples."""
+    functions = [RewardFnConfig(fn=f[0], weight=f[1], args=f[2] if len(f) > 2 else {},
+                                name=f[3] if len(f) > 3 else None) for f in fns]
+    cfg = OmegaConf.structured(RewardConfig(functions=functions, target=target, fallback=fallback))
+    return Rewards(cfg, console=console)
+
+
+class FakeConsole:
+    def __init__(self):
+        self.printed = []
+
+    def print(self, text):
+        self.printed.append(text)
 
 
 def test_weighted_sum_of_two_functions():
@@ -166,9 +441,8 @@ def test_weighted_sum_of_two_functions():
     total, metrics = r(["p1", "p2"], ["aa7", "b"], {"answer": ["7", "3"], "letter": ["a", "b"]})
     # number_match: [1, 0]; letter_share: [2/3, 1]
     torch.testing.assert_close(total, torch.tensor([2 * 1 + 0.5 * 2 / 3, 2 * 0 + 0.5 * 1]))
-    assert metrics["reward/number_match"] == pytest.approx(0.5)
-    assert metrics["reward/letter_share"] == pytest.approx((2 / 3 + 1) / 2)
-    assert metrics["reward/failures"] == 0
+    assert metrics == {"reward/number_match": pytest.approx(0.5), "reward/letter_share": pytest.approx(5 / 6),
+                       "reward/failures": 0}
 
 
 def test_none_is_no_opinion(user_module):
@@ -180,18 +454,16 @@ def test_none_is_no_opinion(user_module):
     assert metrics["reward/failures"] == 0
 
 
-def test_all_none_gives_nan_mean_and_zero_reward(user_module):
-    total, metrics = rewards((f"{USER_MODULE}.length", 1.0))(["p", "p"], ["?a", "?b"], {})
+def test_a_sample_no_function_scores_gets_zero_and_a_warning_once(user_module):
+    console = FakeConsole()
+    r = rewards((f"{USER_MODULE}.length", 2.0), console=console)
+    total, metrics = r(["p"] * 3, ["?a", "bb", "?c"], {})
+    torch.testing.assert_close(total, torch.tensor([0.0, 4.0, 0.0]))
+    assert metrics == {"reward/length": 2.0, "reward/failures": 0}
+    assert len(console.printed) == 1 and "2 of 3 samples" in console.printed[0]
+    total, metrics = r(["p", "p"], ["?a", "?b"], {})
     torch.testing.assert_close(total, torch.zeros(2))
-    assert math.isnan(metrics["reward/length"])
-
-
-class FakeConsole:
-    def __init__(self):
-        self.printed = []
-
-    def print(self, text):
-        self.printed.append(text)
+    assert math.isnan(metrics["reward/length"]) and len(console.printed) == 1
 
 
 def test_function_raising_on_one_sample_is_retried_per_sample(user_module):
@@ -209,19 +481,43 @@ def test_function_raising_on_one_sample_is_retried_per_sample(user_module):
 
 
 def test_nan_and_inf_get_the_fallback(user_module):
-    r = rewards((f"{USER_MODULE}.nan_on_empty", 1.0), fallback=-0.5)
+    console = FakeConsole()
+    r = rewards((f"{USER_MODULE}.nan_on_empty", 1.0), fallback=-0.5, console=console)
     total, metrics = r(["p"] * 3, ["x", "", "inf"], {})
     torch.testing.assert_close(total, torch.tensor([1.0, -0.5, -0.5]))
     assert metrics["reward/failures"] == 2
+    assert len(console.printed) == 1 and "nan" in console.printed[0]
 
 
-def test_function_failing_on_every_sample_stops_the_run(user_module):
-    with pytest.raises(RewardFailure, match="always_raises"):
+def test_values_that_are_not_numbers_get_the_fallback(user_module):
+    r = rewards((f"{USER_MODULE}.odd_values", 1.0), fallback=-1.0)
+    total, metrics = r(["p"] * 6, ["str", "list", "none", "bool", "tensor", "x"], {})
+    # "1.0" (a string) and [1.0] are not numbers; None is no opinion; True is 1; a 0-d tensor is a number
+    torch.testing.assert_close(total, torch.tensor([-1.0, -1.0, 0.0, 1.0, 0.5, 2.0]))
+    assert metrics["reward/failures"] == 2
+    assert metrics["reward/odd_values"] == pytest.approx((-1 - 1 + 1 + 0.5 + 2) / 5)
+
+
+def test_function_failing_on_every_sample_stops_the_run_with_one_line(user_module):
+    with pytest.raises(RewardFailure, match=r"'always_raises' .*RuntimeError: broken\)") as err:
         rewards((f"{USER_MODULE}.always_raises", 1.0))(["p", "p"], ["a", "b"], {})
+    assert "\n" not in str(err.value)
+
+
+def test_function_returning_nan_for_every_sample_stops_the_run(user_module):
+    with pytest.raises(RewardFailure, match="no finite number .* returned nan"):
+        rewards((f"{USER_MODULE}.nan_on_empty", 1.0))(["p", "p"], ["", ""], {})
+
+
+def test_failing_on_every_sample_it_scores_stops_the_run(user_module):
+    with pytest.raises(RewardFailure, match="none_or_nan"):
+        rewards((f"{USER_MODULE}.none_or_nan", 1.0))(["p"] * 3, ["skip", "a", "skip"], {})
+    total, _ = rewards((f"{USER_MODULE}.none_or_nan", 1.0))(["p"] * 2, ["skip", "skip"], {})  # only None: fine
+    torch.testing.assert_close(total, torch.zeros(2))
 
 
 def test_wrong_number_of_values_fails(user_module):
-    with pytest.raises(RewardFailure, match="too_many"):
+    with pytest.raises(RewardFailure, match="too_many.*returned 3 values for 2 completions"):
         rewards((f"{USER_MODULE}.too_many", 1.0))(["p", "p"], ["a", "b"], {})
 
 
@@ -232,37 +528,204 @@ def test_wrong_number_of_values_in_a_batch_is_retried_per_sample(user_module):
     assert metrics["reward/failures"] == 0
 
 
-def test_columns_and_args_reach_the_function_as_keywords(user_module):
-    r = rewards((f"{USER_MODULE}.record", 1.0, {"scale": 3}))
-    r(["p1", "p2"], ["c1", "c2"], {"answer": ["1", "2"], "difficulty": ["easy", "hard"]})
+def test_columns_args_and_completion_ids_reach_the_function_as_keywords(user_module):
+    r = rewards((f"{USER_MODULE}.record", 1.0, {"scale": 3, "difficulty": "fixed"}))
+    r(["p1", "p2"], ["c1", "c2"], {"answer": ["1", "2"], "difficulty": ["easy", "hard"]},
+      completion_ids=[[5, 2], [7, 8, 2]])
     (call,) = user_module.CALLS
-    assert call == {"prompts": ["p1", "p2"], "completions": ["c1", "c2"],
-                    "answer": ["1", "2"], "difficulty": ["easy", "hard"], "scale": 3}
+    assert call == {"prompts": ["p1", "p2"], "completions": ["c1", "c2"], "answer": ["1", "2"],
+                    "difficulty": "fixed", "scale": 3, "completion_ids": [[5, 2], [7, 8, 2]]}
+
+
+def test_length_penalty_in_tokens_through_rewards():
+    r = rewards(("length_penalty", 1.0, {"target": 2, "slope": 0.5, "unit": "tokens"}))
+    total, _ = r(["p"] * 3, ["a", "b", "c"], {}, completion_ids=[[1, 2], [1, 2, 3], [1, 2, 3, 4, 5, 6]])
+    torch.testing.assert_close(total, torch.tensor([0.0, -0.5, -1.0]))
+
+
+def test_name_collisions_get_distinct_metrics(user_module, tmp_path, monkeypatch):
+    (tmp_path / "other_rewards.py").write_text("def score(prompts, completions, **kw):\n"
+                                               "    return [0.75] * len(completions)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    r = rewards((f"{USER_MODULE}.score", 1.0), ("other_rewards.score", 1.0), ("format_match", 1.0, {"pattern": "a+"}),
+                ("format_match", 1.0, {"pattern": "b+"}), ("format_match", 0.0, {"pattern": "c+"}, "only_c"))
+    total, metrics = r(["p"] * 2, ["aa", "b"], {})
+    assert metrics == {f"reward/{USER_MODULE}.score": 0.25, "reward/other_rewards.score": 0.75,
+                       "reward/format_match": 0.5, "reward/format_match_2": 0.5, "reward/only_c": 0.0,
+                       "reward/failures": 0}
+    torch.testing.assert_close(total, torch.tensor([2.0, 2.0]))   # weight 0 logs without scoring
+    sys.modules.pop("other_rewards", None)
+
+
+def test_conversational_prompts_get_message_completions(user_module):
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 3+4?"}]
+    r = rewards((f"{USER_MODULE}.record", 1.0))
+    r([chat, "plain prompt"], ["7", "8"], {})
+    (call,) = user_module.CALLS
+    assert call["prompts"] == [chat, "plain prompt"]
+    assert call["completions"] == [[{"role": "assistant", "content": "7"}], "8"]
+
+
+def test_builtins_score_conversational_completions():
+    chat = [{"role": "user", "content": "q"}]
+    r = rewards(("number_match", 1.0), ("exact_match", 1.0, {"normalize": True}), ("format_match", 1.0,
+                {"pattern": r"\d+"}), ("letter_share", 1.0), ("length_penalty", 1.0, {"target": 1, "slope": 1.0}),
+                ("countdown", 1.0))
+    total, metrics = r([chat, "q"], ["7", "7"], {"answer": ["7", "7"], "letter": ["7", "7"], "numbers": [[7], [7]],
+                                                 "target": [7, 7]})
+    assert metrics["reward/failures"] == 0
+    torch.testing.assert_close(total, torch.tensor([5.0, 5.0]))   # the same text scores the same either way
 
 
 def test_target_adds_a_function_of_weight_one(user_module):
-    cfg = RewardConfig(functions=[RewardFnConfig(fn="number_match", weight=0.25)], target=f"{USER_MODULE}.constant")
-    assert function_specs(cfg) == [("number_match", 0.25, {}), (f"{USER_MODULE}.constant", 1.0, {})]
+    cfg = OmegaConf.structured(RewardConfig(functions=[RewardFnConfig(fn="number_match", weight=0.25)],
+                                            target=f"{USER_MODULE}.constant"))
+    assert function_specs(cfg) == [("number_match", 0.25, {}, None), (f"{USER_MODULE}.constant", 1.0, {}, None)]
     total, metrics = Rewards(cfg)(["p", "p"], ["5", "6"], {"answer": ["5", "5"]})
     torch.testing.assert_close(total, torch.tensor([0.25 + 1.0, 0.0 + 1.0]))
     assert metrics["reward/constant"] == 1.0
 
 
 def test_target_alone(user_module):
-    total, _ = Rewards(RewardConfig(target=f"{USER_MODULE}.constant"))(["p"], ["x"], {})
+    total, _ = rewards(target=f"{USER_MODULE}.constant")(["p"], ["x"], {})
     torch.testing.assert_close(total, torch.tensor([1.0]))
 
 
 def test_empty_config_raises():
     with pytest.raises(ConfigError, match="no reward function"):
-        Rewards(RewardConfig())
+        rewards()
 
 
 def test_unknown_function_fails_at_construction():
-    with pytest.raises(ConfigError, match="exact_match"):
-        rewards(("exact_match", 1.0))
+    with pytest.raises(ConfigError, match="exact_matchh"):
+        rewards(("exact_matchh", 1.0))
 
 
-def test_function_returning_nan_for_every_sample_stops_the_run(user_module):
-    with pytest.raises(RewardFailure, match="no finite value"):
-        rewards((f"{USER_MODULE}.nan_on_empty", 1.0))(["p", "p"], ["", ""], {})
+# --------------------------------------------------------------------------------------------- reward models
+
+
+def tiny_classifier(path, chat_template=None, num_labels=1):
+    """A tiny LlamaForSequenceClassification and its tokenizer saved in `path`, as a published reward
+    model would be."""
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    from rlnotes.models import tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    tokenizer.chat_template = chat_template
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, num_labels=num_labels, pad_token_id=0,
+                         initializer_range=0.2)
+    torch.manual_seed(0)
+    model = LlamaForSequenceClassification(config).eval()
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return model, tokenizer
+
+
+def one_by_one(model, tokenizer, texts, add_special_tokens=True):
+    """The model's score of each text alone: no batch, no padding."""
+    with torch.no_grad():
+        return [float(model(**tokenizer(t, add_special_tokens=add_special_tokens, return_tensors="pt")).logits[0, 0])
+                for t in texts]
+
+
+def test_hf_reward_model_scores_in_batches_as_one_by_one(tmp_path):
+    from rlnotes.rewards import reward_model
+
+    model, tokenizer = tiny_classifier(tmp_path)
+    prompts, completions = ["Q: 3+4?", "Q: 10+20? ", "Q: 1+1?"], ["7", "It is 30, I think.", "2!"]
+    scores = reward_model(prompts, completions, path=str(tmp_path), batch_size=2)
+    expected = one_by_one(model, tokenizer, [p + c for p, c in zip(prompts, completions)])
+    assert scores == pytest.approx(expected, abs=1e-5)
+    assert len({round(s, 4) for s in scores}) == 3     # the scores tell the sequences apart
+
+
+def test_hf_reward_model_renders_the_chat_template(tmp_path):
+    from rlnotes.rewards import reward_model
+
+    template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+    model, tokenizer = tiny_classifier(tmp_path, chat_template=template)
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "3+4?"}]
+    scores = reward_model(["3+4?", chat], ["7", [{"role": "assistant", "content": "7"}]], path=str(tmp_path))
+    expected = one_by_one(model, tokenizer, ["<user>3+4?\n<assistant>7\n",
+                                             "<system>Be brief.\n<user>3+4?\n<assistant>7\n"], False)
+    assert scores == pytest.approx(expected, abs=1e-5)
+
+
+def test_hf_model_with_several_labels_is_refused(tmp_path):
+    from rlnotes.reward_model import load_scorer
+
+    tiny_classifier(tmp_path, num_labels=2)
+    with pytest.raises(ConfigError, match="has 2 labels"):
+        load_scorer(tmp_path, torch.device("cpu"), 4)
+
+
+def test_reward_model_path_must_be_a_model_dir(tmp_path):
+    from rlnotes.cli import UsageError
+    from tests.conftest import compose
+
+    with pytest.raises(UsageError, match="neither the final/ dir of an algo=rm run"):
+        compose("reward=model", f"reward.path={tmp_path}")
+
+
+def test_reward_model_from_an_hf_dir_in_a_run(tmp_path):
+    """reward=model with an HF dir: composed, checked, on hardware.device, through Rewards."""
+    from tests.conftest import compose
+
+    model, tokenizer = tiny_classifier(tmp_path)
+    cfg = compose("reward=model", f"reward.path={tmp_path}")
+    assert cfg.reward.functions[0].args.device == cfg.hardware.device
+    total, metrics = Rewards(cfg.reward)(["a", "b"], ["x", "yy"], {})
+    torch.testing.assert_close(total, torch.tensor(one_by_one(model, tokenizer, ["ax", "byy"])), atol=1e-5, rtol=0)
+    assert metrics["reward/reward_model"] == pytest.approx(float(total.mean()), abs=1e-6)
+
+
+def test_reward_model_from_an_rm_run(tmp_path):
+    """A 2-step algo=rm run through the console entry point, then reward=model on its final/: the
+    scores are the trained head's r(x, y), the same in any batch size."""
+    from rlnotes.cli import main
+    from rlnotes.offline import encode
+    from rlnotes.reward_model import load, sequence_rewards
+    from rlnotes.rewards import reward_model
+    from tests.conftest import compose
+
+    run = tmp_path / "rm"
+    assert main(["train", "algo=rm", "data=letters_pairs", "trainer.steps=2", "trainer.batch_size=4",
+                 "logging.progress=false", f"hydra.run.dir={run}"]) == 0
+    final = run / "final"
+    prompts, completions = ["Write the letter a:", "Write the letter b!", "Write the letter a."], ["aaaa", "bb", "c"]
+    cfg = compose("reward=model", f"reward.path={final}")
+    total, metrics = Rewards(cfg.reward)(prompts, completions, {})
+    model, head, tokenizer, model_cfg = load(final, torch.device("cpu"))
+    with torch.no_grad():
+        expected = torch.stack([sequence_rewards(model, head, encode(tokenizer, [p], [c], torch.device("cpu"),
+                                                                     model_cfg.chat_template))[0]
+                                for p, c in zip(prompts, completions)])
+    torch.testing.assert_close(total, expected, atol=1e-5, rtol=0)
+    assert reward_model(prompts, completions, path=str(final), batch_size=1) == pytest.approx(total.tolist(), abs=1e-5)
+    assert metrics["reward/failures"] == 0
+
+
+# --------------------------------------------------------------------------------------------- in a run
+
+
+def test_grpo_logs_every_function_and_scores_tokens(tmp_path, user_module):
+    """Two GRPO steps with several functions: each logs reward/<name>, the total is their weighted
+    sum, and length_penalty in tokens sees the sampled completions' lengths."""
+    from rich.console import Console
+
+    from rlnotes.runners.common import train
+    from tests.conftest import compose
+
+    functions = ("[{fn: letter_share, weight: 1.0}, {fn: length_penalty, weight: 1.0, name: long, "
+                 "args: {target: 0, slope: 1.0, max_penalty: null, unit: tokens}}, "
+                 f"{{fn: {USER_MODULE}.score, weight: 2.0}}]")
+    cfg = compose("algo=grpo", "logging.progress=false", "trainer.steps=2", "rollout.max_new_tokens=6",
+                  f"reward.functions={functions}")
+    train(cfg, tmp_path, Console(quiet=True))
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    for row in rows:
+        assert row["reward/score"] == 0.25 and row["reward/failures"] == 0
+        assert row["reward/long"] == pytest.approx(-row["completion/len_mean"], rel=1e-5)
+        assert row["reward/mean"] == pytest.approx(row["reward/letter_share"] + row["reward/long"] + 0.5, rel=1e-5)

@@ -18,8 +18,15 @@ from omegaconf import OmegaConf
 from rich.console import Console
 from safetensors.torch import save_file
 
-from rlnotes.data import PromptSampler, Row, load_task
+from rlnotes import checkpoint
+from rlnotes.data import PromptSampler, Row, system_prompt
+from rlnotes.datasets import fit_and_split, load_checked, max_positions
+from rlnotes.evaluate import checker_config, evaluate
+from rlnotes.evaluate import eval_rows as held_out_rows
+from rlnotes.evaluate import write as write_eval
+from rlnotes.diagnostics import batch_arithmetic, describe_batches
 from rlnotes.logger import MetricsLogger
+from rlnotes.tracking import open_sinks
 from rlnotes.models import resolve_device
 from rlnotes.notes import kl_penalty, masked_mean
 from rlnotes.notes.reinforce import terminal_rewards
@@ -52,8 +59,16 @@ class Context:
     # Modules a runner trains beside the policy (a reward model's scalar head), made on its first
     # step and added with add_head: clipped with the policy, saved next to it as <name>.safetensors.
     heads: Dict[str, torch.nn.Module] = field(default_factory=dict)
-    # A runner's own state kept across steps (e.g. DPO's precomputed reference log-probs).
+    # A runner's own state kept across steps (e.g. REINFORCE's running-mean baseline): plain numbers,
+    # strings and tensors, saved in checkpoints (see rlnotes.checkpoint.RECOMPUTED for what is not).
     cache: Dict[str, object] = field(default_factory=dict)
+    # An optimizer update has run since the last completed step: a stop now cannot go back to that
+    # step's state (see checkpoint.StopSignals); set by optimizer_step, cleared by the train loop.
+    updating: bool = False
+    # Scores trainer.eval_every evaluations (the task's checker); None when evaluation is off.
+    scorer: Optional[Rewards] = None
+    # The last sampled batch (prompts, completions, rewards: lists of N) for the samples table.
+    samples: Optional[Dict[str, list]] = None
 
     @contextmanager
     def timed(self, name: str) -> Iterator[None]:
@@ -86,8 +101,11 @@ def setup(cfg, run_dir: Path, console: Console) -> Context:
     from rlnotes.config import ALGO_SCHEMAS
 
     rewards = Rewards(cfg.reward, console) if ALGO_SCHEMAS[cfg.algo.name].samples else None
-    train_rows, eval_rows = load_task(cfg.data)
+    data = load_checked(cfg, rewards.fns if rewards else [])  # a data mistake fails before the model loads
     policy = Policy.from_config(cfg.model, device)
+    train_rows, eval_rows = fit_and_split(data, cfg, policy.tokenizer, max_positions(policy.model), console)
+    if cfg.eval.data:
+        eval_rows = held_out_rows(cfg, policy.tokenizer, max_positions(policy.model), console)
     params = policy.trainable_parameters()
     o = cfg.optim
     optimizer = torch.optim.AdamW(params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
@@ -97,10 +115,12 @@ def setup(cfg, run_dir: Path, console: Console) -> Context:
     n_params = sum(p.numel() for p in params)
     console.print(f"[bold]rlnotes[/] {cfg.algo.name} on {cfg.model.name_or_path} "
                   f"({n_params:,} trainable parameters, {'LoRA' if policy.uses_lora else 'full'}) -> {run_dir}")
+    console.print(describe_batches(batch_arithmetic(cfg, len(train_rows))), highlight=False, soft_wrap=True)
+    scorer = Rewards(checker_config(cfg), console) if cfg.trainer.eval_every else None
     return Context(cfg=cfg, run_dir=run_dir, device=device, policy=policy, optimizer=optimizer, scheduler=scheduler,
                    sampler=PromptSampler(train_rows, cfg.trainer.batch_size, cfg.seed), eval_rows=eval_rows,
-                   rewards=rewards, logger=MetricsLogger(run_dir, cfg.trainer.steps, console, cfg.logging.progress),
-                   console=console, generator=torch.Generator(device).manual_seed(cfg.seed))
+                   rewards=rewards, logger=MetricsLogger.for_run(cfg, run_dir, console, sinks=open_sinks(cfg, run_dir)),
+                   console=console, generator=torch.Generator(device).manual_seed(cfg.seed), scorer=scorer)
 
 
 def columns_of(rows: List[Row], repeat: int) -> Dict[str, list]:
@@ -113,7 +133,7 @@ def sample_and_score(ctx: Context, rows: List[Row], group_size: int) -> tuple[Ro
     """G completions per prompt and the reward of each: (rollout, rewards [N], reward metrics)."""
     cfg = ctx.cfg
     prompt_ids = encode_prompts(ctx.policy.tokenizer, [r["prompt"] for r in rows], cfg.model.chat_template,
-                                cfg.model.system_prompt)
+                                system_prompt(cfg))
     ctx.policy.model.eval()
     start = time.perf_counter()
     with ctx.timed("generate"):
@@ -123,7 +143,9 @@ def sample_and_score(ctx: Context, rows: List[Row], group_size: int) -> tuple[Ro
     metrics = {"perf/tokens": tokens, "perf/gen_tokens_per_s": tokens / (time.perf_counter() - start)}
     prompts = [r["prompt"] for r in rows for _ in range(group_size)]
     with ctx.timed("reward"):
-        rewards, reward_metrics = ctx.rewards(prompts, rollout.texts, columns_of(rows, group_size))
+        ids = [row[mask.bool()].tolist() for row, mask in zip(rollout.completion_ids, rollout.completion_mask)]
+        rewards, reward_metrics = ctx.rewards(prompts, rollout.texts, columns_of(rows, group_size), completion_ids=ids)
+    ctx.samples = {"prompts": prompts, "completions": list(rollout.texts), "rewards": rewards.tolist()}
     return rollout, rewards.to(ctx.device), {**metrics, **reward_metrics}
 
 
@@ -142,6 +164,7 @@ def micro_batch_weight(aggregation: str, chunk_mask: torch.Tensor, full_mask: to
 
 def optimizer_step(ctx: Context) -> Dict[str, float]:
     """Clip, step and schedule; a non-finite gradient skips the update (three in a row stop the run)."""
+    ctx.updating = True
     params = ctx.policy.trainable_parameters() + [p for head in ctx.heads.values() for p in head.parameters()]
     max_norm = ctx.cfg.optim.max_grad_norm
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm is not None else float("inf"))
@@ -211,6 +234,19 @@ def rollout_metrics(rollout: Rollout, rewards: torch.Tensor, group_size: int) ->
     }
 
 
+def eval_metrics(ctx: Context) -> Dict[str, float]:
+    """Evaluate the current policy on the eval split (trainer.eval_every); samples go to eval/step_N.jsonl."""
+    start = time.perf_counter()
+    evaluation = evaluate(ctx.policy, ctx.cfg, ctx.eval_rows, ctx.scorer, ctx.step)
+    write_eval(evaluation, ctx.run_dir, ctx.step)
+    return {**evaluation.metrics, "time/eval_s": time.perf_counter() - start}
+
+
+def eval_due(step: int, every: Optional[int], total: int) -> bool:
+    """trainer.eval_every: before the first step, every N steps and after the last."""
+    return bool(every) and (step % every == 0 or step == total)
+
+
 def finish(ctx: Context, interrupted: bool = False) -> Path:
     """Save the policy (adapter or full model) and close the log."""
     ctx.logger.close()
@@ -221,35 +257,109 @@ def finish(ctx: Context, interrupted: bool = False) -> Path:
     return out
 
 
+def start_point(cfg, run_dir: Path, console: Console) -> Optional[Path]:
+    """The checkpoint trainer.resume names, with the run's step logs cut back to its step; None to
+    start fresh. Runs before any model loads, so a bad path fails at once."""
+    from rich.markup import escape
+
+    path = checkpoint.locate(cfg.trainer.resume, run_dir)
+    if path is None:
+        if cfg.trainer.resume == "auto":
+            console.print(f"trainer.resume=auto: no checkpoint in {escape(str(run_dir / checkpoint.CHECKPOINTS))}; "
+                          "starting at step 0 (to resume a run, pass its dir: hydra.run.dir=RUN_DIR)", highlight=False)
+            checkpoint.carry_logs(None, run_dir, -1)  # rows of an attempt that saved nothing
+        return None
+    step = checkpoint.read_manifest(path)["step"]
+    changed = checkpoint.check_config(path, cfg)
+    checkpoint.carry_logs(path.parent.parent, run_dir, step)
+    dropped = checkpoint.drop_later(run_dir, step)
+    console.print(f"resuming from {escape(str(path))} at step {step}"
+                  + (f"; later checkpoints dropped: {', '.join(p.name for p in dropped)}" if dropped else ""),
+                  highlight=False)
+    if changed:
+        console.print(f"[yellow]settings differ from the checkpoint's run:[/] {escape('; '.join(changed))}",
+                      highlight=False)
+    return path
+
+
+def resume(ctx: Context, path: Path) -> None:
+    """Load a checkpoint into a freshly set-up context: heads first (they join the optimizer),
+    then weights, optimizer, scheduler, RNG, data position and runner state."""
+    manifest = checkpoint.read_manifest(path)
+    for name, head in checkpoint.load_heads(path, manifest, ctx.device).items():
+        add_head(ctx, name, head)
+    checkpoint.load(ctx, path, manifest)
+
+
+def stopped(ctx: Context, boundary: checkpoint.Boundary, cause: str) -> None:
+    """After Ctrl-C or SIGTERM: a checkpoint of the last completed step; stopped in the middle of a
+    step's updates (a second signal), the policy as it is goes to interrupted/ instead."""
+    from rich.markup import escape
+
+    hint = escape(checkpoint.resume_command(ctx.run_dir))
+    if ctx.updating:
+        out = finish(ctx, interrupted=True)
+        latest = checkpoint.checkpoints(ctx.run_dir)
+        ctx.console.print(f"[yellow]{cause} during the updates of the step after {boundary.step}: that policy is in "
+                          f"{escape(str(out))}, but cannot be resumed; "
+                          + (f"the latest checkpoint is {escape(str(latest[-1]))}; resume with:[/]\n  {hint}" if latest
+                             else "there is no checkpoint to resume from[/]"), soft_wrap=True, highlight=False)
+        return
+    ctx.logger.close()
+    if boundary.step == 0:
+        ctx.console.print(f"[yellow]{cause} before the first step; nothing saved[/]")
+        return
+    path = checkpoint.save(ctx, boundary, ctx.cfg.trainer.keep_last)
+    ctx.console.print(f"[yellow]{cause} at step {boundary.step}: checkpoint saved to {escape(str(path))}; resume "
+                      f"with:[/]\n  {hint}", soft_wrap=True, highlight=False)
+
+
 def train(cfg, run_dir: Path, console: Console) -> Dict[str, float]:
     """Run `cfg.algo.name`'s train_step until `trainer.steps` optimizer steps; save the policy.
 
-    Ctrl-C saves the policy to `interrupted/` before leaving.
+    A checkpoint every trainer.save_every steps and at the end; trainer.resume starts from one.
+    Ctrl-C or SIGTERM saves a checkpoint of the last completed step, then raises KeyboardInterrupt.
     """
     from rlnotes.runners import get_runner
 
     train_step = get_runner(cfg.algo.name)
+    resume_from = start_point(cfg, run_dir, console)
     ctx = setup(cfg, run_dir, console)
+    if resume_from is not None:
+        resume(ctx, resume_from)
+    ctx.logger.begin(ctx.step)  # the progress bar, speed and schedules start here
+    boundary = checkpoint.capture(ctx)  # the state a stop goes back to: the end of the last logged step
+    stop = checkpoint.StopSignals(ctx)
     last: Dict[str, float] = {}
     try:
-        while ctx.step < cfg.trainer.steps:
-            ctx.timers = {}
-            start = time.perf_counter()
-            metrics = train_step(ctx)
-            seconds = time.perf_counter() - start
-            metrics.update(ctx.timers, **{"time/step_s": seconds,
-                                          "perf/tokens_per_s": metrics.pop("perf/tokens") / seconds})
-            if ctx.step % cfg.trainer.log_every == 0 or ctx.step >= cfg.trainer.steps:
-                ctx.logger.log(ctx.step, metrics)
-            last = metrics
+        with stop:
+            if ctx.step == 0 and eval_due(0, cfg.trainer.eval_every, cfg.trainer.steps):
+                ctx.logger.log(0, eval_metrics(ctx))  # the starting point of every eval curve
+            while ctx.step < cfg.trainer.steps:
+                ctx.timers = {}
+                start = time.perf_counter()
+                metrics = train_step(ctx)
+                seconds = time.perf_counter() - start
+                metrics.update(ctx.timers, **{"time/step_s": seconds,
+                                              "perf/tokens_per_s": metrics.pop("perf/tokens") / seconds})
+                if eval_due(ctx.step, cfg.trainer.eval_every, cfg.trainer.steps):
+                    metrics.update(eval_metrics(ctx))  # after time/step_s: the step's time excludes evaluation
+                ctx.logger.observe(ctx.step, metrics, ctx.samples)  # progress, warnings, samples table
+                if (ctx.step % cfg.trainer.log_every == 0 or ctx.step >= cfg.trainer.steps
+                        or "eval/accuracy" in metrics):
+                    ctx.logger.log(ctx.step, metrics)
+                last = metrics
+                previous, boundary, ctx.updating = boundary.step, checkpoint.capture(ctx), False
+                if checkpoint.due(previous, ctx.step, cfg.trainer.save_every):
+                    checkpoint.save(ctx, boundary, cfg.trainer.keep_last)
+                stop.check()
+            checkpoint.save(ctx, boundary, cfg.trainer.keep_last)
     except KeyboardInterrupt:
-        out = finish(ctx, interrupted=True)
-        console.print(f"[yellow]interrupted at step {ctx.step}; policy saved to {out}[/]")
+        stopped(ctx, boundary, stop.name)
         raise
     except BaseException:
         ctx.logger.close()
         raise
     out = finish(ctx)
-    shown = "  ".join(f"{k} {last[k]:.3f}" for k in ("reward/mean", "loss") if last.get(k) is not None)
-    console.print(f"done: {ctx.step} steps in {ctx.logger.elapsed():.1f} s, {shown}; policy saved to {out}")
+    ctx.logger.summary(out)
     return last

@@ -34,7 +34,8 @@ def ref_logprobs(ctx: Context, rows: List[Row], seqs: Sequences) -> torch.Tensor
 
 
 def _key(row: Row) -> tuple:
-    return row["prompt"], row["chosen"], row["rejected"]
+    """A pair's table key; a conversational prompt (a list of messages) as its repr, which hashes."""
+    return repr(row["prompt"]), row["chosen"], row["rejected"]
 
 
 def precompute_reference(ctx: Context) -> None:

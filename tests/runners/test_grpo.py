@@ -91,6 +91,6 @@ def test_ctrl_c_keeps_the_policy_and_the_metrics(tmp_path, monkeypatch):
     monkeypatch.setattr(grpo, "train_step", interrupted_at_third)
     with pytest.raises(KeyboardInterrupt):
         run(tmp_path, "trainer.steps=10")
-    assert (tmp_path / "interrupted" / "adapter_config.json").exists()
+    assert (tmp_path / "checkpoints" / "step_000002" / "adapter_config.json").exists()  # a resumable checkpoint
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]

@@ -1,0 +1,323 @@
+"""Why is my reward not increasing? The batch arithmetic of a run, and the warnings that watch it.
+
+`batch_arithmetic(cfg)` derives from the config alone what a run will do: prompts and completions
+per batch, micro-batches, minibatches, policy updates per sampled batch, sampled batches, the
+completion tokens of a batch at most, and the prompts it will see (and so the epochs over the
+train set). The run prints it at the start (`describe_batches`).
+
+`Watcher` gets every step's metrics and warns once per kind when one of these holds over the
+last WINDOW = 5 steps (a mean over the window; a step here is one sampled batch, which is
+several optimizer steps in PPO):
+
+- zero_variance: reward/zero_std_frac >= 0.8, with group-relative advantages (GRPO, RLOO).
+  Try a larger algo.group_size or rollout.temperature, easier data, a denser reward.
+- entropy_collapse: policy/entropy < 0.1 nats per token. Try a higher rollout.temperature, a
+  lower optim.lr, a larger algo.beta.
+- kl_blowup: kl/ref > max(1 nat, the policy's entropy over the first WINDOW steps) per token.
+  Try a lower optim.lr, a larger algo.beta.
+- truncation: completion/truncated_frac >= 0.5 while the reward has not risen since the start.
+  Try a larger rollout.max_new_tokens, a length penalty.
+- reward_failures: 10% or more of the window's completions got reward.fallback because a reward
+  function failed. Fix the function.
+- clip_fraction: policy/clip_frac > 0.3. Try a lower optim.lr, fewer algo.epochs.
+
+Why these lines: a group whose rewards are all equal has advantage 0 and adds nothing to a
+group-relative gradient, so when 4 groups in 5 are like that the batch is mostly wasted. A
+per-token entropy under 0.1 nats means the sampled token has probability above ~0.9 on average:
+the G samples of a prompt come out nearly identical. The KL line scales with the model: a
+per-token KL to the reference larger than the reference's own per-token entropy means the
+policy now writes text its reference finds more surprising than its own samples; a tiny random
+model (entropy ~4.3 nats) may drift 3 nats while learning a task, a pretrained one (~1 nat) may
+not. Truncation is harmless for a task whose answer needs no ending (the letters task runs every
+completion to the cap while its reward climbs), so it warns only while the reward is flat: the
+mean reward of the last WINDOW steps is not above that of the first WINDOW by half the typical
+within-batch reward std. PPO's clip fraction is usually 0.05-0.2; above 0.3 a large share of
+the batch's gradient is clipped away.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Mapping, Optional, Sequence
+
+# Steps (sampled batches) over which a condition must hold, as a mean, and the lines (see above).
+WINDOW = 5
+ZERO_STD_FRAC = 0.8
+MIN_ENTROPY = 0.1
+KL_FLOOR = 1.0
+TRUNCATED_FRAC = 0.5
+FAILURE_FRAC = 0.1
+CLIP_FRAC = 0.3
+
+# What a batch row is, by algorithm: prompts for the sampling algorithms, pairs for DPO and RM.
+BATCH_UNITS = {"dpo": "pairs", "rm": "pairs", "sft": "rows"}
+
+
+# ---------------------------------------------------------------------------------------------
+# batch arithmetic
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def batch_arithmetic(cfg, train_rows: Optional[int] = None) -> Dict[str, object]:
+    """The numbers a run derives from its config, before any model loads.
+
+    Keys: unit (what a batch row is: prompts, pairs or rows), prompts_per_batch, completions_per_batch
+    (sequences the policy scores per batch: B*G sampled, 2B for pairs), micro_batch_size and
+    micro_batches (forward/backward passes per optimizer step), minibatches (optimizer steps per
+    pass over a batch), updates_per_batch (optimizer steps per batch), batches (batches sampled or
+    read; PPO: at least, target_kl can stop a batch early), optimizer_steps, max_tokens_per_batch
+    (completion tokens of a batch at most; None without sampling), prompts_seen (and
+    prompts_seen_max with DAPO dynamic sampling), and epochs (over `train_rows`: the train split's
+    size, default data.train_size for a built-in task; None when unknown).
+    """
+    algo, trainer = cfg.algo, cfg.trainer
+    b, steps = trainer.batch_size, trainer.steps
+    samples = BATCH_UNITS.get(algo.name) is None
+    g = algo.group_size if samples else 1
+    completions = b * g if samples else (2 * b if BATCH_UNITS[algo.name] == "pairs" else b)
+    minibatches, updates = 1, 1
+    if algo.name == "grpo":
+        updates = algo.epochs
+    elif algo.name == "ppo":
+        minibatches = completions // algo.minibatch_size
+        updates = algo.epochs * minibatches
+    # Rows one forward/backward pass takes: completions (split per minibatch in PPO) or batch rows.
+    per_update = algo.minibatch_size if algo.name == "ppo" else (completions if samples else b)
+    micro = trainer.micro_batch_size or per_update
+    batches = _ceil_div(steps, updates)
+    seen = batches * b
+    rounds = 1 + algo.max_resample_rounds if algo.name == "grpo" and algo.dynamic_sampling else 1
+    if train_rows is None and getattr(cfg.data, "source", "task") == "task":
+        train_rows = cfg.data.train_size
+    return {
+        "unit": BATCH_UNITS.get(algo.name, "prompts"),
+        "prompts_per_batch": b,
+        "completions_per_batch": completions,
+        "micro_batch_size": micro,
+        "micro_batches": _ceil_div(per_update, micro),
+        "minibatches": minibatches,
+        "updates_per_batch": updates,
+        "batches": batches,
+        "optimizer_steps": steps,
+        "max_tokens_per_batch": completions * cfg.rollout.max_new_tokens if samples else None,
+        "prompts_seen": seen,
+        "prompts_seen_max": seen * rounds,
+        "epochs": seen / train_rows if train_rows else None,
+        "epochs_max": seen * rounds / train_rows if train_rows else None,
+    }
+
+
+def describe_batches(a: Mapping[str, object]) -> str:
+    """`batch_arithmetic` in two lines for the start of a run."""
+    unit, b, n = a["unit"], a["prompts_per_batch"], a["completions_per_batch"]
+    if unit == "prompts":
+        parts = [f"batch: {b} prompts x {n // b} = {n} completions"]
+    else:
+        parts = [f"batch: {b} {unit}" + (f" ({n} sequences)" if n != b else "")]
+    updates, minibatches = a["updates_per_batch"], a["minibatches"]
+    steps = f"{updates} optimizer step{'s' if updates > 1 else ''} per batch"
+    if minibatches > 1:
+        steps = f"{updates // minibatches} epochs x {minibatches} minibatches of {n // minibatches} = " + steps
+    elif updates > 1:
+        steps = f"{updates} epochs = " + steps
+    parts.append(steps)
+    what = "completions" if unit == "prompts" else unit
+    passes = a["micro_batches"]
+    parts.append(f"micro-batches of {a['micro_batch_size']} {what} ({passes} per optimizer step)")
+    if a["max_tokens_per_batch"] is not None:
+        parts.append(f"at most {a['max_tokens_per_batch']:,} completion tokens per batch")
+    seen = f"{a['prompts_seen']:,}"
+    if a["prompts_seen_max"] != a["prompts_seen"]:
+        seen += f" to {a['prompts_seen_max']:,}"
+    second = f"run: {a['optimizer_steps']} optimizer steps = {a['batches']} batches = {seen} {unit}"
+    if a["epochs"] is not None:
+        epochs = f"{a['epochs']:.3g}" + (f" to {a['epochs_max']:.3g}" if a["epochs_max"] != a["epochs"] else "")
+        second += f" = {epochs} epochs of the train set"
+    return "; ".join(parts) + "\n" + second
+
+
+# ---------------------------------------------------------------------------------------------
+# warnings
+
+
+@dataclass(frozen=True)
+class Alert:
+    """A diagnostic that fired: its kind, the step, and one message with what to try."""
+    kind: str
+    step: int
+    message: str
+
+
+def _finite(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+class Series:
+    """What the checks need of one metric's finite values: the first WINDOW, the last WINDOW,
+    and the count and sum of all (constant memory however long the run)."""
+
+    def __init__(self, window: int = WINDOW):
+        self.window, self.first, self.last = window, [], deque(maxlen=window)
+        self.count, self.total = 0, 0.0
+
+    def add(self, value: float) -> None:
+        if len(self.first) < self.window:
+            self.first.append(value)
+        self.last.append(value)
+        self.count, self.total = self.count + 1, self.total + value
+
+
+class History:
+    """Each metric's Series, fed one step's metrics at a time; non-finite and missing values skipped."""
+
+    def __init__(self, window: int = WINDOW):
+        self.window = window
+        self.series: Dict[str, Series] = {}
+
+    @classmethod
+    def of(cls, rows: Sequence[Mapping[str, float]], window: int = WINDOW) -> "History":
+        history = cls(window)
+        for row in rows:
+            history.add(row)
+        return history
+
+    def add(self, metrics: Mapping[str, float]) -> None:
+        for key, value in metrics.items():
+            if _finite(value):
+                self.series.setdefault(key, Series(self.window)).add(float(value))
+
+    def count(self, key: str) -> int:
+        return self.series[key].count if key in self.series else 0
+
+    def recent(self, key: str) -> Optional[float]:
+        """Mean of the last `window` values of `key`; None until there are that many."""
+        s = self.series.get(key)
+        return sum(s.last) / self.window if s and s.count >= self.window else None
+
+    def start(self, key: str) -> Optional[float]:
+        """Mean of the first `window` values of `key`; None until there are that many."""
+        s = self.series.get(key)
+        return sum(s.first) / self.window if s and s.count >= self.window else None
+
+    def mean(self, key: str) -> Optional[float]:
+        s = self.series.get(key)
+        return s.total / s.count if s and s.count else None
+
+    def recent_sum(self, key: str) -> Optional[float]:
+        s = self.series.get(key)
+        return sum(s.last) if s and s.count >= self.window else None
+
+
+def reward_flat(history: History) -> Optional[bool]:
+    """True when the mean reward of the last `window` steps is not above that of the first
+    `window` by half the mean within-batch reward std; None until the two windows are disjoint."""
+    if history.count("reward/mean") < 2 * history.window:
+        return None
+    tolerance = 0.5 * (history.mean("reward/std") or 0.0)
+    return history.recent("reward/mean") - history.start("reward/mean") <= tolerance
+
+
+def group_relative(cfg) -> bool:
+    """Whether the advantage is relative to the prompt's group (GRPO, REINFORCE with baseline=group)."""
+    return cfg.algo.name == "grpo" or (cfg.algo.name == "reinforce" and cfg.algo.baseline == "group")
+
+
+def check_zero_variance(history, cfg) -> Optional[str]:
+    frac = history.recent("reward/zero_std_frac")
+    if frac is None or frac < ZERO_STD_FRAC or not group_relative(cfg):
+        return None
+    return (f"{frac:.0%} of groups over the last {history.window} steps got the same reward for every completion: "
+            f"their advantage is 0 and they teach nothing. Try a larger algo.group_size (now {cfg.algo.group_size}) or "
+            f"rollout.temperature (now {cfg.rollout.temperature}), easier data, or a denser reward that gives "
+            "partial credit")
+
+
+def check_entropy_collapse(history, cfg) -> Optional[str]:
+    entropy = history.recent("policy/entropy")
+    if entropy is None or entropy >= MIN_ENTROPY:
+        return None
+    return (f"entropy collapsed: {entropy:.3f} nats per sampled token over the last {history.window} steps, so a "
+            f"prompt's completions come out nearly identical. Try a higher rollout.temperature (now "
+            f"{cfg.rollout.temperature}), a lower optim.lr (now {cfg.optim.lr:g}) or a larger algo.beta")
+
+
+def check_kl_blowup(history, cfg) -> Optional[str]:
+    kl, start_entropy = history.recent("kl/ref"), history.start("policy/entropy")
+    if kl is None or start_entropy is None:
+        return None
+    line = max(KL_FLOOR, start_entropy)
+    if kl <= line:
+        return None
+    beta = getattr(cfg.algo, "beta", None)
+    return (f"KL to the reference blew up: {kl:.2f} nats per token over the last {history.window} steps, above "
+            f"{line:.2f} (the larger of {KL_FLOOR:g} and the policy's entropy at the start). Try a lower optim.lr "
+            f"(now {cfg.optim.lr:g})" + (f" or a larger algo.beta (now {beta:g})" if beta is not None else ""))
+
+
+def check_truncation(history, cfg) -> Optional[str]:
+    frac = history.recent("completion/truncated_frac")
+    if frac is None or frac < TRUNCATED_FRAC or not reward_flat(history):
+        return None
+    return (f"{frac:.0%} of completions over the last {history.window} steps hit rollout.max_new_tokens="
+            f"{cfg.rollout.max_new_tokens} and the reward has not risen since the start: answers may be cut off. "
+            "Try a larger rollout.max_new_tokens, or a length penalty in the reward")
+
+
+def check_reward_failures(history, cfg) -> Optional[str]:
+    failed = history.recent_sum("reward/failures")
+    if failed is None:
+        return None
+    share = failed / (history.window * batch_arithmetic(cfg)["completions_per_batch"])
+    if share < FAILURE_FRAC:
+        return None
+    return (f"the reward failed on {share:.0%} of the completions of the last {history.window} steps (they got "
+            f"reward.fallback={cfg.reward.fallback}); fix the reward function (its first traceback is above)")
+
+
+def check_clip_fraction(history, cfg) -> Optional[str]:
+    frac = history.recent("policy/clip_frac")
+    if frac is None or frac <= CLIP_FRAC:
+        return None
+    epochs = getattr(cfg.algo, "epochs", None)
+    return (f"{frac:.0%} of tokens had their ratio clipped over the last {history.window} steps: each update moves the "
+            f"policy too far. Try a lower optim.lr (now {cfg.optim.lr:g})"
+            + (f" or fewer algo.epochs (now {epochs})" if epochs is not None else ""))
+
+
+# kind -> check(history, cfg) -> message or None, in the order they are tried.
+CHECKS: Dict[str, Callable[[History, object], Optional[str]]] = {
+    "zero_variance": check_zero_variance,
+    "entropy_collapse": check_entropy_collapse,
+    "kl_blowup": check_kl_blowup,
+    "truncation": check_truncation,
+    "reward_failures": check_reward_failures,
+    "clip_fraction": check_clip_fraction,
+}
+
+
+class Watcher:
+    """Feeds each step's metrics to the CHECKS and returns the warnings that fire, once per kind."""
+
+    def __init__(self, cfg, checks: Optional[Mapping[str, Callable]] = None):
+        self.cfg = cfg
+        self.checks = dict(CHECKS if checks is None else checks)
+        self.history = History()
+        self.fired: List[Alert] = []
+
+    def observe(self, step: int, metrics: Mapping[str, float]) -> List[Alert]:
+        self.history.add(metrics)
+        done = {w.kind for w in self.fired}
+        new = []
+        for kind, check in self.checks.items():
+            if kind in done:
+                continue
+            message = check(self.history, self.cfg)
+            if message:
+                new.append(Alert(kind, step, message))
+        self.fired.extend(new)
+        return new

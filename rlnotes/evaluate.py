@@ -1,0 +1,203 @@
+"""Evaluation of a policy on a task's held-out prompts: accuracy, mean reward, completion length.
+
+Used two ways: `rlnotes eval` (the base model, a run's final/ or a checkpoint) and every
+`trainer.eval_every` steps during training. Greedy by default, one completion per prompt; with
+`eval.greedy=false` it samples n completions per prompt and reports the unbiased pass@k of
+Chen et al. (2021),
+
+    pass@k = E_prompts[ 1 - C(n - c, k) / C(n, k) ],   c = correct completions out of n,
+
+for k = 1 and k = n. A completion counts as correct when the checker gives it at least 1.0
+(the built-in checkers give 1.0 or 0.0). Evaluation never touches the training RNG: greedy needs
+none and sampling uses its own generator seeded from (seed, step).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import torch
+from omegaconf import OmegaConf
+
+from rlnotes.data import system_prompt
+from rlnotes.rollout import encode_prompts, generate
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Probability that at least one of k completions drawn without replacement from n, of which
+    c are correct, is correct: 1 - C(n - c, k) / C(n, k)."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def eval_data(cfg):
+    """The data config of the eval split: `data` with `eval.data` merged over it."""
+    return OmegaConf.merge(cfg.data, cfg.eval.data) if cfg.eval.data else cfg.data
+
+
+def eval_rows(cfg, tokenizer, limit: Optional[int], console=None) -> List[dict]:
+    """The eval split: the training data's, or that of `data` + `eval.data` when eval.data is set."""
+    from rlnotes.datasets import fit_and_split, load_checked
+
+    if not cfg.eval.data:
+        return fit_and_split(load_checked(cfg), cfg, tokenizer, limit, console)[1]
+    from omegaconf import open_dict
+
+    other = cfg.copy()
+    with open_dict(other):
+        other.data = eval_data(cfg)
+    rows = fit_and_split(load_checked(other), other, tokenizer, limit)[1]
+    if console is not None:
+        console.print(f"eval: {len(rows)} rows of data + eval.data {OmegaConf.to_container(cfg.eval.data)}")
+    return rows
+
+
+def checker_config(cfg):
+    """The reward config that scores evaluation: `eval.reward`, else the task's own checker, else
+    the training reward."""
+    from rlnotes.data import TASK_REWARDS
+
+    name = cfg.eval.reward or TASK_REWARDS.get(eval_data(cfg).name)
+    if name is None:
+        return cfg.reward
+    return OmegaConf.create({"name": "eval", "functions": [{"fn": name, "weight": 1.0, "args": {}}],
+                             "target": None, "fallback": 0.0, "path": None})
+
+
+@dataclass
+class Evaluation:
+    metrics: Dict[str, float]   # eval/accuracy, eval/reward, eval/len_mean, eval/truncated_frac, pass@k
+    samples: List[dict]         # one per completion: prompt, completion, reward, correct and the row's columns
+
+
+@torch.no_grad()
+def evaluate(policy, cfg, rows: List[dict], scorer, step: int = 0) -> Evaluation:
+    """Generate for `rows` (the first eval.size of them) with `policy` and score with `scorer`
+    (a rlnotes.rewards.Rewards)."""
+    e = cfg.eval
+    rows = rows[:e.size] if e.size else rows
+    n = 1 if e.greedy else e.samples_per_prompt
+    max_new = e.max_new_tokens or cfg.rollout.max_new_tokens
+    generator = torch.Generator(next(policy.model.parameters()).device).manual_seed(cfg.seed * 1_000_003 + step)
+    was_training = policy.model.training
+    policy.model.eval()
+    samples: List[dict] = []
+    lengths, truncated = [], []
+    for start in range(0, len(rows), e.batch_size):
+        batch = rows[start:start + e.batch_size]
+        ids = encode_prompts(policy.tokenizer, [r["prompt"] for r in batch], cfg.model.chat_template,
+                             system_prompt(cfg))
+        rollout = generate(policy.model, policy.tokenizer, ids, n, max_new, cfg.rollout.temperature,
+                           cfg.rollout.top_p, generator, greedy=e.greedy)
+        prompts = [r["prompt"] for r in batch for _ in range(n)]
+        columns = {k: [r[k] for r in batch for _ in range(n)] for k in batch[0] if k != "prompt"}
+        completion_ids = [row[m.bool()].tolist() for row, m in zip(rollout.completion_ids, rollout.completion_mask)]
+        rewards, _ = scorer(prompts, rollout.texts, columns, completion_ids=completion_ids)
+        lengths += rollout.completion_mask.sum(-1).tolist()
+        truncated += rollout.truncated.tolist()
+        for i, (text, reward) in enumerate(zip(rollout.texts, rewards.tolist())):
+            row = batch[i // n]
+            samples.append({"prompt": row["prompt"], "completion": text, "reward": reward, "correct": reward >= 1.0,
+                            **{k: v for k, v in row.items() if k != "prompt"}})
+    if was_training:
+        policy.model.train()
+    correct = [s["correct"] for s in samples]
+    metrics = {"eval/accuracy": sum(correct) / len(correct),
+               "eval/reward": sum(s["reward"] for s in samples) / len(samples),
+               "eval/len_mean": sum(lengths) / len(lengths),
+               "eval/truncated_frac": sum(truncated) / len(truncated)}
+    if n > 1:
+        per_prompt = [sum(correct[i:i + n]) for i in range(0, len(correct), n)]
+        for k in sorted({1, n}):
+            metrics[f"eval/pass@{k}"] = sum(pass_at_k(n, c, k) for c in per_prompt) / len(per_prompt)
+    return Evaluation(metrics, samples)
+
+
+def write(evaluation: Evaluation, out_dir: Path, step: int, samples_name: Optional[str] = None) -> None:
+    """Append the metrics to out_dir/eval.jsonl and write the samples to out_dir/<samples_name>
+    (default eval/step_<step>.jsonl: one file per evaluation of a training run)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with (out_dir / "eval.jsonl").open("a") as f:
+        f.write(json.dumps({"step": step, **evaluation.metrics}) + "\n")
+    samples = out_dir / (samples_name or f"eval/step_{step:06d}.jsonl")
+    samples.parent.mkdir(parents=True, exist_ok=True)
+    with samples.open("w") as f:
+        for s in evaluation.samples:
+            f.write(json.dumps(s) + "\n")
+
+
+def run_config(policy_dir: Path) -> Optional[object]:
+    """The config.yaml of the run that produced `policy_dir` (RUN/final, RUN/interrupted or
+    RUN/checkpoints/step_N), or None."""
+    for parent in (policy_dir.parent, policy_dir.parent.parent):
+        if (parent / "config.yaml").is_file():
+            return OmegaConf.load(parent / "config.yaml")
+    return None
+
+
+def with_run_settings(cfg, overrides: List[str]):
+    """`cfg` with the model, data and rollout settings of the run that trained eval.policy: for each
+    of those groups that the command line does not choose itself (`data=...`), the run's values with
+    the command line's dotted overrides (`data.digits=2`) on top."""
+    if not cfg.eval.policy:
+        return cfg
+    trained = run_config(Path(cfg.eval.policy))
+    if trained is None:
+        return cfg
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import open_dict
+
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    with open_dict(cfg):
+        for group in ("model", "data", "rollout"):
+            if group not in trained or any(o.key_or_group == group for o in parsed):
+                continue
+            merged = OmegaConf.merge(cfg[group], trained[group])
+            for o in parsed:
+                if o.key_or_group.startswith(group + "."):
+                    OmegaConf.update(merged, o.key_or_group[len(group) + 1:], o.value(), merge=True)
+            cfg[group] = merged
+    return cfg
+
+
+def run(cfg, console) -> tuple[Evaluation, Path]:
+    """`rlnotes eval`: load the policy, evaluate it on the task's eval split, write the results."""
+    import time
+
+    from rlnotes.models import load_base, resolve_device
+    from rlnotes.policy import Policy
+    from rlnotes.rewards import Rewards
+
+    if cfg.hardware.threads:
+        torch.set_num_threads(cfg.hardware.threads)
+    device = resolve_device(cfg.hardware.device)
+    scorer = Rewards(checker_config(cfg), console)
+    if cfg.eval.policy:
+        path = Path(cfg.eval.policy)
+        if not path.is_dir():
+            from rlnotes.config import ConfigError
+
+            raise ConfigError(f"eval.policy={cfg.eval.policy!r} is not a directory; pass a run's final/ dir or a "
+                              "checkpoint dir")
+        policy = Policy.from_saved(cfg.model, path, device)
+        out = Path(cfg.eval.out) if cfg.eval.out else path.parent / "eval" / path.name
+    else:
+        base, tokenizer = load_base(cfg.model)
+        policy = Policy(base.to(device).eval(), tokenizer, reference=base)
+        out = Path(cfg.eval.out) if cfg.eval.out else Path("outputs") / "eval" / time.strftime("%Y-%m-%d_%H-%M-%S")
+    from rlnotes.datasets import max_positions
+
+    rows = eval_rows(cfg, policy.tokenizer, max_positions(policy.model), console)
+    start = time.perf_counter()
+    evaluation = evaluate(policy, cfg, rows, scorer)
+    evaluation.metrics["time/eval_s"] = time.perf_counter() - start
+    if (out / "eval.jsonl").exists():
+        (out / "eval.jsonl").unlink()
+    write(evaluation, out, 0, samples_name="samples.jsonl")
+    (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    return evaluation, out

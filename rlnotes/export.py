@@ -1,0 +1,137 @@
+"""`rlnotes export RUN_DIR/final OUT_DIR`: a trained policy as a standard Hugging Face model dir.
+
+A LoRA run saves only its adapter; export loads the base model the run's config.yaml names (the
+tiny model built in code, SmolLM2-135M from the cache, a local dir or a hub id), merges the adapter
+into the base weights (W + alpha/r B A) and saves model weights (safetensors), config, generation
+config and the tokenizer with its chat template, so that `AutoModelForCausalLM.from_pretrained` and
+`AutoTokenizer.from_pretrained` load it with no peft and no rlnotes. A full fine-tuning run
+(`model.lora=null`) is re-saved the same way. Before saving, the merged model's log-probs are
+checked against the adapter model's on a probe text.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Iterator, Tuple, Union
+
+import torch
+
+from rlnotes.config import ConfigError
+
+ADAPTER_FILE = "adapter_config.json"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+PROBE = "What is 3+4? Answer with just the number.\n7"
+# Largest |log p(merged) - log p(adapter)| accepted in float32 (merging reorders float sums: ~1e-6).
+TOLERANCE = 1e-4
+
+
+def find_run_config(policy_dir: Path) -> Path:
+    """The config.yaml of the run that saved `policy_dir` (RUN_DIR/final, a checkpoint below RUN_DIR, ...)."""
+    for parent in [policy_dir, *list(policy_dir.parents)[:3]]:
+        if (parent / "config.yaml").exists():
+            return parent / "config.yaml"
+    raise ConfigError(f"no config.yaml of a run found above {policy_dir}; export needs the run's config.yaml "
+                      "to know the base model (pass RUN_DIR/final of a run made by rlnotes train)")
+
+
+def model_config(config_path: Path):
+    """The run's `model` section, filled with the schema's defaults for keys an older run lacks."""
+    from omegaconf import OmegaConf
+
+    from rlnotes.config import ModelConfig
+
+    run = OmegaConf.load(config_path)
+    if "model" not in run:
+        raise ConfigError(f"{config_path} has no model section; is it the config.yaml of an rlnotes run?")
+    return OmegaConf.merge(OmegaConf.structured(ModelConfig), run.model)
+
+
+def load_policy(policy_dir: Path) -> Tuple[torch.nn.Module, object]:
+    """(model, tokenizer) of a saved policy in float32 on CPU: a peft model (base + adapter) for a
+    LoRA run, a plain causal LM for a full fine-tuning run."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(policy_dir)
+    if not (policy_dir / ADAPTER_FILE).exists():
+        if not (policy_dir / "config.json").exists():
+            raise ConfigError(f"{policy_dir} holds neither a LoRA adapter ({ADAPTER_FILE}) nor a model (config.json); "
+                              "pass RUN_DIR/final")
+        return AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32), tokenizer
+    from peft import PeftModel
+
+    from rlnotes.models import load_base
+
+    base, _ = load_base(model_config(find_run_config(policy_dir)))
+    return PeftModel.from_pretrained(base, policy_dir).eval(), tokenizer
+
+
+@torch.no_grad()
+def probe_logprobs(model, tokenizer, text: str = PROBE) -> torch.Tensor:
+    """log p(token_t | tokens_<t) of every token of `text` after the first: [T-1] float32."""
+    ids = tokenizer(text, return_tensors="pt").input_ids
+    logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[0, :-1].float()
+    return torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None]).squeeze(-1)
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """Hide the deprecation notices transformers and peft raise about their own internals."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        warnings.filterwarnings("ignore", category=DeprecationWarning)
+        yield
+
+
+def _target(out_dir: Path) -> None:
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise ConfigError(f"{out_dir} already exists and is not an empty dir; choose a new OUT_DIR or remove it")
+
+
+def export(policy_dir: Union[str, Path], out_dir: Union[str, Path], dtype: str = "float32", console=None) -> Path:
+    """Save the policy in `policy_dir` as a plain Hugging Face model dir `out_dir` (written to a
+    temporary dir and renamed, so a failure never leaves a half-written model)."""
+    policy_dir, out_dir = Path(policy_dir), Path(out_dir)
+    if not policy_dir.is_dir():
+        raise ConfigError(f"{policy_dir} is not a directory; pass RUN_DIR/final (or a checkpoint dir)")
+    if dtype not in DTYPES:
+        raise ConfigError(f"dtype={dtype!r} is not valid; choose one of: {', '.join(DTYPES)}")
+    _target(out_dir)
+    with _quiet():
+        model, tokenizer = load_policy(policy_dir)
+    lora = hasattr(model, "merge_and_unload")
+    if lora:
+        before = probe_logprobs(model, tokenizer)
+        model = model.merge_and_unload()  # W <- W + (alpha / r) B A, in place; the peft wrappers go
+        gap = float((probe_logprobs(model, tokenizer) - before).abs().max())
+        if gap > TOLERANCE:
+            raise ConfigError(f"the merged model's log-probs differ from the adapter's by {gap:.2e} (> {TOLERANCE}); "
+                              "the adapter may not match the base model in config.yaml")
+    model = model.to(DTYPES[dtype])
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-"))
+    try:
+        with _quiet():
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+        try:  # the run's full config, for the record
+            shutil.copy(find_run_config(policy_dir), tmp / "rlnotes_config.yaml")
+        except ConfigError:
+            pass
+        if out_dir.exists():
+            out_dir.rmdir()  # empty (checked above)
+        os.replace(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if console is not None:
+        how = "LoRA adapter merged into its base" if lora else "fully fine-tuned model"
+        check = f"; merged log-probs match the adapter's to {gap:.1e}" if lora else ""
+        console.print(f"exported {policy_dir} ({how}, {dtype}{check}) -> {out_dir}")
+        if (policy_dir / "reward_head.safetensors").exists():
+            console.print("[yellow]note: reward_head.safetensors (a reward model's scalar head) is not part of a "
+                          "causal LM and was not exported[/]")
+    return out_dir

@@ -1,0 +1,160 @@
+"""`rlnotes plot`: PNG figures of runs overlaid (or of every member of a sweep), and their table.
+
+Each figure shows one quantity against the optimizer step, one colour per run, labelled by the
+overrides that set the run apart; a held-out version of the quantity, when logged, is dashed.
+Only figures whose metrics some run logged are drawn. Usable from Python too:
+
+    from rlnotes.plot import plot, plot_metrics
+    plot(["multirun/2025-01-01/12-00-00-grpo"])                  # figures + table, like the command
+    plot_metrics(["multirun/..."], ["reward/mean", "eval/accuracy"], "reward.png")  # one PNG, a panel each
+
+matplotlib (the `plot` extra) draws through its Agg canvas, without pyplot's global state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import List, Optional, Sequence, Tuple, Union
+
+from rlnotes.sweep import (Run, RunError, Summary, expand, is_sweep, labels, load_run, print_summary, summarize,
+                           write_summary)
+
+PathLike = Union[str, Path]
+
+# (file stem, title, metrics): the first metric solid, a second one (its held-out version) dashed.
+FIGURES: Tuple[Tuple[str, str, Tuple[str, ...]], ...] = (
+    ("reward", "reward (batch mean)", ("reward/mean",)),
+    ("eval_accuracy", "eval accuracy", ("eval/accuracy",)),
+    ("kl", "KL to the reference (per token)", ("kl/ref",)),
+    ("loss", "loss", ("loss", "eval/sft_loss")),
+    ("length", "completion length (tokens)", ("completion/len_mean",)),
+    ("dpo_margin", "DPO margin", ("dpo/margin", "eval/dpo_margin")),
+    ("dpo_accuracy", "DPO accuracy", ("dpo/accuracy", "eval/dpo_accuracy")),
+    ("rm_accuracy", "reward-model accuracy", ("rm/accuracy", "eval/rm_accuracy")),
+)
+STYLES = ("-", "--")
+
+
+def _matplotlib():
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise RunError("rlnotes plot needs matplotlib; install it with: pip install 'rlnotes[plot]'") from None
+    return Figure
+
+
+def ema(values: Sequence[float], weight: float) -> List[float]:
+    """Exponential moving average with bias correction (as TensorBoard's smoothing):
+    s_t = w s_{t-1} + (1 - w) x_t, shown as s_t / (1 - w^t); weight 0 returns the values."""
+    if weight <= 0:
+        return list(values)
+    out, s = [], 0.0
+    for t, x in enumerate(values, start=1):
+        s = weight * s + (1 - weight) * x
+        out.append(s / (1 - weight ** t))
+    return out
+
+
+def _draw(ax, runs: Sequence[Run], names: Sequence[str], metrics: Sequence[str], smooth: float) -> bool:
+    """Draw `metrics` of every run on `ax`; False when no run logged any of them."""
+    drawn = False
+    for i, (run, name) in enumerate(zip(runs, names)):
+        color = f"C{i % 10}"
+        for j, metric in enumerate(metrics):
+            steps, values = run.series(metric)
+            if not steps:
+                continue
+            label = name if j == 0 or not run.series(metrics[0])[0] else None
+            sparse = len(steps) <= 30
+            if smooth > 0 and not sparse:
+                ax.plot(steps, values, color=color, alpha=0.25, linewidth=0.8)
+                values = ema(values, smooth)
+            ax.plot(steps, values, STYLES[min(j, 1)], color=color, label=label, linewidth=1.5,
+                    marker="o" if sparse else None, markersize=3)
+            drawn = True
+    return drawn
+
+
+def _finish(ax, title: str, n_runs: int) -> None:
+    ax.set_title(title)
+    ax.set_xlabel("step")
+    ax.grid(alpha=0.3)
+    if n_runs > 1:
+        ax.legend(fontsize="small", loc="best")
+
+
+def figure(runs: Sequence[Run], names: Sequence[str], metrics: Sequence[str], title: str, path: Path,
+           smooth: float = 0.0) -> Optional[Path]:
+    """One PNG of `metrics` overlaid for every run; None (nothing written) if no run logged them."""
+    Figure = _matplotlib()
+    fig = Figure(figsize=(7, 4.2), dpi=120, layout="constrained")
+    ax = fig.add_subplot()
+    if not _draw(ax, runs, names, metrics, smooth):
+        return None
+    held_out = [m for m in metrics[1:] if any(run.series(m)[0] for run in runs)]
+    _finish(ax, title + (f"  (dashed: {', '.join(held_out)})" if held_out else ""), len(runs))
+    fig.savefig(path)
+    return path
+
+
+def plot_metrics(paths: Sequence[PathLike], metrics: Sequence[str], path: PathLike, smooth: float = 0.0,
+                 title: Optional[str] = None) -> Path:
+    """One PNG with a panel per metric (side by side), every run overlaid: for a README figure."""
+    runs = [load_run(p) for p in expand(paths)]
+    missing = [m for m in metrics if not any(run.series(m)[0] for run in runs)]
+    if missing:
+        raise RunError(f"no run logged {', '.join(missing)}; logged: {', '.join(_logged(runs))}")
+    Figure = _matplotlib()
+    fig = Figure(figsize=(5.5 * len(metrics), 4), dpi=120, layout="constrained")
+    names = labels(runs)
+    for i, metric in enumerate(metrics):
+        ax = fig.add_subplot(1, len(metrics), i + 1)
+        _draw(ax, runs, names, [metric], smooth)
+        _finish(ax, metric, len(runs))
+    if title:
+        fig.suptitle(title)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    return path
+
+
+def _logged(runs: Sequence[Run]) -> List[str]:
+    return list(dict.fromkeys(m for run in runs for m in run.metrics()))
+
+
+@dataclass
+class PlotResult:
+    figures: List[Path]
+    summary: Summary
+    out: Path
+    written: List[Path] = field(default_factory=list)
+
+
+def default_out(paths: Sequence[PathLike]) -> Path:
+    """Where figures go without --out: the one run or sweep dir given."""
+    if len(paths) != 1:
+        raise RunError(f"{len(paths)} dirs given: pass --out DIR for the figures")
+    return Path(paths[0])
+
+
+def plot(paths: Sequence[PathLike], out: Optional[PathLike] = None, sort_by: Optional[str] = None,
+         smooth: float = 0.0, console=None) -> PlotResult:
+    """Figures of every run in `paths` (run dirs and sweep dirs) into `out`, and their summary table
+    printed (best first by `sort_by`); with several runs, also summary.md and summary.csv in `out`."""
+    run_dirs = expand(paths)
+    out = Path(out) if out is not None else default_out(paths)
+    _matplotlib()  # fail before any work when it is missing
+    runs = [load_run(p) for p in run_dirs]
+    if not any(run.rows for run in runs):
+        raise RunError(f"the metrics.jsonl of {', '.join(map(str, run_dirs))} hold no rows yet")
+    summary = summarize(runs, sort_by)
+    out.mkdir(parents=True, exist_ok=True)
+    names = labels(runs)
+    figures = [f for stem, title, metrics in FIGURES
+               if (f := figure(runs, names, metrics, title, out / f"{stem}.png", smooth)) is not None]
+    several = len(runs) > 1 or any(is_sweep(p) for p in paths)
+    written = write_summary(summary, out) if several else []
+    print_summary(summary, console, title=" ".join(map(str, paths)))
+    return PlotResult(figures=figures, summary=summary, out=out, written=written)

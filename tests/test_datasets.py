@@ -1,0 +1,468 @@
+"""Data from files and the hub: each format and shape, column renames, validation errors that name
+the file, row and column, prompt length handling, eval splits, and a GRPO run on a user's JSONL."""
+
+import csv
+import json
+import sys
+import time
+from io import StringIO
+from types import SimpleNamespace
+
+import pytest
+from omegaconf import OmegaConf
+from rich.console import Console
+
+from rlnotes.config import ConfigError, DataConfig
+from rlnotes.data import load_task
+from rlnotes.datasets import (
+    PromptLengths,
+    fit_and_split,
+    hub_reachable,
+    load_checked,
+    needed_columns,
+    read,
+    reward_columns,
+)
+from rlnotes.models import tiny_tokenizer
+from rlnotes.rollout import encode_prompts, render_plain
+from tests.conftest import compose
+
+ROWS = [{"question": f"What is {i}+1?", "answer": str(i + 1)} for i in range(10)]
+# A chat template for the tiny tokenizer: "<role>content" lines, then "<assistant>" to cue the reply.
+CHAT = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def write(path, rows):
+    """`rows` as a file in the format of `path`'s extension; returns the path as a string."""
+    if path.suffix == ".jsonl":
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    elif path.suffix == ".json":
+        path.write_text(json.dumps(rows))
+    elif path.suffix == ".csv":
+        with path.open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+    else:
+        import pandas as pd
+
+        pd.DataFrame(rows).to_parquet(path)
+    return str(path)
+
+
+def data_cfg(**settings):
+    """A data config built in code (composing a whole run config is much slower)."""
+    return OmegaConf.structured(DataConfig(**settings))
+
+
+def file_cfg(path, **settings):
+    return data_cfg(**{"source": "file", "name": "file", "path": str(path), "eval_size": 2, **settings})
+
+
+RENAME = {"columns": {"prompt": "question"}}
+
+
+def error(fn, *args, **kwargs):
+    with pytest.raises(ConfigError) as e:
+        fn(*args, **kwargs)
+    return str(e.value)
+
+
+# --------------------------------------------------------------------------------------------- sources
+
+
+@pytest.mark.parametrize("ext", [".jsonl", ".json", ".csv", ".parquet"])
+def test_each_file_format_reads_the_same_rows_with_columns_renamed(tmp_path, ext):
+    path = write(tmp_path / f"train{ext}", ROWS)
+    data = read(file_cfg(path, **RENAME))
+    rows = data.train.rows
+    assert [r["prompt"] for r in rows] == [r["question"] for r in ROWS]
+    assert [str(r["answer"]) for r in rows] == [r["answer"] for r in ROWS]  # csv/parquet may type it
+    assert all(set(r) == {"prompt", "answer"} for r in rows)
+    assert data.train.numbers == list(range(1, 11))
+
+
+def test_held_out_eval_rows_are_seeded_disjoint_and_in_file_order(tmp_path):
+    path = write(tmp_path / "t.jsonl", ROWS)
+    cfg = file_cfg(path, **RENAME, eval_size=3)
+    train, eval_rows = load_task(cfg)
+    assert len(train) == 7 and len(eval_rows) == 3
+    assert sorted(r["answer"] for r in train + eval_rows) == sorted(r["answer"] for r in ROWS)
+    assert (train, eval_rows) == load_task(cfg)
+    other = load_task(file_cfg(path, **RENAME, eval_size=3, seed=99))[1]
+    assert other != eval_rows
+    positions = [int(r["answer"]) for r in eval_rows]
+    assert positions == sorted(positions)
+
+
+def test_an_eval_file_gives_the_eval_rows(tmp_path):
+    train_path = write(tmp_path / "train.jsonl", ROWS)
+    eval_path = write(tmp_path / "eval.csv", [{"question": "What is 100+1?", "answer": "101"}])
+    train, eval_rows = load_task(file_cfg(train_path, **RENAME, eval_path=eval_path))
+    assert len(train) == 10
+    assert eval_rows == [{"prompt": "What is 100+1?", "answer": 101}]
+
+
+def test_a_local_dataset_folder_loads_as_a_hub_dataset_with_its_eval_split(tmp_path):
+    folder = tmp_path / "org" / "set"
+    folder.mkdir(parents=True)
+    write(folder / "train.jsonl", ROWS)
+    write(folder / "test.jsonl", ROWS[:2])
+    train, eval_rows = load_task(data_cfg(source="hub", name=str(folder), eval_split="test", **RENAME))
+    assert [r["prompt"] for r in train] == [r["question"] for r in ROWS]
+    assert [r["prompt"] for r in eval_rows] == [r["question"] for r in ROWS[:2]]
+    message = error(load_task, data_cfg(source="hub", name=str(folder), split="validation"))
+    assert message.startswith("data.split=validation") and "validation" in message
+
+
+def test_a_hub_name_without_network_fails_at_once_and_says_how_to_use_a_file(tmp_path, monkeypatch):
+    import datasets.config
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # nothing listens there: no network
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("HTTPS_PROXY", raising=False)
+    monkeypatch.delenv("https_proxy", raising=False)
+    assert not hub_reachable()
+    start = time.perf_counter()
+    message = error(load_task, data_cfg(source="hub", name="rlnotes-tests/no-such-set"))
+    assert time.perf_counter() - start < 10  # the library alone retries for most of a minute
+    assert message == ("data=hub data.name=rlnotes-tests/no-such-set: the hub cannot be reached from here and the "
+                       "dataset is not in the local cache; download it where there is network (datasets.load_dataset("
+                       "'rlnotes-tests/no-such-set', split='train').to_json('no-such-set.jsonl')), then use data=file "
+                       "data.path=no-such-set.jsonl")
+    assert constants.HF_HUB_OFFLINE is False and datasets.config.HF_HUB_OFFLINE is False  # offline for that call only
+
+
+@pytest.mark.parametrize("flag", ["hub", "datasets"])
+def test_offline_mode_counts_as_unreachable(monkeypatch, flag):
+    import datasets.config
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants if flag == "hub" else datasets.config, "HF_HUB_OFFLINE", True)
+    assert not hub_reachable()
+
+
+# --------------------------------------------------------------------------------------------- formats
+
+
+def test_conversational_prompts_stay_messages(tmp_path):
+    messages = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hi?"}]
+    path = write(tmp_path / "c.jsonl", [{"prompt": messages, "answer": "1"}] * 3)
+    assert read(file_cfg(path)).train.rows[0] == {"prompt": messages, "answer": "1"}
+
+
+@pytest.mark.parametrize("rows", [
+    [{"prompt": "Q?", "chosen": "good", "rejected": "bad"}],
+    [{"prompt": [{"role": "user", "content": "Q?"}], "chosen": [{"role": "assistant", "content": "good"}],
+      "rejected": [{"role": "assistant", "content": "bad"}]}],
+    [{"chosen": [{"role": "user", "content": "Q?"}, {"role": "assistant", "content": "good"}],
+      "rejected": [{"role": "user", "content": "Q?"}, {"role": "assistant", "content": "bad"}]}],
+], ids=["plain", "conversational", "implicit-prompt"])
+def test_preference_shapes_become_prompt_chosen_rejected(tmp_path, rows):
+    path = write(tmp_path / "p.jsonl", rows * 3)
+    row = read(file_cfg(path)).train.rows[0]
+    assert row["chosen"] == "good" and row["rejected"] == "bad"
+    assert row["prompt"] in ("Q?", [{"role": "user", "content": "Q?"}])
+
+
+@pytest.mark.parametrize("rows, prompt", [
+    ([{"prompt": "Q?", "completion": "A."}], "Q?"),
+    ([{"prompt": [{"role": "user", "content": "Q?"}], "completion": [{"role": "assistant", "content": "A."}]}],
+     [{"role": "user", "content": "Q?"}]),
+    ([{"messages": [{"role": "user", "content": "Q?"}, {"role": "assistant", "content": "A."}]}],
+     [{"role": "user", "content": "Q?"}]),
+], ids=["prompt-completion", "conversational", "messages"])
+def test_sft_shapes_become_prompt_completion(tmp_path, rows, prompt):
+    path = write(tmp_path / "s.jsonl", rows * 3)
+    assert read(file_cfg(path)).train.rows[0] == {"prompt": prompt, "completion": "A."}
+
+
+def test_messages_without_a_reply_are_prompts(tmp_path):
+    path = write(tmp_path / "m.jsonl", [{"messages": [{"role": "user", "content": "Q?"}], "answer": 3}] * 3)
+    assert read(file_cfg(path)).train.rows[0] == {"prompt": [{"role": "user", "content": "Q?"}], "answer": 3}
+
+
+def test_prompt_template_fills_in_the_row_columns(tmp_path):
+    path = write(tmp_path / "t.jsonl", ROWS)
+    rows = read(file_cfg(path, **RENAME, prompt_template="Q: {prompt} ({answer})")).train.rows
+    assert rows[0]["prompt"] == "Q: What is 0+1? (1)"
+    assert load_task(data_cfg(name="arith", prompt_template="Question: {prompt}\nAnswer:"))[0][0]["prompt"] \
+        .startswith("Question: What is ")
+
+
+def test_prompt_template_errors(tmp_path):
+    path = write(tmp_path / "t.jsonl", ROWS)
+    message = error(read, file_cfg(path, **RENAME, prompt_template="{missing}"))
+    assert f"{path} row 1" in message and "missing" in message and "(answer, prompt)" in message
+    chat = write(tmp_path / "c.jsonl", [{"prompt": [{"role": "user", "content": "x"}]}] * 3)
+    assert "plain-text prompts" in error(read, file_cfg(chat, prompt_template="Q: {prompt}"))
+
+
+# --------------------------------------------------------------------------------------------- rendering
+
+
+def test_without_a_chat_template_conversations_render_as_role_lines():
+    messages = [{"role": "user", "content": "Hi?"}]
+    assert render_plain(messages) == "user: Hi?\nassistant:"
+    assert render_plain(messages, "Be terse.") == "system: Be terse.\nuser: Hi?\nassistant:"
+    assert render_plain("Hi?") == "Hi?" and render_plain("Hi?", "Be terse.") == "Be terse.\n\nHi?"
+    tok = tiny_tokenizer()
+    (ids,) = encode_prompts(tok, [messages], chat_template=True)
+    assert tok.decode(ids) == "user: Hi?\nassistant:"
+
+
+def test_chat_template_renders_text_and_messages_with_the_generation_prompt_and_system_precedence():
+    tok = tiny_tokenizer()
+    tok.chat_template = CHAT
+    decode = lambda prompts, system=None: [tok.decode(x) for x in encode_prompts(tok, prompts, True, system)]  # noqa
+    own = [{"role": "system", "content": "Own."}, {"role": "user", "content": "Q"}]
+    assert decode(["Q", [{"role": "user", "content": "Q"}]]) == ["<user>Q\n<assistant>"] * 2
+    assert decode(["Q", own], "Sys.") == ["<system>Sys.\n<user>Q\n<assistant>", "<system>Own.\n<user>Q\n<assistant>"]
+    assert decode(["Q"]) == ["<user>Q\n<assistant>"]
+    # chat_template off: the plain rendering even though the tokenizer has a template.
+    assert tok.decode(encode_prompts(tok, [own], False)[0]) == "system: Own.\nuser: Q\nassistant:"
+
+
+def test_data_system_prompt_wins_over_the_models():
+    from rlnotes.data import system_prompt
+
+    assert system_prompt(compose("model=smollm2-135m")) == "You are a helpful assistant."
+    assert system_prompt(compose("model=smollm2-135m", "data.system_prompt=Think.")) == "Think."
+    assert system_prompt(compose("model=smollm2-135m", "data.system_prompt=")) == ""  # "" removes it
+    assert system_prompt(compose()) is None
+
+
+def test_offline_encode_takes_conversational_prompts_and_completions():
+    import torch
+
+    from rlnotes.offline import encode
+
+    tok = tiny_tokenizer()
+    plain = encode(tok, ["user: Q\nassistant:"], ["A"], torch.device("cpu"))
+    chat = encode(tok, [[{"role": "user", "content": "Q"}]], [[{"role": "assistant", "content": "A"}]],
+                  torch.device("cpu"))
+    assert torch.equal(plain.input_ids, chat.input_ids) and torch.equal(plain.completion_mask, chat.completion_mask)
+    assert tok.decode(chat.input_ids[0]) == "user: Q\nassistant:A<eos>"
+
+
+# --------------------------------------------------------------------------------------------- validation
+
+
+@pytest.mark.parametrize("rows, where, what", [
+    ([{"prompt": "a"}, {"prompt": "b"}, {"prompt": 5}], "row 3, column 'prompt'", "got int 5"),
+    ([{"prompt": "a"}, {"prompt": None}], "row 2, column 'prompt'", "got nothing (null)"),
+    ([{"prompt": "a"}, {"prompt": "  "}], "row 2, column 'prompt'", "empty"),
+    ([{"prompt": [{"role": "user", "content": "a"}]}, {"prompt": [{"role": "robot", "content": "b"}]}],
+     "row 2, column 'prompt'", "message 1 must be {role, content}"),
+    ([{"prompt": "a", "chosen": "x", "rejected": 3}], "row 1, column 'rejected'", "got int 3"),
+    ([{"prompt": "a", "completion": [{"role": "user", "content": "x"}]}], "row 1, column 'completion'",
+     "one assistant message"),
+    ([{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]},
+      {"messages": "hello"}], "row 2, column 'messages'", "list of {role, content} messages"),
+    ([{"chosen": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}],
+       "rejected": [{"role": "user", "content": "OTHER"}, {"role": "assistant", "content": "c"}]}],
+     "row 1:", "share every turn but the last"),
+], ids=["int-prompt", "null-prompt", "empty-prompt", "bad-role", "int-answer", "user-completion", "text-messages",
+        "implicit-mismatch"])
+def test_a_bad_row_names_file_row_and_column(tmp_path, rows, where, what):
+    path = write(tmp_path / "bad.jsonl", rows)
+    message = error(read, file_cfg(path, eval_size=0))
+    assert message.startswith(f"{path} {where}") and what in message, message
+    assert "\n" not in message
+
+
+def test_a_missing_column_says_who_needs_it_and_how_to_rename(tmp_path):
+    path = write(tmp_path / "t.jsonl", ROWS)
+    message = error(load_checked, compose("data=file", f"data.path={path}", "reward=arith"))
+    assert message == (f"{path} has no column 'prompt', which algo=grpo needs; its columns: answer, question; "
+                       "rename one with data.columns.prompt=COLUMN")
+    renamed = write(tmp_path / "r.jsonl", [{"prompt": r["question"], "solution": r["answer"]} for r in ROWS])
+    cfg = compose("data=file", f"data.path={renamed}", "reward=arith")
+    from rlnotes.rewards import Rewards
+
+    message = error(load_checked, cfg, Rewards(cfg.reward).fns)
+    assert "no column 'answer', which reward number_match needs" in message and "data.columns.answer=" in message
+    assert len(load_checked(compose("data=file", f"data.path={renamed}", "reward=arith",
+                                    "data.columns.answer=solution"), Rewards(cfg.reward).fns).train.rows) == 10
+    pairs = error(load_checked, compose("data=file", f"data.path={renamed}", "algo=dpo"))
+    assert "no column 'chosen', which algo=dpo needs" in pairs
+    assert "no column 'completion', which algo=sft needs" in error(
+        load_checked, compose("data=file", f"data.path={renamed}", "algo=sft"))
+
+
+def test_a_renamed_column_that_is_not_there_lists_the_columns(tmp_path):
+    path = write(tmp_path / "t.jsonl", ROWS)
+    assert error(read, file_cfg(path, columns={"prompt": "query"})) == \
+        f"data.columns.prompt=query: {path} has no column 'query'; its columns: answer, question"
+
+
+def test_empty_missing_and_unknown_files(tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    assert "has no rows" in error(read, file_cfg(str(empty)))
+    assert error(read, file_cfg(str(tmp_path / "nope.jsonl"))) == f"data.path={tmp_path / 'nope.jsonl'}: no such file"
+    txt = tmp_path / "t.txt"
+    txt.write_text("hello")
+    assert "unknown format '.txt'; use one of .jsonl, .json, .parquet, .csv" in error(read, file_cfg(str(txt)))
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"prompt": "a"}\n{"prompt": \n')
+    assert error(read, file_cfg(str(broken))).startswith(f"data.path={broken} could not be read as json")
+
+
+def test_reward_columns_come_from_the_signature():
+    def fn(prompts, completions, answer, numbers, target=0, **kw):
+        return []
+
+    assert reward_columns(fn) == ["answer", "numbers"]
+    assert reward_columns(fn, bound=("numbers",)) == ["answer"]
+    assert reward_columns(print) == []
+
+    rf = SimpleNamespace(name="fn", fn=fn, args={})
+    assert needed_columns("grpo", [rf]) == {"prompt": "algo=grpo", "answer": "reward fn", "numbers": "reward fn"}
+    assert needed_columns("rm") == {"prompt": "algo=rm", "chosen": "algo=rm", "rejected": "algo=rm"}
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (("data.source=disk",), "data.source='disk' is not valid; choose one of: task, file, hub"),
+    (("data=file",), "data=file needs the file to read: data.path=FILE"),
+    (("data=hub",), "data=hub needs the dataset: data.name=org/set"),
+    (("data.overlong=cut",), "data.overlong='cut' is not valid; choose one of: drop, truncate, error"),
+    (("data=file", "data.path=x.jsonl", "data.eval_split=test"), "data.eval_split names a split of a hub dataset"),
+    (("data.eval_path=e.jsonl",), "data.eval_path is for data=file and data=hub"),
+    (("data.max_prompt_len=0",), "data.max_prompt_len=0 must be at least 1"),
+    (("algo=sft", "data.eval_size=0"), "algo=sft scores held-out rows"),
+    (("data.name=nope",), "data.name='nope' is not valid"),
+])
+def test_data_settings_are_checked_before_anything_loads(overrides, message):
+    from rlnotes.cli import UsageError
+
+    with pytest.raises(UsageError) as e:
+        compose("reward=arith", *overrides)
+    assert message in str(e.value), str(e.value)
+
+
+# --------------------------------------------------------------------------------------------- prompt length
+
+
+def fit(path, *overrides, limit=None, tokenizer=None):
+    cfg = compose("data=file", f"data.path={path}", "reward=arith", "data.columns.prompt=question",
+                  "data.eval_size=0", "trainer.batch_size=1", *overrides)
+    out = StringIO()
+    train, eval_rows = fit_and_split(load_checked(cfg), cfg, tokenizer or tiny_tokenizer(), limit,
+                                     Console(file=out, width=300))
+    return train, eval_rows, out.getvalue()
+
+
+LONG = [{"question": "x" * n, "answer": str(n)} for n in (5, 30, 8, 40)]
+
+
+def test_overlong_prompts_are_dropped_with_a_count(tmp_path):
+    path = write(tmp_path / "l.jsonl", LONG)
+    train, _, shown = fit(path, "data.max_prompt_len=10")
+    assert [r["answer"] for r in train] == ["5", "8"]
+    assert "2 of 4 train prompts longer than data.max_prompt_len=10 tokens dropped" in shown
+
+
+def test_overlong_prompts_are_truncated_keeping_their_end(tmp_path):
+    rows = [{"question": "abcdefghijklmnop end?", "answer": "1"}, {"question": "short", "answer": "2"}]
+    path = write(tmp_path / "l.jsonl", rows)
+    train, _, shown = fit(path, "data.max_prompt_len=8", "data.overlong=truncate")
+    assert [r["prompt"] for r in train] == ["nop end?", "short"]  # the tiny tokenizer: one token a character
+    assert "1 of 2 train prompts longer than data.max_prompt_len=8 tokens truncated" in shown
+
+
+def test_truncating_a_conversation_cuts_its_last_message_and_counts_the_template(tmp_path):
+    rows = [{"prompt": [{"role": "user", "content": "0123456789"}], "answer": "1"}]
+    path = write(tmp_path / "c.jsonl", rows)
+    tok = tiny_tokenizer()
+    tok.chat_template = CHAT
+    cfg = compose("data=file", f"data.path={path}", "reward=arith", "data.eval_size=0", "trainer.batch_size=1",
+                  "data.max_prompt_len=20", "data.overlong=truncate", "model.chat_template=true")
+    (row,), _ = fit_and_split(load_checked(cfg), cfg, tok, None)
+    # "<user>" + text + "\n<assistant>" is 18 tokens of template around the text: 2 characters stay.
+    assert row["prompt"] == [{"role": "user", "content": "89"}]
+    assert PromptLengths(tok, True, None)([row["prompt"]]) == [20]
+
+
+def test_overlong_error_names_the_row(tmp_path):
+    path = write(tmp_path / "l.jsonl", LONG)
+    message = error(fit, path, "data.max_prompt_len=10", "data.overlong=error")
+    assert message.startswith(f"{path} row 2, column 'prompt': 30 tokens, over data.max_prompt_len=10")
+
+
+def test_a_prompt_the_model_cannot_hold_is_an_error_naming_file_row_and_column(tmp_path):
+    path = write(tmp_path / "l.jsonl", LONG)
+    message = error(fit, path, "rollout.max_new_tokens=16", limit=50)
+    assert message.startswith(f"{path} row 4, column 'prompt': 40 prompt tokens + 16 (rollout.max_new_tokens) "
+                              "exceed the model's 50 positions")
+    assert "data.max_prompt_len" in message
+    train, _, _ = fit(path, "rollout.max_new_tokens=16", "data.max_prompt_len=34", limit=50)
+    assert len(train) == 3
+
+
+def test_offline_rows_count_their_longest_answer_against_the_model(tmp_path):
+    path = write(tmp_path / "p.jsonl", [{"prompt": "Q?", "chosen": "c" * 5, "rejected": "r" * 20}] * 2)
+    cfg = compose("data=file", f"data.path={path}", "algo=dpo", "data.eval_size=1", "trainer.batch_size=1")
+    message = error(fit_and_split, load_checked(cfg), cfg, tiny_tokenizer(), 20)
+    assert message.startswith(f"{path} row 1, column 'prompt': 2 prompt tokens + 21 (its rejected with EOS)")
+
+
+def test_too_few_rows_for_a_batch_or_for_the_eval_size(tmp_path):
+    path = write(tmp_path / "t.jsonl", ROWS)
+    message = error(fit, path, "data.eval_size=4", "trainer.batch_size=8")
+    assert message.startswith(f"{path} gives 6 training rows, fewer than trainer.batch_size=8")
+    assert "would hold out all of them" in error(load_task, file_cfg(path, **RENAME, eval_size=10))
+
+
+def test_built_in_tasks_pass_through_fitting_unchanged():
+    cfg = compose("data=arith", "data.train_size=50", "data.eval_size=10")
+    assert fit_and_split(load_checked(cfg), cfg, tiny_tokenizer(), 512) == load_task(cfg.data)
+
+
+# --------------------------------------------------------------------------------------------- end to end
+
+
+def test_grpo_trains_on_a_users_jsonl_with_a_custom_reward(tmp_path, monkeypatch):
+    (tmp_path / "user_rewards_e2e.py").write_text(
+        "import json, pathlib\n"
+        "def log_and_score(prompts, completions, answer, **_):\n"
+        "    with open(pathlib.Path(__file__).with_name('seen.jsonl'), 'a') as f:\n"
+        "        f.write(json.dumps({'prompts': prompts, 'answer': answer}) + '\\n')\n"
+        "    return [float(a in c) for c, a in zip(completions, answer)]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    path = write(tmp_path / "mine.jsonl", ROWS)
+    from rlnotes.cli import main
+
+    code = main(["train", "data=file", f"data.path={path}", "data.columns.prompt=question", "data.eval_size=2",
+                 'data.prompt_template="Q: {prompt}"', "reward=custom", "reward.target=user_rewards_e2e.log_and_score",
+                 "trainer.steps=2", "trainer.batch_size=4", "algo.group_size=2", "logging.progress=false",
+                 f"hydra.run.dir={tmp_path / 'run'}"])
+    assert code == 0
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all("reward/log_and_score" in r for r in rows)
+    seen = [json.loads(line) for line in (tmp_path / "seen.jsonl").read_text().splitlines()]
+    assert len(seen) == 2 and all(len(s["prompts"]) == 8 for s in seen)  # 4 prompts x 2 samples
+    truth = {f"Q: {r['question']}": r["answer"] for r in ROWS}
+    assert all(truth[p] == a for s in seen for p, a in zip(s["prompts"], s["answer"]))
+    sys.modules.pop("user_rewards_e2e", None)
+
+
+def test_dpo_and_sft_train_on_conversational_files(tmp_path):
+    from rlnotes.runners.common import train
+
+    user = lambda text: [{"role": "user", "content": text}]  # noqa: E731
+    said = lambda text: [{"role": "assistant", "content": text}]  # noqa: E731
+    pairs = write(tmp_path / "pairs.jsonl", [{"chosen": user(f"q{i}") + said("aaaa"),
+                                              "rejected": user(f"q{i}") + said("bbbb")} for i in range(6)])
+    cfg = compose("algo=dpo", "data=file", f"data.path={pairs}", "data.eval_size=2", "trainer.batch_size=2",
+                  "trainer.steps=2", "algo.precompute_ref=true", "logging.progress=false")
+    assert train(cfg, tmp_path / "dpo", Console(quiet=True))["loss"] > 0
+    chats = write(tmp_path / "sft.jsonl", [{"messages": user(f"q{i}") + said("aaaa")} for i in range(6)])
+    cfg = compose("algo=sft", "data=file", f"data.path={chats}", "data.eval_size=2", "trainer.batch_size=2",
+                  "trainer.steps=2", "logging.progress=false")
+    assert train(cfg, tmp_path / "sft", Console(quiet=True))["loss"] > 0

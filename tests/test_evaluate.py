@@ -1,0 +1,110 @@
+"""Evaluation: pass@k against brute force, greedy completions against transformers' own greedy
+decoding, the trainer.eval_every hook, and the `rlnotes eval` command."""
+
+import itertools
+import json
+import sys
+import types
+
+import pytest
+import torch
+from rich.console import Console
+
+from rlnotes.cli import main
+from rlnotes.evaluate import evaluate, pass_at_k
+from rlnotes.models import load_base
+from rlnotes.policy import Policy
+from rlnotes.rewards import Rewards
+from rlnotes.rollout import encode_prompts
+from rlnotes.runners.common import train
+from tests.conftest import compose
+
+
+@pytest.mark.parametrize("n,c,k", [(4, 0, 1), (4, 1, 1), (4, 1, 2), (5, 2, 3), (6, 3, 6), (3, 3, 2)])
+def test_pass_at_k_is_the_share_of_k_subsets_with_a_correct_one(n, c, k):
+    labels = [1] * c + [0] * (n - c)
+    subsets = list(itertools.combinations(labels, k))
+    assert pass_at_k(n, c, k) == pytest.approx(sum(any(s) for s in subsets) / len(subsets))
+
+
+@pytest.fixture
+def starts_with_a(monkeypatch):
+    """A checker module: 1.0 when the completion starts with 'a' (an arbitrary, known rule)."""
+    module = types.ModuleType("evalcheck")
+    module.starts_with_a = lambda prompts, completions, **_: [float(c.startswith("a")) for c in completions]
+    module.always = lambda prompts, completions, **_: [1.0] * len(completions)
+    monkeypatch.setitem(sys.modules, "evalcheck", module)
+    return module
+
+
+def test_greedy_eval_matches_transformers_generate(starts_with_a):
+    """Our greedy completions are transformers' greedy completions, and the metrics are those
+    of the known rule applied to them."""
+    cfg = compose("eval.reward=evalcheck.starts_with_a", "rollout.max_new_tokens=8", "eval.batch_size=3")
+    model, tokenizer = load_base(cfg.model)
+    policy = Policy(model.eval(), tokenizer, reference=model)
+    rows = [{"prompt": f"Write the letter {c}{s}", "letter": c} for c in "abc" for s in (":", "!")]
+    from rlnotes.evaluate import checker_config
+
+    result = evaluate(policy, cfg, rows, Rewards(checker_config(cfg)))
+
+    expected = []
+    for row in rows:
+        ids = torch.tensor([encode_prompts(tokenizer, [row["prompt"]], cfg.model.chat_template)[0]])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
+                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+        expected.append(tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
+    assert [s["completion"] for s in result.samples] == expected
+    correct = [e.startswith("a") for e in expected]
+    assert result.metrics["eval/accuracy"] == pytest.approx(sum(correct) / len(rows))
+    assert [s["correct"] for s in result.samples] == correct
+    assert [s["letter"] for s in result.samples] == [r["letter"] for r in rows]
+
+
+def test_sampled_eval_reports_pass_at_k(starts_with_a):
+    cfg = compose("eval.reward=evalcheck.always", "eval.greedy=false", "eval.samples_per_prompt=4")
+    model, tokenizer = load_base(cfg.model)
+    rows = [{"prompt": "Write the letter a:", "letter": "a"}] * 3
+    from rlnotes.evaluate import checker_config
+
+    result = evaluate(Policy(model, tokenizer, reference=model), cfg, rows, Rewards(checker_config(cfg)))
+    assert len(result.samples) == 12
+    assert result.metrics["eval/pass@1"] == 1.0 and result.metrics["eval/pass@4"] == 1.0
+    assert len({s["completion"] for s in result.samples}) > 1  # sampled, not greedy
+
+
+def test_eval_every_logs_before_during_and_after(tmp_path):
+    cfg = compose("logging.progress=false", "trainer.steps=5", "trainer.eval_every=2", "eval.size=6")
+    train(cfg, tmp_path, Console(quiet=True))
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "eval/accuracy" in r] == [0, 2, 4, 5]
+    assert [json.loads(line)["step"] for line in (tmp_path / "eval.jsonl").read_text().splitlines()] == [0, 2, 4, 5]
+    samples = (tmp_path / "eval" / "step_000005.jsonl").read_text().splitlines()
+    assert len(samples) == 6 and {"prompt", "completion", "reward", "correct", "letter"} <= set(json.loads(samples[0]))
+
+
+def test_eval_command_uses_the_trained_run(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    assert main(["train", "trainer.steps=2", "logging.progress=false", f"hydra.run.dir={run_dir}",
+                 "data.letters=b"]) == 0
+    out = tmp_path / "ev"
+    assert main(["eval", f"eval.policy={run_dir}/final", "data.eval_size=5", f"eval.out={out}"]) == 0
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 5 and all(s["letter"] == "b" for s in samples)  # the run's data, not the default
+    metrics = json.loads((out / "eval.jsonl").read_text())
+    assert 0 <= metrics["eval/accuracy"] <= 1 and metrics["eval/len_mean"] > 0
+    assert "eval/accuracy" in capsys.readouterr().out
+
+
+def test_eval_command_rejects_a_missing_policy(tmp_path, capsys):
+    assert main(["eval", f"eval.policy={tmp_path}/nope"]) == 1
+    assert "eval.policy" in capsys.readouterr().err
+
+
+def test_eval_data_evaluates_another_split(tmp_path):
+    """eval.data merges over data for the eval split: train on one letter, evaluate on another."""
+    cfg = compose("logging.progress=false", "trainer.steps=1", "trainer.eval_every=1", "data.letters=a",
+                  "+eval.data={letters: c}", "data.eval_size=4")
+    train(cfg, tmp_path, Console(quiet=True))
+    samples = [json.loads(line) for line in (tmp_path / "eval" / "step_000001.jsonl").read_text().splitlines()]
+    assert len(samples) == 4 and {s["letter"] for s in samples} == {"c"}

@@ -1,0 +1,94 @@
+"""`rlnotes export`: a LoRA adapter merged into its base (or a fully fine-tuned model) saved as a plain
+Hugging Face dir that transformers loads alone, with the same log-probs as the policy it came from."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from rlnotes.cli import main
+from rlnotes.config import ConfigError
+from rlnotes.export import export
+from rlnotes.policy import Policy, sequence_logprobs
+from tests.conftest import compose
+
+TEXTS = ["Write the letter a.\naaa", "Write b: bb", "What is 3+4?\n7"]
+
+
+def _trained_run(tmp_path: Path, *overrides: str) -> tuple[Path, Policy]:
+    """A run dir as `rlnotes train` leaves it (config.yaml, final/), with weights moved away from
+    their initial values so that a merge that dropped the adapter would be caught."""
+    cfg = compose(*overrides)
+    policy = Policy.from_config(cfg.model, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in policy.trainable_parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    policy.save(run / "final")
+    return run, policy
+
+
+def _logprobs(model, tokenizer) -> torch.Tensor:
+    """Per-token log-probs of the last 4 tokens of TEXTS, left-padded as a batch."""
+    tokenizer.padding_side = "left"
+    batch = tokenizer(TEXTS, return_tensors="pt", padding=True)
+    with torch.no_grad():
+        return sequence_logprobs(model.eval(), batch.input_ids, batch.attention_mask, 4)
+
+
+@pytest.mark.parametrize("overrides", [(), ("model.lora=null",)], ids=["lora", "full"])
+def test_export_reloads_with_transformers_alone_and_same_logprobs(tmp_path, overrides):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    run, policy = _trained_run(tmp_path, *overrides)
+    out = export(run / "final", tmp_path / "hf")
+    names = {p.name for p in out.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= names
+    assert "adapter_config.json" not in names and "rlnotes_config.yaml" in names
+
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    assert not any("lora" in name for name, _ in model.named_parameters())
+    assert tokenizer(TEXTS[0]).input_ids == policy.tokenizer(TEXTS[0]).input_ids
+    expected = _logprobs(policy.model, policy.tokenizer)
+    torch.testing.assert_close(_logprobs(model, tokenizer), expected, atol=1e-5, rtol=0)
+    if not overrides:  # the adapter changed the model: the base alone gives other log-probs
+        with policy.model.disable_adapter():
+            base = _logprobs(policy.model, policy.tokenizer)
+        assert (base - expected).abs().max() > 1e-3
+
+
+def test_export_keeps_the_chat_template(tmp_path):
+    from transformers import AutoTokenizer
+
+    run, policy = _trained_run(tmp_path)
+    template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+    policy.tokenizer.chat_template = template
+    policy.tokenizer.save_pretrained(run / "final")
+    out = export(run / "final", tmp_path / "hf", dtype="bfloat16")
+    reloaded = AutoTokenizer.from_pretrained(out)
+    messages = [{"role": "user", "content": "hi"}]
+    assert reloaded.apply_chat_template(messages, tokenize=False) == "<user>hi\n"
+    from transformers import AutoModelForCausalLM
+
+    assert AutoModelForCausalLM.from_pretrained(out).dtype == torch.bfloat16
+
+
+def test_export_errors_are_one_line(tmp_path, capsys):
+    run, _ = _trained_run(tmp_path)
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("")
+    with pytest.raises(ConfigError, match="already exists and is not an empty dir"):
+        export(run / "final", tmp_path / "full")
+    assert main(["export", str(tmp_path / "missing"), str(tmp_path / "out")]) == 2
+    assert main(["export", str(run / "final")]) == 2
+    (run / "config.yaml").unlink()
+    assert main(["export", str(run / "final"), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 3 and all(line.startswith("rlnotes: error: ") for line in err)
+    assert "is not a directory" in err[0] and "required: OUT_DIR" in err[1] and "no config.yaml" in err[2]
+    assert not (tmp_path / "out").exists()

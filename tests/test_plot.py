@@ -1,0 +1,150 @@
+"""`rlnotes plot` and the sweep summary: figures and tables from a real two-run sweep, and the
+table's arithmetic (final, best, sorting, labels) on metrics files written by hand."""
+
+import csv
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rlnotes.cli import main
+from rlnotes.plot import FIGURES, ema, plot, plot_metrics
+from rlnotes.sweep import (RunError, differing_overrides, expand, labels, load_run, summarize, swept_overrides,
+                           to_markdown)
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory):
+    """A real two-member sweep: `rlnotes train -m trainer.steps=2 seed=0,1`."""
+    out = tmp_path_factory.mktemp("sweep")
+    code = main(["train", "-m", "trainer.steps=2", "seed=0,1", f"hydra.sweep.dir={out}", "logging.progress=false"])
+    assert code == 0
+    return out
+
+
+def _finals(run_dir: Path) -> dict:
+    return json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
+
+
+def _run(root: Path, name: str, rows, overrides=()) -> Path:
+    """A run dir written by hand: metrics.jsonl rows and Hydra's overrides.yaml."""
+    run = root / name
+    (run / ".hydra").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (run / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(list(overrides)))
+    return run
+
+
+def test_sweep_writes_a_summary_of_every_member_sorted_by_reward(sweep):
+    finals = {n: _finals(sweep / n) for n in ("0", "1")}
+    with (sweep / "summary.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    order = sorted(finals, key=lambda n: -finals[n]["reward/mean"])
+    assert [r["run"] for r in rows] == order
+    for row in rows:
+        final = finals[row["run"]]
+        assert row["overrides"] == f"seed={row['run']}" and int(row["steps"]) == 2
+        assert float(row["reward/mean"]) == final["reward/mean"] and float(row["loss"]) == final["loss"]
+        assert float(row["wall_s"]) == final["time/elapsed_s"]
+        rewards = load_run(sweep / row["run"]).series("reward/mean")[1]
+        assert len(rewards) == 2 and float(row["reward/mean best"]) == max(rewards)
+    md = (sweep / "summary.md").read_text()
+    assert md.startswith("sorted by reward/mean, best first") and md.count("| seed=") == 2
+    assert swept_overrides(sweep / "1") == ["seed=1"]
+
+
+def test_plot_of_a_sweep_draws_the_logged_metrics_and_prints_the_table(sweep, tmp_path, capsys):
+    assert main(["plot", str(sweep), "--out", str(tmp_path), "--sort", "kl/ref"]) == 0
+    out = capsys.readouterr().out
+    assert "sorted by kl/ref" in out and "seed=0" in out and "seed=1" in out
+    drawn = {p.stem for p in tmp_path.glob("*.png")}
+    logged = set(load_run(sweep / "0").metrics())
+    assert drawn == {stem for stem, _, metrics in FIGURES if logged & set(metrics)}
+    assert {"reward", "kl", "loss", "length"} <= drawn and "dpo_margin" not in drawn
+    assert all(p.read_bytes().startswith(PNG) for p in tmp_path.glob("*.png"))
+    kls = {n: _finals(sweep / n)["kl/ref"] for n in ("0", "1")}
+    with (tmp_path / "summary.csv").open() as f:
+        assert [r["run"] for r in csv.DictReader(f)] == sorted(kls, key=kls.get)  # lower KL first
+    assert labels([load_run(p) for p in expand([sweep])]) == ["seed=0", "seed=1"]
+
+
+def test_plot_metrics_makes_one_figure_for_a_readme(sweep, tmp_path):
+    from PIL import Image
+
+    path = plot_metrics([sweep], ["reward/mean", "kl/ref"], tmp_path / "docs" / "reward.png")
+    width, height = Image.open(path).size
+    assert width > 1.8 * height  # two panels side by side
+    with pytest.raises(RunError, match="no run logged eval/accuracy; logged: .*reward/mean"):
+        plot_metrics([sweep], ["reward/mean", "eval/accuracy"], tmp_path / "x.png")
+
+
+def test_dpo_runs_get_margin_and_accuracy_figures_with_held_out_dashed(tmp_path):
+    rows = [{"step": s, "loss": 0.7 - 0.1 * s, "dpo/margin": 0.1 * s, "dpo/accuracy": 0.5 + 0.1 * s} for s in (1, 2, 3)]
+    rows[-1].update({"eval/dpo_margin": 0.2, "eval/dpo_accuracy": 0.7})
+    a = _run(tmp_path, "a", rows, ["algo=dpo", "algo.beta=0.1"])
+    b = _run(tmp_path, "b", rows[:2], ["algo=dpo", "algo.beta=0.5"])
+    result = plot([a, b], out=tmp_path / "figs")
+    assert {p.stem for p in result.figures} == {"loss", "dpo_margin", "dpo_accuracy"}
+    assert result.summary.sort_by == "dpo/accuracy"
+    assert [r["overrides"] for r in result.summary.rows] == ["algo.beta=0.1", "algo.beta=0.5"]
+    assert {s for s, _, metrics in FIGURES if "eval/dpo_margin" in metrics} == {"dpo_margin"}
+
+
+def test_summary_final_best_sorting_and_missing_values(tmp_path):
+    a = _run(tmp_path, "a", [{"step": 1, "reward/mean": 0.5, "kl/ref": 0.1}, {"step": 2, "reward/mean": 0.25,
+                                                                              "kl/ref": None, "time/elapsed_s": 3.0}],
+             ["seed=1", "optim.lr=0.01"])
+    b = _run(tmp_path, "b", [{"step": 1, "reward/mean": 0.375}], ["seed=2", "optim.lr=0.01"])
+    c = _run(tmp_path, "c", [{"step": 4, "loss": 1.0}], ["seed=3", "optim.lr=0.01"])
+    with (a / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 3, "reward/me')  # a run killed mid-write: the partial line is skipped
+    runs = [load_run(p) for p in (a, b, c)]
+    summary = summarize(runs)
+    assert summary.sort_by == "reward/mean"
+    assert [r["run"] for r in summary.rows] == ["b", "a", "c"]  # 0.375 > 0.25 (final, not best); none last
+    row_a = summary.rows[1]
+    assert (row_a["reward/mean"], row_a["reward/mean best"], row_a["kl/ref"]) == (0.25, 0.5, 0.1)
+    assert (row_a["steps"], row_a["wall_s"], row_a["overrides"]) == (2, 3.0, "seed=1")
+    assert [r["run"] for r in summarize(runs, "kl/ref").rows][0] == "a"
+    assert "| b | seed=2 | 1 | - | 0.375 | 0.375 |" in to_markdown(summary)
+    with pytest.raises(RunError, match="sort metric 'eval/accuracy' was not logged by these runs; choose one of: "
+                                       "reward/mean, kl/ref, time/elapsed_s, loss"):
+        summarize(runs, "eval/accuracy")
+
+
+def test_a_resumed_run_keeps_the_rows_of_its_last_pass(tmp_path):
+    rows = [{"step": s, "loss": float(s)} for s in (1, 2, 3)] + [{"step": s, "loss": 10.0 + s} for s in (2, 3, 4)]
+    run = load_run(_run(tmp_path, "run", rows))
+    assert run.series("loss") == ([1, 2, 3, 4], [1.0, 12.0, 13.0, 14.0])
+
+
+def test_labels_use_only_the_overrides_that_differ():
+    assert differing_overrides([["a=1", "b=2", "+c=3"], ["a=1", "b=3"]]) == [["b=2", "c=3"], ["b=3"]]
+    assert differing_overrides([["a=1"], ["a=1"]]) == [[], []]
+
+
+def test_ema_is_bias_corrected():
+    assert ema([1.0, 3.0], 0.5) == pytest.approx([1.0, (0.5 * 0.5 + 0.5 * 3.0) / 0.75])
+    assert ema([2.0, 2.0, 2.0], 0.9) == pytest.approx([2.0, 2.0, 2.0])
+    assert ema([1.0, 5.0], 0.0) == [1.0, 5.0]
+
+
+def test_plot_errors_are_one_line(tmp_path, monkeypatch, capsys):
+    (tmp_path / "empty").mkdir()
+    run = _run(tmp_path, "run", [{"step": 1, "reward/mean": 0.5}])
+    assert main(["plot", str(tmp_path / "missing")]) == 2
+    assert main(["plot", str(tmp_path / "empty")]) == 2
+    assert main(["plot", str(run), str(run)]) == 2
+    assert main(["plot", str(run), "--smooth", "1.5"]) == 2
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    assert main(["plot", str(run)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 5 and all(line.startswith("rlnotes: error: ") for line in err)
+    assert "missing is not a directory" in err[0] and "has no metrics.jsonl and no run dirs" in err[1]
+    assert "pass --out DIR" in err[2] and "--smooth 1.5 must be in [0, 1)" in err[3]
+    assert err[4] == "rlnotes: error: rlnotes plot needs matplotlib; install it with: pip install 'rlnotes[plot]'"
