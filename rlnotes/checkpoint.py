@@ -84,24 +84,18 @@ def set_rng_state(state: Dict[str, object], generator: torch.Generator, device: 
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def sampler_state(sampler) -> Dict[str, int]:
-    """The data position: the epoch (its shuffle is seeded by seed and epoch) and the row within it."""
-    return {"epoch": sampler.epoch, "pos": sampler.pos, "seed": sampler.seed, "rows": len(sampler.rows)}
-
-
 def set_sampler_state(sampler, state: Dict[str, int]) -> None:
     if state["rows"] != len(sampler.rows) or state["seed"] != sampler.seed:
         raise ConfigError(f"trainer.resume: the checkpoint's data had {state['rows']} train rows shuffled with seed "
                           f"{state['seed']}, this run has {len(sampler.rows)} with seed {sampler.seed}; "
                           "resume with the checkpoint's data and seed settings")
-    sampler.epoch, sampler.pos = state["epoch"], state["pos"]
-    sampler._order = sampler._shuffle()
+    sampler.load_state_dict(state)
 
 
 def capture(ctx) -> Boundary:
     """The boundary state of `ctx` now (copies: later steps do not change it)."""
     cache = {k: copy.deepcopy(v) for k, v in ctx.cache.items() if k not in RECOMPUTED}
-    return Boundary(ctx.step, ctx.bad_steps, sampler_state(ctx.sampler), rng_state(ctx.generator, ctx.device), cache)
+    return Boundary(ctx.step, ctx.bad_steps, ctx.sampler.state_dict(), rng_state(ctx.generator, ctx.device), cache)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -460,6 +460,18 @@ SCHEDULES = ("constant", "linear", "cosine")
 DEVICES = ("cpu", "cuda", "auto")
 
 
+def saved_run_config(path) -> Optional[Any]:
+    """The config.yaml of the run that saved `path` (a checkpoint dir holds its own; RUN/final and
+    RUN/interrupted have it one level up, RUN/checkpoints/step_N two), or None."""
+    from pathlib import Path
+
+    path = Path(path)
+    for where in (path, path.parent, path.parent.parent):
+        if (where / "config.yaml").is_file():
+            return OmegaConf.load(where / "config.yaml")
+    return None
+
+
 def check_choice(key: str, value: Any, choices) -> None:
     if value not in choices:
         raise ConfigError(f"{key}={value!r} is not valid; choose one of: {', '.join(map(str, choices))}")

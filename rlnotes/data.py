@@ -205,6 +205,14 @@ class PromptSampler:
         random.Random(self.seed * 1_000_003 + self.epoch).shuffle(order)
         return order
 
+    def state_dict(self) -> Dict[str, int]:
+        """The data position: the epoch (its shuffle is seeded by seed and epoch) and the row within it."""
+        return {"epoch": self.epoch, "pos": self.pos, "seed": self.seed, "rows": len(self.rows)}
+
+    def load_state_dict(self, state: Dict[str, int]) -> None:
+        self.epoch, self.pos = state["epoch"], state["pos"]
+        self._order = self._shuffle()
+
     def next_batch(self) -> List[Row]:
         if self.pos + self.batch_size > len(self.rows):
             self.epoch, self.pos = self.epoch + 1, 0

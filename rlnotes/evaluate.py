@@ -131,22 +131,15 @@ def write(evaluation: Evaluation, out_dir: Path, step: int, samples_name: Option
             f.write(json.dumps(s) + "\n")
 
 
-def run_config(policy_dir: Path) -> Optional[object]:
-    """The config.yaml of the run that produced `policy_dir` (RUN/final, RUN/interrupted or
-    RUN/checkpoints/step_N), or None."""
-    for parent in (policy_dir.parent, policy_dir.parent.parent):
-        if (parent / "config.yaml").is_file():
-            return OmegaConf.load(parent / "config.yaml")
-    return None
-
-
 def with_run_settings(cfg, overrides: List[str]):
     """`cfg` with the model, data and rollout settings of the run that trained eval.policy: for each
     of those groups that the command line does not choose itself (`data=...`), the run's values with
     the command line's dotted overrides (`data.digits=2`) on top."""
     if not cfg.eval.policy:
         return cfg
-    trained = run_config(Path(cfg.eval.policy))
+    from rlnotes.config import saved_run_config
+
+    trained = saved_run_config(cfg.eval.policy)
     if trained is None:
         return cfg
     from hydra.core.override_parser.overrides_parser import OverridesParser

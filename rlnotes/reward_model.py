@@ -43,21 +43,20 @@ def sequence_rewards(model: torch.nn.Module, head: torch.nn.Module, seqs: Sequen
 
 
 def load(path: Path, device: torch.device):
-    """(model, head, tokenizer, model config) of a reward model saved by algo=rm in RUN/final;
-    the model config comes from RUN/config.yaml, so prompts are encoded as in training."""
-    from omegaconf import OmegaConf
+    """(model, head, tokenizer, model config) of a reward model saved by algo=rm (RUN/final or a
+    checkpoint); the model config comes from the run's config.yaml, so prompts are encoded as in training."""
     from peft import PeftModel
     from safetensors.torch import load_file
 
-    from rlnotes.config import ConfigError
+    from rlnotes.config import ConfigError, saved_run_config
     from rlnotes.models import load_base
 
     path = Path(path)
-    config, weights = path.parent / "config.yaml", path / f"{HEAD}.safetensors"
-    if not config.exists() or not weights.exists():
-        raise ConfigError(f"reward.path={path} is not the final/ dir of an algo=rm run "
-                          f"(it needs {weights.name} there and config.yaml beside it)")
-    model_cfg = OmegaConf.load(config).model
+    run_cfg, weights = saved_run_config(path), path / f"{HEAD}.safetensors"
+    if run_cfg is None or not weights.exists():
+        raise ConfigError(f"reward.path={path} is not the final/ or checkpoint dir of an algo=rm run "
+                          f"(it needs {weights.name} there and the run's config.yaml)")
+    model_cfg = run_cfg.model
     base, tokenizer = load_base(model_cfg)
     model = PeftModel.from_pretrained(base.to(device), path).eval().requires_grad_(False)
     head = make_head(base)
@@ -97,7 +96,9 @@ def _rm_scorer(path: Path, device: torch.device, batch_size: int) -> Scorer:
     from rlnotes.offline import encode
 
     model, head, tokenizer, model_cfg = load(path, device)
-    data_system = OmegaConf.select(OmegaConf.load(path.parent / "config.yaml"), "data.system_prompt")
+    from rlnotes.config import saved_run_config
+
+    data_system = OmegaConf.select(saved_run_config(path), "data.system_prompt")
     system = data_system if data_system is not None else model_cfg.system_prompt
 
     @torch.no_grad()

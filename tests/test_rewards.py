@@ -705,6 +705,9 @@ def test_reward_model_from_an_rm_run(tmp_path):
     torch.testing.assert_close(total, expected, atol=1e-5, rtol=0)
     assert reward_model(prompts, completions, path=str(final), batch_size=1) == pytest.approx(total.tolist(), abs=1e-5)
     assert metrics["reward/failures"] == 0
+    # The run's last checkpoint holds the same weights and its own config.yaml: it scores the same.
+    (checkpoint,) = (run / "checkpoints").iterdir()
+    assert reward_model(prompts, completions, path=str(checkpoint)) == pytest.approx(total.tolist(), abs=1e-5)
 
 
 # --------------------------------------------------------------------------------------------- in a run
