@@ -301,6 +301,9 @@ class DataConfig:
     # arith: digits per operand, and operators to draw from; countdown: digits of each number
     # (at most) and the operators of the hidden expression that makes the target.
     digits: int = 1
+    # arith: operands of every size from `digits` to this, in equal shares (a curriculum of
+    # easy and hard problems); null = `digits` only. Each size holds out its own eval rows.
+    max_digits: Optional[int] = None
     ops: str = "+"
     # arith and countdown: text appended to each question.
     instruction: str = "Answer with just the number."

@@ -41,8 +41,26 @@ def _split(space: List[Row], train_size: int, eval_size: int, seed: int) -> Spli
 
 
 def arith(cfg) -> Split:
-    """'What is 23+58? Answer with just the number.' with operands of `cfg.digits` digits."""
-    lo, hi = (0, 9) if cfg.digits == 1 else (10 ** (cfg.digits - 1), 10**cfg.digits - 1)
+    """'What is 23+58? Answer with just the number.' with operands of `cfg.digits` digits, or of
+    every size from `cfg.digits` to `cfg.max_digits` in equal shares. Each size holds out its own
+    eval rows, the same ones a run with data.digits=<that size> holds out, so a model trained on a
+    mix can be scored on exactly the held-out two-digit problems (eval.data={digits: 2})."""
+    if cfg.max_digits is None or cfg.max_digits == cfg.digits:
+        return _arith(cfg, cfg.digits, cfg.train_size)
+    if cfg.max_digits < cfg.digits:
+        from rlnotes.config import ConfigError
+
+        raise ConfigError(f"data.max_digits={cfg.max_digits} is below data.digits={cfg.digits}; raise it or set "
+                          "it to null (one operand size)")
+    sizes = range(cfg.digits, cfg.max_digits + 1)
+    per_size = -(-cfg.train_size // len(sizes))
+    splits = [_arith(cfg, d, per_size) for d in sizes]
+    train = [splits[i % len(sizes)][0][i // len(sizes)] for i in range(cfg.train_size)]
+    return train, [row for _, eval_rows in splits for row in eval_rows]
+
+
+def _arith(cfg, digits: int, train_size: int) -> Split:
+    lo, hi = (0, 9) if digits == 1 else (10 ** (digits - 1), 10**digits - 1)
     ops = _check_ops(cfg.ops)
     rng = random.Random(cfg.seed)
     size = (hi - lo + 1) ** 2 * len(set(cfg.ops))
@@ -53,7 +71,7 @@ def arith(cfg) -> Split:
         problems.sort()
     space = [{"prompt": f"What is {a}{op}{b}? {cfg.instruction}".strip(), "answer": str(ops[op](a, b))}
              for a, op, b in problems]
-    return _split(space, cfg.train_size, cfg.eval_size, cfg.seed)
+    return _split(space, train_size, cfg.eval_size, cfg.seed)
 
 
 def letters(cfg) -> Split:

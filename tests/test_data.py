@@ -275,3 +275,15 @@ def test_every_task_has_a_reward_and_a_config():
     conf = Path(rlnotes.__file__).parent.parent / "conf" / "data"
     assert set(TASK_REWARDS) == set(TASKS)
     assert all((conf / f"{name}.yaml").exists() for name in TASKS)
+
+
+def test_arith_mixes_operand_sizes_and_holds_out_each_sizes_eval_rows():
+    train, eval_rows = arith(data_cfg(name="arith", digits=1, max_digits=2, train_size=400, eval_size=50))
+    two_digit = lambda row: re.search(r"\d\d[+]\d\d", row["prompt"]) is not None  # noqa: E731
+    assert sum(map(two_digit, train)) == 200  # equal shares
+    _, held = arith(data_cfg(name="arith", digits=2, train_size=10, eval_size=50))
+    assert [r for r in eval_rows if two_digit(r)] == held  # the rows a two-digit run holds out
+    assert not {r["prompt"] for r in held} & {r["prompt"] for r in train}
+    assert len(eval_rows) == 100 and sum(map(two_digit, eval_rows)) == 50
+    with pytest.raises(ConfigError, match="data.max_digits=1 is below data.digits=2"):
+        arith(data_cfg(name="arith", digits=2, max_digits=1))
