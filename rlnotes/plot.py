@@ -99,15 +99,18 @@ def figure(runs: Sequence[Run], names: Sequence[str], metrics: Sequence[str], ti
 
 
 def plot_metrics(paths: Sequence[PathLike], metrics: Sequence[str], path: PathLike, smooth: float = 0.0,
-                 title: Optional[str] = None) -> Path:
-    """One PNG with a panel per metric (side by side), every run overlaid: for a README figure."""
+                 title: Optional[str] = None, names: Optional[Sequence[str]] = None) -> Path:
+    """One PNG with a panel per metric (side by side), every run overlaid: for a README figure.
+    `names` labels the runs (default: the overrides that differ between them)."""
     runs = [load_run(p) for p in expand(paths)]
     missing = [m for m in metrics if not any(run.series(m)[0] for run in runs)]
     if missing:
         raise RunError(f"no run logged {', '.join(missing)}; logged: {', '.join(_logged(runs))}")
     Figure = _matplotlib()
     fig = Figure(figsize=(5.5 * len(metrics), 4), dpi=120, layout="constrained")
-    names = labels(runs)
+    if names is not None and len(names) != len(runs):
+        raise RunError(f"{len(names)} names for {len(runs)} runs")
+    names = list(names) if names is not None else labels(runs)
     for i, metric in enumerate(metrics):
         ax = fig.add_subplot(1, len(metrics), i + 1)
         _draw(ax, runs, names, [metric], smooth)

@@ -80,6 +80,9 @@ def test_plot_metrics_makes_one_figure_for_a_readme(sweep, tmp_path):
     assert width > 1.8 * height  # two panels side by side
     with pytest.raises(RunError, match="no run logged eval/accuracy; logged: .*reward/mean"):
         plot_metrics([sweep], ["reward/mean", "eval/accuracy"], tmp_path / "x.png")
+    with pytest.raises(RunError, match="1 names for 2 runs"):
+        plot_metrics([sweep], ["reward/mean"], tmp_path / "y.png", names=["only one"])
+    assert plot_metrics([sweep], ["reward/mean"], tmp_path / "z.png", names=["a", "b"]).is_file()
 
 
 def test_dpo_runs_get_margin_and_accuracy_figures_with_held_out_dashed(tmp_path):

@@ -1,0 +1,77 @@
+"""The README's figures and numbers for `rlnotes train experiment=smollm2_arith`, from its run dirs.
+
+    rlnotes train experiment=smollm2_arith seed=0 hydra.run.dir=runs/arith-0     # and seed=1 ...
+    rlnotes eval eval.policy=runs/arith-0/final data.max_digits=null             # one-digit, after
+    rlnotes eval model=smollm2-135m data=arith eval.out=runs/base-1digit         # one-digit, before
+    python scripts/smollm2_arith_report.py runs/arith-0 runs/arith-1 --base runs/base-1digit
+
+Writes docs/smollm2_arith.png (reward and held-out two-digit accuracy against steps, one line per
+seed) and prints, per run: two-digit accuracy before and after, one-digit accuracy after, wall
+time, where a step's time went, generation tokens/s, and problems fixed by training.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from rlnotes.plot import plot_metrics
+
+
+def rows(path: Path) -> list:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def first_eval(path: Path) -> float | None:
+    return rows(path)[0]["eval/accuracy"] if path.is_file() else None
+
+
+def report(run: Path) -> None:
+    metrics = rows(run / "metrics.jsonl")
+    evals = [r for r in metrics if "eval/accuracy" in r]
+    steps = [r for r in metrics if "time/step_s" in r]
+    seed = OmegaConf.load(run / "config.yaml").seed
+    one_digit = first_eval(run / "eval" / "final" / "eval.jsonl")
+    median = lambda key: statistics.median(r.get(key, 0.0) for r in steps)  # noqa: E731
+    print(f"## {run} (seed {seed})")
+    print(f"two-digit held-out greedy accuracy: {evals[0]['eval/accuracy']:.3f} (step 0) -> "
+          f"{evals[-1]['eval/accuracy']:.3f} (step {evals[-1]['step']}), best {max(r['eval/accuracy'] for r in evals):.3f}")
+    print(f"one-digit accuracy after: {one_digit:.3f}" if one_digit is not None else
+          "one-digit accuracy after: run `rlnotes eval eval.policy=RUN/final data.max_digits=null` first")
+    print(f"wall time {metrics[-1]['time/elapsed_s'] / 60:.1f} min for {steps[-1]['step']} steps "
+          f"(evaluations {sum(r.get('time/eval_s', 0) for r in evals):.0f} s of it)")
+    print(f"median step {median('time/step_s'):.1f} s: generate {median('time/generate_s'):.1f} s, reference "
+          f"{median('time/reference_s'):.1f} s, policy {median('time/policy_s'):.1f} s; generation "
+          f"{median('perf/gen_tokens_per_s'):.0f} tokens/s")
+    before = rows(run / "eval" / f"step_{evals[0]['step']:06d}.jsonl")
+    after = rows(run / "eval" / f"step_{evals[-1]['step']:06d}.jsonl")
+    fixed = [(b, a) for b, a in zip(before, after) if not b["correct"] and a["correct"]]
+    broken = sum(b["correct"] and not a["correct"] for b, a in zip(before, after))
+    print(f"{len(fixed)} held-out problems fixed, {broken} broken; for example:")
+    for b, a in fixed[:6]:
+        print(f"  {b['prompt'].split('?')[0]}?  {b['completion']!r} -> {a['completion']!r}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("runs", nargs="+", type=Path)
+    parser.add_argument("--base", type=Path, help="the eval.out dir of `rlnotes eval` on the base model, one digit")
+    parser.add_argument("--out", type=Path, default=Path("docs/smollm2_arith.png"))
+    args = parser.parse_args()
+    names = [f"seed {OmegaConf.load(run / 'config.yaml').seed}" for run in args.runs]
+    plot_metrics(args.runs, ["reward/mean", "eval/accuracy"], args.out, names=names,
+                 title="SmolLM2-135M-Instruct, GRPO + LoRA on 2 CPU cores: reward (left), "
+                       "held-out two-digit accuracy (right)")
+    print(f"figure: {args.out}")
+    if args.base:
+        print(f"base model, one-digit accuracy: {first_eval(args.base / 'eval.jsonl'):.3f}")
+    for run in args.runs:
+        report(run)
+
+
+if __name__ == "__main__":
+    main()
