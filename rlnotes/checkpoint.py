@@ -7,14 +7,17 @@ A checkpoint is the state at the end of a step, after its metrics row was writte
   <head>.safetensors             each head a runner trains beside the policy (value_head, reward_head)
   trainer_state.pt               optimizer and scheduler state, the RNG states (python, torch CPU,
                                  CUDA, the sampling generator) and the runner's cross-step state
-                                 (Context.cache); plain tensors and numbers, read with weights_only
+                                 (Context.cache); plain tensors and numbers, read with weights_only.
+                                 Under FSDP the optimizer state is a list of every rank's shards,
+                                 so such a checkpoint resumes on as many FSDP processes
   config.yaml                    the run's resolved config
   manifest.json                  step, skipped-update count, data position, heads; written last
 
 It is written into a hidden temporary dir that is renamed into place (os.replace) only when
 complete, so a crash mid-save leaves the previous checkpoints as they were; `keep_last` prunes
 older ones after a save succeeds. Resuming restores every item, so on CPU a run stopped at step k
-and resumed writes the same metrics as one that never stopped.
+and resumed writes the same metrics as one that never stopped. With several processes rank 0
+writes it (FSDP gathers the weights and optimizer shards to it first) and every rank reads it.
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ RECOMPUTED = frozenset({"ref", "eval_ref"})
 MODEL_KEYS = ("algo.name", "model.name_or_path", "model.lora", "model.tiny")
 # Settings that do not touch the training math: a change is not worth a line on resume.
 BOOKKEEPING_KEYS = ("trainer.resume", "trainer.save_every", "trainer.keep_last", "logging", "hardware.threads",
-                    "eval")
+                    "hardware.nproc", "eval")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -134,6 +137,25 @@ def due(previous: int, step: int, every: Optional[int]) -> bool:
 # Saving.
 
 
+@dataclass
+class Shards:
+    """What rank 0 needs from the other ranks to write a checkpoint: under FSDP the gathered weights
+    and the optimizer shards of all `world` ranks; otherwise None for both (every rank holds the
+    whole state)."""
+    policy: Optional[Dict[str, torch.Tensor]] = None
+    optimizer: Optional[List[dict]] = None
+    world: int = 1
+
+
+def save_policy(policy, out: Path, state: Optional[Dict[str, torch.Tensor]] = None) -> None:
+    """Policy.save, or from the full state dict FSDP gathered (the same files)."""
+    if state is None:
+        policy.save(out)
+        return
+    policy.model.save_pretrained(out, state_dict=state)
+    policy.tokenizer.save_pretrained(out)
+
+
 def _fsync_tree(path: Path) -> None:
     """Flush every file under `path` and the dir itself to disk, so a rename publishes whole files."""
     for f in path.rglob("*"):
@@ -151,24 +173,27 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write(ctx, boundary: Boundary, out: Path) -> None:
+def write(ctx, boundary: Boundary, out: Path, shards: Optional[Shards] = None) -> None:
     """Every file of a checkpoint into the (new, empty) dir `out`; the manifest last."""
-    ctx.policy.save(out)
+    shards = shards or Shards()
+    save_policy(ctx.policy, out, shards.policy)
     for name, head in ctx.heads.items():
         save_file({k: v.contiguous() for k, v in head.state_dict().items()}, str(out / f"{name}.safetensors"))
-    torch.save({"optimizer": ctx.optimizer.state_dict(), "scheduler": ctx.scheduler.state_dict(),
+    optimizer = shards.optimizer if shards.optimizer is not None else ctx.optimizer.state_dict()
+    torch.save({"optimizer": optimizer, "scheduler": ctx.scheduler.state_dict(),
                 "rng": boundary.rng, "cache": boundary.cache}, out / STATE)
     (out / "config.yaml").write_text(OmegaConf.to_yaml(ctx.cfg, resolve=True))
     manifest = {"format": FORMAT, "step": boundary.step, "bad_steps": boundary.bad_steps, "algo": ctx.cfg.algo.name,
                 "policy": "lora" if ctx.policy.uses_lora else "full", "heads": list(ctx.heads),
-                "sampler": boundary.sampler, "device": ctx.device.type}
+                "sampler": boundary.sampler, "device": ctx.device.type,
+                "optimizer_shards": shards.world if shards.optimizer is not None else None}
     (out / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
 
 
-def save(ctx, boundary: Boundary, keep_last: Optional[int]) -> Path:
+def save(ctx, boundary: Boundary, keep_last: Optional[int], shards: Optional[Shards] = None) -> Path:
     """Write the checkpoint of `boundary` (and the current weights and optimizer, which have not
     moved since) atomically, then prune to the `keep_last` newest. A complete checkpoint of the
-    same step is the same state and is kept as it is."""
+    same step is the same state and is kept as it is. `shards`: the state FSDP gathered."""
     final = checkpoint_dir(ctx.run_dir, boundary.step)
     if is_checkpoint(final):
         return final
@@ -177,7 +202,7 @@ def save(ctx, boundary: Boundary, keep_last: Optional[int]) -> Path:
     tmp = root / f".{final.name}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)  # left by a save that died
     tmp.mkdir()
-    write(ctx, boundary, tmp)
+    write(ctx, boundary, tmp, shards)
     _fsync_tree(tmp)
     if final.exists():  # an incomplete dir of that name (no manifest): never a checkpoint
         shutil.rmtree(final)
@@ -349,11 +374,24 @@ def load_policy(policy, path: Path) -> None:
 
 
 def load(ctx, path: Path, manifest: Dict[str, object]) -> None:
-    """Restore everything but the heads (the caller adds those first, so that the optimizer has
-    their parameter groups): weights, optimizer, scheduler, RNG, data position, runner state."""
-    load_policy(ctx.policy, path)
+    """Restore everything but the weights (load_policy, before FSDP shards them) and the heads (the
+    caller adds those first, so that the optimizer has their parameter groups): optimizer,
+    scheduler, RNG, data position, runner state."""
+    from rlnotes import distributed
+
     state = torch.load(path / STATE, map_location="cpu", weights_only=True)
-    ctx.optimizer.load_state_dict(state["optimizer"])
+    saved_by = manifest.get("optimizer_shards")
+    sharded = distributed.sharded_optimizer(ctx.optimizer)
+    if saved_by is not None or sharded:
+        world = distributed.world_size()
+        if saved_by != world or not sharded:
+            raise ConfigError(f"trainer.resume: {path} holds the optimizer state of "
+                              + (f"{saved_by} FSDP processes" if saved_by else "unsharded processes")
+                              + f"; resume it with the same layout (this run: {world} "
+                              + ("FSDP " if sharded else "") + "processes)")
+        distributed.load_optimizer_shard(ctx.optimizer, state["optimizer"][distributed.rank()])
+    else:
+        ctx.optimizer.load_state_dict(state["optimizer"])
     ctx.scheduler.load_state_dict(state["scheduler"])
     if manifest["device"] == ctx.device.type:
         set_rng_state(state["rng"], ctx.generator, ctx.device)
@@ -378,7 +416,10 @@ class StopSignals:
     completed step (`ctx.updating` is off): that step's checkpoint is then exact, and the partial
     step is simply redone on resume. During a step's updates (PPO's minibatches, GRPO's mu passes)
     the step is finished first and `check` stops after it; a second signal stops at once.
-    Handlers are installed only in the main thread (Python delivers signals nowhere else).
+    With several processes every first signal waits for the end of the step, and `check` stops
+    every rank after the same step when any of them got one (a rank stopping alone would leave the
+    others waiting in a collective). Handlers are installed only in the main thread (Python
+    delivers signals nowhere else).
     """
 
     def __init__(self, ctx):
@@ -395,16 +436,20 @@ class StopSignals:
             signal.signal(sig, handler)
 
     def _handle(self, signum, frame) -> None:
+        from rlnotes import distributed
+
         first, self.signum = self.signum is None, signum
-        if first and self.ctx.updating:
+        if first and (self.ctx.updating or distributed.active()):
             self.ctx.console.print(f"[yellow]{signal.Signals(signum).name}: stopping once this step is done "
                                    "(send it again to stop now, without a checkpoint of this step)[/]")
             return
         raise KeyboardInterrupt
 
     def check(self) -> None:
-        """Stop now if a signal came during the step just finished."""
-        if self.signum is not None:
+        """Stop now if a signal came during the step just finished (to any rank)."""
+        from rlnotes import distributed
+
+        if distributed.any_rank(self.signum is not None):
             raise KeyboardInterrupt
 
     @property

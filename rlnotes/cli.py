@@ -115,14 +115,16 @@ def _run_mode():
     return RunMode.RUN
 
 
-def check(overrides: List[str], multirun: bool, config_dir: Optional[str]) -> None:
-    """Compose and validate every job of the command; raise UsageError with one line if one fails."""
+def check(overrides: List[str], multirun: bool, config_dir: Optional[str]) -> list:
+    """Compose and validate every job of the command; raise UsageError with one line if one fails.
+    Returns the composed configs (with their hydra node), one per job."""
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
     from rlnotes.config import ConfigError, resolve_auto, validate
 
     loader = _loader(config_dir)
+    jobs = []
     for job in _members(overrides, multirun):
         try:
             cfg = loader.load_configuration("config", job, _run_mode())
@@ -130,6 +132,62 @@ def check(overrides: List[str], multirun: bool, config_dir: Optional[str]) -> No
             validate(cfg)
         except (HydraException, OmegaConfBaseException, ConfigError, ValueError) as e:  # ValueError: logging=null
             raise UsageError(_explain(e, loader, job)) from None
+        jobs.append(cfg)
+    return jobs
+
+
+def torchrun_command(nproc: int, argv: List[str]) -> List[str]:
+    """What `rlnotes train hardware.nproc=N ...` becomes: torchrun (from this Python) with N processes
+    on this machine, each running the same `rlnotes train ...`."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+            "-m", "rlnotes", "train", *argv]
+
+
+def _processes(jobs: list) -> int:
+    """hardware.nproc of the command's jobs: one number for a whole sweep, whose jobs share the processes."""
+    counts = {cfg.hardware.nproc or 1 for cfg in jobs}
+    if len(counts) > 1:
+        raise UsageError(f"hardware.nproc takes {len(counts)} values in this sweep; the processes are started once "
+                         "for all of its jobs, so give it one value")
+    return counts.pop()
+
+
+def _launch(nproc: int, argv: List[str]) -> int:
+    """Hand this command over to torchrun (the process becomes torchrun: signals reach it directly)."""
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))  # cores shared out
+    print(f"rlnotes: starting {nproc} processes: torchrun --standalone --nproc_per_node={nproc} -m rlnotes train "
+          + " ".join(argv), file=sys.stderr, flush=True)
+    command = torchrun_command(nproc, argv)
+    os.execv(command[0], command)
+    return 1  # not reached
+
+
+def stamp_dirs(pattern: str, now) -> str:
+    """A Hydra dir pattern with each ${now:FORMAT} replaced by `now` in that format."""
+    import re
+
+    return re.sub(r"\$\{now:([^}]*)\}", lambda m: now.strftime(m.group(1)), pattern)
+
+
+def _rank_overrides(cfg) -> List[str]:
+    """Overrides for a process torchrun started. Hydra names run and sweep dirs by the clock, which
+    can read another second on each rank: every rank takes rank 0's time, so all write to one dir;
+    ranks other than 0 leave Hydra's own files (.hydra/, the job log, the sweep summary) to it.
+    Joins the process group first (once per process; it serves every job of a sweep)."""
+    from omegaconf import OmegaConf
+
+    from rlnotes import distributed
+    from rlnotes.models import resolve_device
+
+    distributed.init(resolve_device(cfg.hardware.device))
+    now = distributed.agreed_now()
+    dirs = OmegaConf.to_container(cfg.hydra, resolve=False)
+    quoted = lambda path: "'" + stamp_dirs(path, now).replace("'", "\\'") + "'"  # noqa: E731 - spaces, = and : too
+    extra = [f"hydra.run.dir={quoted(dirs['run']['dir'])}", f"hydra.sweep.dir={quoted(dirs['sweep']['dir'])}"]
+    if not distributed.is_main():
+        extra += ["hydra.output_subdir=null", "hydra/job_logging=disabled", "hydra/hydra_logging=disabled",
+                  "~hydra.callbacks.sweep_summary"]
+    return extra
 
 
 def _train(argv: List[str]) -> int:
@@ -138,7 +196,17 @@ def _train(argv: List[str]) -> int:
     args = get_args_parser().parse_args(argv)
     informational = args.help or args.hydra_help or args.cfg or args.info or args.shell_completion
     if not informational:
-        check(args.overrides, args.multirun, args.config_dir)
+        jobs = check(args.overrides, args.multirun, args.config_dir)
+        nproc = _processes(jobs)
+        if "WORLD_SIZE" in os.environ:  # a process torchrun started (ours or the user's)
+            from rlnotes.config import ConfigError
+
+            try:
+                argv = [*argv, *_rank_overrides(jobs[0])]
+            except ConfigError as e:
+                raise UsageError(str(e)) from None
+        elif nproc > 1:
+            return _launch(nproc, argv)
 
     import hydra
 
@@ -151,11 +219,13 @@ def _train(argv: List[str]) -> int:
         from hydra.core.hydra_config import HydraConfig
         from rich.console import Console
 
+        from rlnotes import distributed
         from rlnotes.config import ConfigError, resolve_auto
         from rlnotes.rewards import RewardFailure
         from rlnotes.runners.common import TrainingError, train
 
-        console = Console(stderr=True, soft_wrap=True)  # a message is one line, however narrow the screen
+        # A message is one line, however narrow the screen; with several processes rank 0 speaks.
+        console = Console(stderr=True, soft_wrap=True, quiet=not distributed.is_main())
         resolve_auto(cfg)
         try:
             metrics = train(cfg, Path(HydraConfig.get().runtime.output_dir), console)
@@ -280,7 +350,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"rlnotes: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("rlnotes: interrupted", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":  # under torchrun every rank stops; rank 0 says so
+            print("rlnotes: interrupted", file=sys.stderr)
         return 130
 
 

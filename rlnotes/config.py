@@ -364,14 +364,37 @@ class RolloutConfig:
     temperature: float = 1.0
     # Nucleus sampling mass; 1.0 samples from the full distribution.
     top_p: float = 1.0
+    # Draw each completion's tokens from random numbers keyed by (seed, step, the prompt's place in
+    # the global batch, its sample number), so a completion does not depend on which prompts share
+    # its batch or its process: 1 and N processes then sample the same completions. null = on when
+    # several processes train (torchrun), off with one (a single stream, torch.multinomial).
+    per_prompt_seed: Optional[bool] = None
+    # What samples: hf (a generate loop over the policy itself, in this process; the default) or
+    # vllm (a vLLM engine on this process's GPU, pip extra vllm; LoRA only: each step the adapter,
+    # not merged weights, goes to vLLM, and the trainer recomputes its own log-probs of the samples).
+    engine: str = "hf"
+    # vllm: the share of the GPU's memory vLLM may take (its weights and KV cache); training keeps the rest.
+    vllm_gpu_memory: float = 0.3
+    # vllm: truncated importance sampling (Yao et al. 2025): each token's policy-gradient term is
+    # weighted by min(pi_trainer / pi_vllm, C) with C this cap (they use 2), correcting for vLLM's
+    # numerics differing from the trainer's; null = no correction (the mismatch is logged either way).
+    tis_cap: Optional[float] = None
 
 
 @dataclass
 class HardwareConfig:
-    # cpu, cuda, or auto (cuda when available).
+    # cpu, cuda, or auto (cuda when available). With several processes each uses cuda:LOCAL_RANK.
     device: str = "cpu"
-    # torch intra-op threads; null = torch's default (all cores).
+    # torch intra-op threads per process; null = torch's default (all cores; under torchrun the
+    # launcher's OMP_NUM_THREADS, which `rlnotes train` sets to cores / processes).
     threads: Optional[int] = None
+    # How several processes share a run: ddp (each holds the whole model and trains on 1/N of every
+    # batch; gradients summed across processes) or fsdp (FSDP2: parameters, gradients and optimizer
+    # state sharded across processes). Ignored with one process.
+    strategy: str = "ddp"
+    # Processes `rlnotes train` starts on this machine through torchrun (one per GPU); null or 1 =
+    # this process alone. Ignored in processes torchrun started: there its --nproc_per_node counts.
+    nproc: Optional[int] = None
 
 
 @dataclass
@@ -461,6 +484,20 @@ def register() -> None:
 
 SCHEDULES = ("constant", "linear", "cosine")
 DEVICES = ("cpu", "cuda", "auto")
+# hardware.strategy: how several processes share a run (see rlnotes.distributed).
+STRATEGIES = ("ddp", "fsdp")
+# rollout.engine: what samples completions.
+ENGINES = ("hf", "vllm")
+
+
+def planned_world_size(hardware) -> int:
+    """Processes the run will have: torchrun's WORLD_SIZE inside a process it started, else
+    hardware.nproc (the processes `rlnotes train` would start)."""
+    import os
+
+    if "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    return hardware.nproc or 1
 
 
 def saved_run_config(path) -> Optional[Any]:
@@ -553,6 +590,60 @@ def _check_micro_batch(cfg) -> None:
                           "or set it to null")
 
 
+def _check_layout(cfg) -> None:
+    """Settings that several processes constrain: the global batch must split evenly over them."""
+    check_choice("hardware.strategy", cfg.hardware.strategy, STRATEGIES)
+    world = planned_world_size(cfg.hardware)
+    if world <= 1:
+        return
+    b = cfg.trainer.batch_size
+    if b % world:
+        raise ConfigError(f"trainer.batch_size={b} does not split evenly over {world} processes; use a multiple of "
+                          f"{world} (it is the global batch: each process takes 1/{world} of it)")
+    if cfg.algo.name == "ppo" and cfg.algo.minibatch_size % world:
+        raise ConfigError(f"algo.minibatch_size={cfg.algo.minibatch_size} does not split evenly over {world} "
+                          f"processes; use a multiple of {world}")
+    if cfg.rollout.per_prompt_seed is False:
+        raise ConfigError(f"rollout.per_prompt_seed=false cannot work with {world} processes: each samples its own "
+                          "prompts from keyed random numbers; set it to null (or true)")
+    if cfg.hardware.strategy == "fsdp" and cfg.algo.name == "grpo" and cfg.algo.dynamic_sampling:
+        raise ConfigError("algo.dynamic_sampling keeps a different number of groups on each process, which FSDP's "
+                          "lock-step passes cannot follow; use hardware.strategy=ddp")
+
+
+def _check_engine(cfg) -> None:
+    """rollout.engine=vllm and rollout.tis_cap: a GPU, the package, a LoRA policy vLLM can load."""
+    r = cfg.rollout
+    check_choice("rollout.engine", r.engine, ENGINES)
+    if r.engine == "hf":
+        if r.tis_cap is not None:
+            raise ConfigError("rollout.tis_cap corrects for vLLM's sampling log-probs; with rollout.engine=hf the "
+                              "policy samples itself (every weight is 1): set rollout.engine=vllm or drop tis_cap")
+        return
+    import importlib.util
+
+    import torch
+
+    if cfg.hardware.device == "cpu" or not torch.cuda.is_available():
+        raise ConfigError("rollout.engine=vllm runs on a GPU and torch sees none here (or hardware.device=cpu); "
+                          "use rollout.engine=hf, or hardware=cuda on a GPU machine")
+    if importlib.util.find_spec("vllm") is None:
+        raise ConfigError("rollout.engine=vllm needs the vllm package; install it with: pip install 'rlnotes[vllm]'")
+    if cfg.model.lora is None:
+        raise ConfigError("rollout.engine=vllm sends the LoRA adapter to vLLM each step; set model.lora (without "
+                          "LoRA the whole model would have to be sent) or use rollout.engine=hf")
+    if cfg.model.name_or_path == "tiny":
+        raise ConfigError("rollout.engine=vllm loads the model from disk and model=tiny is built in code; use "
+                          "model=smollm2-135m, a local Hugging Face dir or a hub id")
+    if cfg.hardware.strategy == "fsdp" and planned_world_size(cfg.hardware) > 1:
+        raise ConfigError("rollout.engine=vllm with hardware.strategy=fsdp is not supported (the adapter's shards "
+                          "would have to be gathered each step); use hardware=ddp")
+    if not 0 < r.vllm_gpu_memory < 1:
+        raise ConfigError(f"rollout.vllm_gpu_memory={r.vllm_gpu_memory} is a share of the GPU's memory: in (0, 1)")
+    if r.tis_cap is not None and r.tis_cap < 1:
+        raise ConfigError(f"rollout.tis_cap={r.tis_cap} must be at least 1 (a cap on pi_trainer / pi_vllm)")
+
+
 def _check_checkpointing(trainer) -> None:
     """trainer.save_every, keep_last and resume; a resume path must hold a checkpoint now, before
     any model loads (auto is looked up in the run dir when the run starts)."""
@@ -588,7 +679,7 @@ def validate(cfg) -> None:
                 "algo.group_size", "algo.epochs", "algo.minibatch_size", "algo.eval_every", "algo.eval_rows",
                 "rollout.max_new_tokens", "data.train_size", "trainer.eval_every", "eval.size",
                 "eval.samples_per_prompt", "eval.max_new_tokens", "eval.batch_size", "logging.print_every",
-                "logging.samples_shown"):
+                "logging.samples_shown", "hardware.nproc"):
         check_positive(cfg, key)
     check_positive(cfg, "logging.samples_every", 0)
     if cfg.rollout.temperature <= 0:
@@ -603,8 +694,10 @@ def validate(cfg) -> None:
             raise ConfigError("reward=model needs the reward model's directory: reward.path=RUN_DIR/final "
                               "(the final/ dir of an algo=rm run) or a Hugging Face reward model dir")
         check_reward_config(cfg.reward)
+        _check_engine(cfg)
     _check_checkpointing(cfg.trainer)
     _check_micro_batch(cfg)
+    _check_layout(cfg)
     ALGO_CHECKS.get(cfg.algo.name, lambda _: None)(cfg)
     from rlnotes.tracking import check_backends
 

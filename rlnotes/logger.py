@@ -320,6 +320,26 @@ class MetricsLogger:
                            soft_wrap=True)
 
 
+class NullLogger:
+    """The logger of every rank but 0 when several processes train: they compute the same metrics
+    rank 0 logs, so they write, show and warn nothing."""
+
+    def begin(self, step: int) -> None:
+        pass
+
+    def observe(self, step: int, metrics: Mapping[str, float], samples: Optional[Mapping[str, Sequence]] = None):
+        pass
+
+    def log(self, step: int, metrics: Dict[str, float]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def summary(self, saved: Optional[Path] = None) -> None:
+        pass
+
+
 # Loggers whose warnings speak to the developers of those libraries, not to a user of rlnotes.
 QUIET_LOGGERS = ("transformers", "peft", "datasets", "huggingface_hub", "accelerate")
 

@@ -77,6 +77,9 @@ class Rollout:
     logprobs: torch.Tensor            # [N, T] log pi(token) when sampled, 0 on padding
     texts: List[str]                  # decoded completions, special tokens removed
     truncated: torch.Tensor           # [N] bool: hit max_new_tokens without EOS
+    # [N, T] log-probs as another sampling engine (vLLM) computed them, when it sampled the rows;
+    # `logprobs` then holds the trainer's own, recomputed. None: this engine sampled (they are equal).
+    sampler_logprobs: Optional[torch.Tensor] = None
 
     @property
     def input_ids(self) -> torch.Tensor:
@@ -91,10 +94,11 @@ class Rollout:
 
     def select(self, idx: torch.Tensor) -> "Rollout":
         """The rows `idx`, with the completion width trimmed to the longest of them."""
-        width = max(int(self.completion_mask[idx].sum(-1).max()), 1)
+        width = max(int(self.completion_mask[idx].sum(-1).max()) if len(idx) else 0, 1)
+        sampler = self.sampler_logprobs[idx, :width] if self.sampler_logprobs is not None else None
         return Rollout(self.prompt_ids[idx], self.prompt_mask[idx], self.completion_ids[idx, :width],
                        self.completion_mask[idx, :width], self.logprobs[idx, :width],
-                       [self.texts[i] for i in idx.tolist()], self.truncated[idx])
+                       [self.texts[i] for i in idx.tolist()], self.truncated[idx], sampler)
 
 
 def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -108,12 +112,62 @@ def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
 
 
+# ---------------------------------------------------------------------------------------------
+# Keyed sampling (rollout.per_prompt_seed): the random number behind a completion's t-th token is
+# a hash of (the completion's key, t), so a completion is the same whichever other rows share its
+# batch, its process or its device. Integer hashing in int64 tensors gives the same bits on CPU and
+# GPU; no product exceeds 2^49, so nothing overflows.
+
+_M32 = 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2^32 for uint32 values held in int64, in two 16-bit halves."""
+    return ((x & 0xFFFF) * c + ((((x >> 16) * c) & 0xFFFF) << 16)) & _M32
+
+
+def mix32(x: torch.Tensor) -> torch.Tensor:
+    """A bijective 32-bit integer hash (Wellons' lowbias32): nearby inputs give unrelated outputs."""
+    x = x & _M32
+    x = _mul32(x ^ (x >> 16), 0x7FEB352D)
+    x = _mul32(x ^ (x >> 15), 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def completion_keys(seed: int, draw: Sequence[int], prompt_index: torch.Tensor, group_size: int) -> torch.Tensor:
+    """One key per completion, [P * G] prompt by prompt: a hash of the run's seed, the draw (e.g.
+    (step, round): which batch this is), the prompt's index in the global batch and the sample's
+    number within its group."""
+    h = mix32(torch.tensor(seed & _M32, dtype=torch.long))
+    for d in draw:
+        h = mix32(h ^ (d & _M32))
+    h = mix32(h ^ prompt_index.long())
+    return mix32(h.repeat_interleave(group_size) ^ torch.arange(group_size).repeat(len(prompt_index)))
+
+
+def keyed_uniform(keys: torch.Tensor, t: int) -> torch.Tensor:
+    """A uniform number in (0, 1) per key for token position t (float64)."""
+    offset = int(mix32(torch.tensor(t + 0x9E3779B9, dtype=torch.long)))
+    return (mix32(keys ^ offset).double() + 0.5) / 2.0**32
+
+
+def sample_keyed(probs: torch.Tensor, keys: torch.Tensor, t: int) -> torch.Tensor:
+    """Inverse-CDF sampling: token i of each row where the cumulative probability first reaches
+    that row's keyed uniform. probs [N, V] (rows need not sum to 1), keys [N] -> [N]."""
+    cdf = probs.double().cumsum(-1)
+    target = keyed_uniform(keys, t).to(cdf.device) * cdf[:, -1]
+    return torch.searchsorted(cdf, target[:, None]).squeeze(-1).clamp(max=probs.shape[-1] - 1)
+
+
 @torch.no_grad()
 def generate(model, tokenizer, prompts: Sequence[Sequence[int]], group_size: int, max_new_tokens: int,
              temperature: float = 1.0, top_p: float = 1.0, generator: Optional[torch.Generator] = None,
-             eos_ids: Optional[Sequence[int]] = None, greedy: bool = False) -> Rollout:
+             eos_ids: Optional[Sequence[int]] = None, greedy: bool = False,
+             keys: Optional[torch.Tensor] = None) -> Rollout:
     """Sample `group_size` completions for each prompt (token id lists); `greedy` takes the most
-    likely token instead (the log-probs are then those of softmax(z / temperature))."""
+    likely token instead (the log-probs are then those of softmax(z / temperature)). With `keys`
+    (one per completion, from completion_keys) each token is drawn by sample_keyed instead of from
+    `generator`, so a completion does not depend on the rest of the batch."""
     device = next(model.parameters()).device
     pad_id = tokenizer.pad_token_id
     eos = torch.tensor(eos_ids if eos_ids is not None else [tokenizer.eos_token_id], device=device)
@@ -134,6 +188,7 @@ def generate(model, tokenizer, prompts: Sequence[Sequence[int]], group_size: int
     logps = torch.zeros((n, max_new_tokens), device=device)
     lengths = torch.full((n,), max_new_tokens, dtype=torch.long, device=device)
     alive = torch.arange(n, device=device)     # rows still generating, as indices into the batch
+    keys = keys.to(device) if keys is not None else None
     attn = prompt_mask
     next_pos = positions[:, -1].repeat_interleave(group_size) + 1
 
@@ -142,6 +197,8 @@ def generate(model, tokenizer, prompts: Sequence[Sequence[int]], group_size: int
         logp = scaled.log_softmax(-1)
         if greedy:
             tok = scaled.argmax(-1)
+        elif keys is not None:
+            tok = sample_keyed(top_p_filter(scaled, top_p).softmax(-1), keys[alive], t)
         else:
             tok = torch.multinomial(top_p_filter(scaled, top_p).softmax(-1), 1, generator=generator).squeeze(-1)
         tokens[alive, t] = tok
@@ -176,10 +233,11 @@ def concat_rollouts(parts: Sequence[Rollout], pad_id: int) -> Rollout:
     t = max(r.completion_ids.shape[1] for r in parts)
     left = lambda x, value: F.pad(x, (p - x.shape[1], 0), value=value)  # noqa: E731
     right = lambda x, value: F.pad(x, (0, t - x.shape[1]), value=value)  # noqa: E731
+    sampler = None if parts[0].sampler_logprobs is None else torch.cat([right(r.sampler_logprobs, 0.0) for r in parts])
     return Rollout(torch.cat([left(r.prompt_ids, pad_id) for r in parts]),
                    torch.cat([left(r.prompt_mask, 0) for r in parts]),
                    torch.cat([right(r.completion_ids, pad_id) for r in parts]),
                    torch.cat([right(r.completion_mask, 0.0) for r in parts]),
                    torch.cat([right(r.logprobs, 0.0) for r in parts]),
                    [text for r in parts for text in r.texts],
-                   torch.cat([r.truncated for r in parts]))
+                   torch.cat([r.truncated for r in parts]), sampler)

@@ -38,8 +38,9 @@ def report(run: Path) -> None:
     one_digit = first_eval(run / "eval" / "final" / "eval.jsonl")
     median = lambda key: statistics.median(r.get(key, 0.0) for r in steps)  # noqa: E731
     print(f"## {run} (seed {seed})")
+    best = max(r["eval/accuracy"] for r in evals)
     print(f"two-digit held-out greedy accuracy: {evals[0]['eval/accuracy']:.3f} (step 0) -> "
-          f"{evals[-1]['eval/accuracy']:.3f} (step {evals[-1]['step']}), best {max(r['eval/accuracy'] for r in evals):.3f}")
+          f"{evals[-1]['eval/accuracy']:.3f} (step {evals[-1]['step']}), best {best:.3f}")
     print(f"one-digit accuracy after: {one_digit:.3f}" if one_digit is not None else
           "one-digit accuracy after: run `rlnotes eval eval.policy=RUN/final data.max_digits=null` first")
     print(f"wall time {metrics[-1]['time/elapsed_s'] / 60:.1f} min for {steps[-1]['step']} steps "

@@ -27,6 +27,7 @@ from rlnotes.notes.policy_gradient import policy_gradient_loss
 from rlnotes.notes.ppo import ppo_clip_fraction, ppo_clip_loss, value_loss
 from rlnotes.notes.reinforce import returns_to_go
 from rlnotes.notes.reward_model import bradley_terry_loss
+from rlnotes.notes.tis import truncated_is_weights
 
 __all__ = [
     "AGGREGATIONS",
@@ -47,5 +48,6 @@ __all__ = [
     "ppo_clip_fraction",
     "ppo_clip_loss",
     "returns_to_go",
+    "truncated_is_weights",
     "value_loss",
 ]

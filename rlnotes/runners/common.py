@@ -18,21 +18,22 @@ from omegaconf import OmegaConf
 from rich.console import Console
 from safetensors.torch import save_file
 
-from rlnotes import checkpoint
+from rlnotes import checkpoint, distributed
 from rlnotes.data import PromptSampler, Row, system_prompt
 from rlnotes.datasets import fit_and_split, load_checked, max_positions
 from rlnotes.evaluate import checker_config, evaluate
 from rlnotes.evaluate import eval_rows as held_out_rows
 from rlnotes.evaluate import write as write_eval
 from rlnotes.diagnostics import batch_arithmetic, describe_batches
-from rlnotes.logger import MetricsLogger
+from rlnotes.logger import MetricsLogger, NullLogger
 from rlnotes.tracking import open_sinks
 from rlnotes.models import resolve_device
 from rlnotes.notes import kl_penalty, masked_mean
+from rlnotes.notes.tis import truncated_is_weights
 from rlnotes.notes.reinforce import terminal_rewards
 from rlnotes.policy import Policy
 from rlnotes.rewards import Rewards
-from rlnotes.rollout import Rollout, encode_prompts, generate
+from rlnotes.rollout import Rollout, completion_keys, encode_prompts, generate
 
 
 class TrainingError(RuntimeError):
@@ -69,6 +70,8 @@ class Context:
     scorer: Optional[Rewards] = None
     # The last sampled batch (prompts, completions, rewards: lists of N) for the samples table.
     samples: Optional[Dict[str, list]] = None
+    # The vLLM engine that samples when rollout.engine=vllm (rlnotes.vllm_engine); None: the policy samples.
+    engine: Optional[object] = None
 
     @contextmanager
     def timed(self, name: str) -> Iterator[None]:
@@ -91,36 +94,78 @@ def lr_lambda(schedule: str, warmup: int, total: int):
     return factor
 
 
-def setup(cfg, run_dir: Path, console: Console) -> Context:
-    """Seeds, device, policy/reference, data, rewards, optimizer and the metrics log."""
+def setup(cfg, run_dir: Path, console: Console, resume_from: Optional[Path] = None) -> Context:
+    """Seeds, device, policy/reference, data, rewards, optimizer and the metrics log. The weights of
+    `resume_from` are loaded before FSDP (hardware.strategy=fsdp) shards them."""
     if cfg.hardware.threads:
         torch.set_num_threads(cfg.hardware.threads)
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
-    device = resolve_device(cfg.hardware.device)
+    device = distributed.init(resolve_device(cfg.hardware.device))
     from rlnotes.config import ALGO_SCHEMAS
 
     rewards = Rewards(cfg.reward, console) if ALGO_SCHEMAS[cfg.algo.name].samples else None
-    data = load_checked(cfg, rewards.fns if rewards else [])  # a data mistake fails before the model loads
-    policy = Policy.from_config(cfg.model, device)
+    with distributed.main_first():  # caches (a converted model, a downloaded dataset) are written once
+        data = load_checked(cfg, rewards.fns if rewards else [])  # a data mistake fails before the model loads
+        policy = Policy.from_config(cfg.model, device)
+    if resume_from is not None:
+        checkpoint.load_policy(policy, resume_from)
+    if distributed.active() and cfg.hardware.strategy == "fsdp":
+        shard_policy(policy)
     train_rows, eval_rows = fit_and_split(data, cfg, policy.tokenizer, max_positions(policy.model), console)
     if cfg.eval.data:
         eval_rows = held_out_rows(cfg, policy.tokenizer, max_positions(policy.model), console)
     params = policy.trainable_parameters()
+    distributed.broadcast_parameters(params)  # every rank starts from rank 0's weights
     o = cfg.optim
     optimizer = torch.optim.AdamW(params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(o.schedule, o.warmup_steps, cfg.trainer.steps))
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    main = distributed.is_main()  # rank 0 writes the run's files; with one process, this process
+    if main:
+        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     n_params = sum(p.numel() for p in params)
     console.print(f"[bold]rlnotes[/] {cfg.algo.name} on {cfg.model.name_or_path} "
                   f"({n_params:,} trainable parameters, {'LoRA' if policy.uses_lora else 'full'}) -> {run_dir}")
+    if distributed.active():
+        world = distributed.world_size()
+        console.print(f"{world} processes ({cfg.hardware.strategy}, {distributed.backend()} on {device.type}): each "
+                      f"trains on {cfg.trainer.batch_size // world} of the {cfg.trainer.batch_size} "
+                      f"{'prompts' if rewards else 'rows'} of a step", highlight=False)
     console.print(describe_batches(batch_arithmetic(cfg, len(train_rows))), highlight=False, soft_wrap=True)
     scorer = Rewards(checker_config(cfg), console) if cfg.trainer.eval_every else None
+    logger = MetricsLogger.for_run(cfg, run_dir, console, sinks=open_sinks(cfg, run_dir)) if main else NullLogger()
+    engine = None
+    if rewards is not None and cfg.rollout.engine == "vllm":
+        from rlnotes.vllm_engine import VLLMEngine
+
+        engine = VLLMEngine(cfg, policy.tokenizer)
     return Context(cfg=cfg, run_dir=run_dir, device=device, policy=policy, optimizer=optimizer, scheduler=scheduler,
                    sampler=PromptSampler(train_rows, cfg.trainer.batch_size, cfg.seed), eval_rows=eval_rows,
-                   rewards=rewards, logger=MetricsLogger.for_run(cfg, run_dir, console, sinks=open_sinks(cfg, run_dir)),
-                   console=console, generator=torch.Generator(device).manual_seed(cfg.seed), scorer=scorer)
+                   rewards=rewards, logger=logger, console=console,
+                   generator=torch.Generator(device).manual_seed(cfg.seed), scorer=scorer, engine=engine)
+
+
+def shard_policy(policy: Policy) -> None:
+    """FSDP2 over the policy and, without LoRA, its frozen reference copy (with LoRA the reference
+    is the policy itself with the adapter off)."""
+    distributed.shard_model(policy.model)
+    with policy.reference() as reference:
+        if reference is not policy.model:
+            distributed.shard_model(reference)
+
+
+def next_rows(ctx: Context) -> List[Row]:
+    """This process's part of the next batch (all of it with one process). Every rank draws the
+    same global batch from the same sampler and keeps its own slice, so the data position is one
+    state for all ranks and the global batch is trainer.batch_size whatever their number."""
+    return distributed.shard(ctx.sampler.next_batch())
+
+
+def per_prompt_seed(cfg) -> bool:
+    """rollout.per_prompt_seed, with null meaning: on when several processes train."""
+    on = cfg.rollout.per_prompt_seed
+    return distributed.world_size() > 1 if on is None else bool(on)
 
 
 def columns_of(rows: List[Row], repeat: int) -> Dict[str, list]:
@@ -129,45 +174,109 @@ def columns_of(rows: List[Row], repeat: int) -> Dict[str, list]:
     return {k: [r[k] for r in rows for _ in range(repeat)] for k in keys}
 
 
-def sample_and_score(ctx: Context, rows: List[Row], group_size: int) -> tuple[Rollout, torch.Tensor, Dict[str, float]]:
-    """G completions per prompt and the reward of each: (rollout, rewards [N], reward metrics)."""
+def sample_and_score(ctx: Context, rows: List[Row], group_size: int,
+                     round_: int = 0) -> tuple[Rollout, torch.Tensor, Dict[str, float]]:
+    """G completions per prompt and the reward of each: (rollout, rewards [N], reward metrics).
+    `rows` are this rank's part of a batch; `round_` numbers the batches sampled within one step
+    (DAPO's extra rounds), which with per-prompt seeds keys the draw together with the step."""
     cfg = ctx.cfg
     prompt_ids = encode_prompts(ctx.policy.tokenizer, [r["prompt"] for r in rows], cfg.model.chat_template,
                                 system_prompt(cfg))
+    keys = None
+    if per_prompt_seed(cfg):  # prompt i of rank r is prompt r * len(rows) + i of the global batch
+        first = distributed.rank() * len(rows)
+        keys = completion_keys(cfg.seed, (ctx.step, round_), torch.arange(first, first + len(rows)), group_size)
     ctx.policy.model.eval()
     start = time.perf_counter()
-    with ctx.timed("generate"):
-        rollout = generate(ctx.policy.model, ctx.policy.tokenizer, prompt_ids, group_size, cfg.rollout.max_new_tokens,
-                           cfg.rollout.temperature, cfg.rollout.top_p, ctx.generator)
+    with ctx.timed("generate"), distributed.gathered(ctx.policy.model):
+        if ctx.engine is not None:
+            ctx.engine.sync(ctx.policy, ctx.step)
+            seeds = keys[::group_size].tolist() if keys is not None else None
+            rollout = ctx.engine.generate(prompt_ids, group_size, seeds, ctx.device)
+        else:
+            rollout = generate(ctx.policy.model, ctx.policy.tokenizer, prompt_ids, group_size,
+                               cfg.rollout.max_new_tokens, cfg.rollout.temperature, cfg.rollout.top_p, ctx.generator,
+                               keys=keys)
     tokens = float(rollout.completion_mask.sum())
     metrics = {"perf/tokens": tokens, "perf/gen_tokens_per_s": tokens / (time.perf_counter() - start)}
+    if rollout.sampler_logprobs is not None:
+        metrics.update(trainer_logprobs(ctx, rollout))
     prompts = [r["prompt"] for r in rows for _ in range(group_size)]
     with ctx.timed("reward"):
         ids = [row[mask.bool()].tolist() for row, mask in zip(rollout.completion_ids, rollout.completion_mask)]
         rewards, reward_metrics = ctx.rewards(prompts, rollout.texts, columns_of(rows, group_size), completion_ids=ids)
     ctx.samples = {"prompts": prompts, "completions": list(rollout.texts), "rewards": rewards.tolist()}
-    return rollout, rewards.to(ctx.device), {**metrics, **reward_metrics}
+    # Each rank scored its own completions: failures add up, per-function means average (the ranks
+    # score equally many completions), generation speeds add up (the ranks sample side by side).
+    ops = {key: "sum" if key == "reward/failures" else "mean" for key in reward_metrics}
+    metrics = distributed.reduce_metrics({**metrics, **reward_metrics}, {**ops, "perf/gen_tokens_per_s": "sum"})
+    return rollout, rewards.to(ctx.device), metrics
+
+
+@torch.no_grad()
+def trainer_logprobs(ctx: Context, rollout: Rollout) -> Dict[str, float]:
+    """Put the trainer's own log-probs of another engine's samples into rollout.logprobs (one
+    no-grad pass) and measure how far the sampler's were from them, over the global batch:
+    sampler/logprob_vllm and sampler/logprob_trainer (mean per token), sampler/mismatch (mean
+    |log pi_trainer - log pi_vllm|) and, with rollout.tis_cap, sampler/tis_clip_frac (tokens whose
+    weight was capped)."""
+    cfg = ctx.cfg
+    ids, attn, n = rollout.input_ids, rollout.attention_mask, rollout.completion_ids.shape[1]
+    with ctx.timed("old_logprobs"):
+        logprobs = [ctx.policy.logprobs(ids[i], attn[i], n, cfg.rollout.temperature)
+                    for i in micro_batches(len(rollout), cfg.trainer.micro_batch_size)]
+    mask, mean = rollout.completion_mask, distributed.masked_mean_over_ranks
+    rollout.logprobs = torch.cat(logprobs) * mask  # 0 on padding, as sampled log-probs are
+    diff = rollout.logprobs - rollout.sampler_logprobs
+    metrics = {"sampler/logprob_vllm": float(mean(rollout.sampler_logprobs, mask)),
+               "sampler/logprob_trainer": float(mean(rollout.logprobs, mask)),
+               "sampler/mismatch": float(mean(diff.abs(), mask))}
+    if cfg.rollout.tis_cap is not None:
+        metrics["sampler/tis_clip_frac"] = float(mean((diff > math.log(cfg.rollout.tis_cap)).float(), mask))
+    return metrics
+
+
+def tis_weights(ctx: Context, rows: Rollout) -> Optional[torch.Tensor]:
+    """rollout.tis_cap's per-token weights min(pi_trainer / pi_sampler, C) [n, T] of `rows`, or None
+    (no cap, or the policy sampled them itself)."""
+    if ctx.cfg.rollout.tis_cap is None or rows.sampler_logprobs is None:
+        return None
+    return truncated_is_weights(rows.logprobs, rows.sampler_logprobs, ctx.cfg.rollout.tis_cap)
 
 
 def micro_batches(n: int, size: int | None) -> List[torch.Tensor]:
-    idx = torch.arange(n)
-    return list(idx.split(size or n))
+    """Index chunks of at most `size` (null: all n at once); none when n is 0 (a rank left without rows)."""
+    return list(torch.arange(n).split(size or n)) if n else []
 
 
-def micro_batch_weight(aggregation: str, chunk_mask: torch.Tensor, full_mask: torch.Tensor) -> float:
-    """Factor that turns a micro-batch's aggregated loss into its share of the full batch's loss,
-    so that accumulating over micro-batches gives the same gradient as one pass."""
+@dataclass(frozen=True)
+class Totals:
+    """A batch's real tokens and rows summed over every rank: what token means and sequence means
+    divide by, so that each rank's loss is its share of the global batch's loss."""
+    tokens: float
+    rows: float
+
+
+def batch_totals(mask: torch.Tensor) -> Totals:
+    """The Totals of the batch whose part on this rank has completion mask `mask` [N, T]."""
+    tokens, rows = distributed.sum_over_ranks([float(mask.sum()), mask.shape[0]])
+    return Totals(tokens, rows)
+
+
+def micro_batch_weight(aggregation: str, chunk_mask: torch.Tensor, totals: Totals) -> float:
+    """Factor that turns a micro-batch's aggregated loss into its share of the global batch's loss,
+    so that accumulating over micro-batches (and summing over ranks) gives one pass's gradient."""
     if aggregation == "token-mean":
-        return float(chunk_mask.sum() / full_mask.sum().clamp(min=1))
-    return chunk_mask.shape[0] / full_mask.shape[0]
+        return float(chunk_mask.sum()) / max(totals.tokens, 1.0)
+    return chunk_mask.shape[0] / totals.rows
 
 
 def optimizer_step(ctx: Context) -> Dict[str, float]:
     """Clip, step and schedule; a non-finite gradient skips the update (three in a row stop the run)."""
     ctx.updating = True
     params = ctx.policy.trainable_parameters() + [p for head in ctx.heads.values() for p in head.parameters()]
-    max_norm = ctx.cfg.optim.max_grad_norm
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm is not None else float("inf"))
+    distributed.sum_gradients(params)  # each rank's loss is its share of the global batch's: their sum is the batch's
+    grad_norm = distributed.clip_grad_norm(params, ctx.cfg.optim.max_grad_norm)
     lr = ctx.scheduler.get_last_lr()[0]
     if torch.isfinite(grad_norm):
         ctx.optimizer.step()
@@ -190,6 +299,7 @@ def add_head(ctx: Context, name: str, head: torch.nn.Module) -> torch.nn.Module:
     """Train `head` from now on: into ctx.heads and the optimizer, with the same learning-rate
     schedule (the scheduler is rebuilt, which is exact only before the first step)."""
     ctx.heads[name] = head
+    distributed.broadcast_parameters(head.parameters())  # a random init must be the same on every rank
     ctx.optimizer.add_param_group({"params": list(head.parameters())})
     o = ctx.cfg.optim
     ctx.scheduler = torch.optim.lr_scheduler.LambdaLR(ctx.optimizer, lr_lambda(o.schedule, o.warmup_steps,
@@ -211,7 +321,10 @@ def penalized_token_rewards(ctx: Context, rollout: Rollout, rewards: torch.Tenso
         ref = torch.cat([ctx.policy.ref_logprobs(ids[i], attn[i], n, temperature)
                          for i in micro_batches(len(rollout), ctx.cfg.trainer.micro_batch_size)])
     kl = kl_penalty(rollout.logprobs, ref, estimator)
-    return token_rewards - beta * kl, float(masked_mean(kl, mask))
+    if not distributed.active():
+        return token_rewards - beta * kl, float(masked_mean(kl, mask))
+    total, count = distributed.sum_over_ranks([float((kl * mask).sum()), float(mask.sum())])
+    return token_rewards - beta * kl, total / max(count, 1.0)
 
 
 def informative_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -221,24 +334,30 @@ def informative_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
 
 
 def rollout_metrics(rollout: Rollout, rewards: torch.Tensor, group_size: int) -> Dict[str, float]:
+    """Reward, length and entropy statistics of the global batch (every rank's rows gathered)."""
     mask = rollout.completion_mask
-    lengths = mask.sum(-1)
+    per_row = torch.stack([rewards.detach().float().cpu(), mask.sum(-1).cpu(), rollout.truncated.float().cpu(),
+                           -(rollout.logprobs * mask).sum(-1).cpu()], dim=1)
+    rewards, lengths, truncated, neg_logp = distributed.gather_rows(per_row).unbind(1)
     return {
         "reward/mean": float(rewards.mean()),
         "reward/std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
         "reward/zero_std_frac": float((~informative_groups(rewards, group_size)).float().mean()),
         "completion/len_mean": float(lengths.mean()),
-        "completion/truncated_frac": float(rollout.truncated.float().mean()),
+        "completion/truncated_frac": float(truncated.mean()),
         # Mean -log pi of the sampled tokens: a Monte-Carlo estimate of the policy's entropy.
-        "policy/entropy": float(-(rollout.logprobs * mask).sum() / mask.sum().clamp(min=1)),
+        "policy/entropy": float(neg_logp.sum() / lengths.sum().clamp(min=1)),
     }
 
 
 def eval_metrics(ctx: Context) -> Dict[str, float]:
     """Evaluate the current policy on the eval split (trainer.eval_every); samples go to eval/step_N.jsonl."""
     start = time.perf_counter()
-    evaluation = evaluate(ctx.policy, ctx.cfg, ctx.eval_rows, ctx.scorer, ctx.step)
-    write_eval(evaluation, ctx.run_dir, ctx.step)
+    # Every rank evaluates the same rows (same numbers, same passes, nothing to wait for); rank 0 writes.
+    with distributed.gathered(ctx.policy.model):
+        evaluation = evaluate(ctx.policy, ctx.cfg, ctx.eval_rows, ctx.scorer, ctx.step)
+    if distributed.is_main():
+        write_eval(evaluation, ctx.run_dir, ctx.step)
     return {**evaluation.metrics, "time/eval_s": time.perf_counter() - start}
 
 
@@ -248,18 +367,38 @@ def eval_due(step: int, every: Optional[int], total: int) -> bool:
 
 
 def finish(ctx: Context, interrupted: bool = False) -> Path:
-    """Save the policy (adapter or full model) and close the log."""
+    """Save the policy (adapter or full model) and close the log; rank 0 writes (every rank must
+    call this: FSDP gathers the weights first)."""
     ctx.logger.close()
+    if ctx.engine is not None:
+        ctx.engine.close()
     out = ctx.run_dir / ("interrupted" if interrupted else "final")
-    ctx.policy.save(out)
-    for name, head in ctx.heads.items():
-        save_file({k: v.contiguous() for k, v in head.state_dict().items()}, str(out / f"{name}.safetensors"))
+    state = distributed.full_state(ctx.policy.model)
+    if distributed.is_main():
+        checkpoint.save_policy(ctx.policy, out, state)
+        for name, head in ctx.heads.items():
+            save_file({k: v.contiguous() for k, v in head.state_dict().items()}, str(out / f"{name}.safetensors"))
     return out
+
+
+def save_checkpoint(ctx: Context, boundary: checkpoint.Boundary) -> Optional[Path]:
+    """checkpoint.save on rank 0, which holds the state of every rank (under FSDP gathered from
+    them first: every rank must call this); None on the others."""
+    shards = checkpoint.Shards(distributed.full_state(ctx.policy.model), distributed.optimizer_shards(ctx.optimizer),
+                               distributed.world_size())
+    if distributed.is_main():
+        return checkpoint.save(ctx, boundary, ctx.cfg.trainer.keep_last, shards)
+    return None
 
 
 def start_point(cfg, run_dir: Path, console: Console) -> Optional[Path]:
     """The checkpoint trainer.resume names, with the run's step logs cut back to its step; None to
-    start fresh. Runs before any model loads, so a bad path fails at once."""
+    start fresh. Runs before any model loads, so a bad path fails at once. Rank 0 decides and
+    rewrites the logs; every rank resumes from the checkpoint it names."""
+    return distributed.broadcast(_start_point(cfg, run_dir, console) if distributed.is_main() else None)
+
+
+def _start_point(cfg, run_dir: Path, console: Console) -> Optional[Path]:
     from rich.markup import escape
 
     path = checkpoint.locate(cfg.trainer.resume, run_dir)
@@ -283,8 +422,8 @@ def start_point(cfg, run_dir: Path, console: Console) -> Optional[Path]:
 
 
 def resume(ctx: Context, path: Path) -> None:
-    """Load a checkpoint into a freshly set-up context: heads first (they join the optimizer),
-    then weights, optimizer, scheduler, RNG, data position and runner state."""
+    """Load a checkpoint into a context set up from it (setup loaded the policy's weights): heads
+    first (they join the optimizer), then optimizer, scheduler, RNG, data position and runner state."""
     manifest = checkpoint.read_manifest(path)
     for name, head in checkpoint.load_heads(path, manifest, ctx.device).items():
         add_head(ctx, name, head)
@@ -309,7 +448,9 @@ def stopped(ctx: Context, boundary: checkpoint.Boundary, cause: str) -> None:
     if boundary.step == 0:
         ctx.console.print(f"[yellow]{cause} before the first step; nothing saved[/]")
         return
-    path = checkpoint.save(ctx, boundary, ctx.cfg.trainer.keep_last)
+    path = save_checkpoint(ctx, boundary)
+    if path is None:
+        return
     ctx.console.print(f"[yellow]{cause} at step {boundary.step}: checkpoint saved to {escape(str(path))}; resume "
                       f"with:[/]\n  {hint}", soft_wrap=True, highlight=False)
 
@@ -324,7 +465,7 @@ def train(cfg, run_dir: Path, console: Console) -> Dict[str, float]:
 
     train_step = get_runner(cfg.algo.name)
     resume_from = start_point(cfg, run_dir, console)
-    ctx = setup(cfg, run_dir, console)
+    ctx = setup(cfg, run_dir, console, resume_from)
     if resume_from is not None:
         resume(ctx, resume_from)
     ctx.logger.begin(ctx.step)  # the progress bar, speed and schedules start here
@@ -339,9 +480,11 @@ def train(cfg, run_dir: Path, console: Console) -> Dict[str, float]:
                 ctx.timers = {}
                 start = time.perf_counter()
                 metrics = train_step(ctx)
-                seconds = time.perf_counter() - start
-                metrics.update(ctx.timers, **{"time/step_s": seconds,
-                                              "perf/tokens_per_s": metrics.pop("perf/tokens") / seconds})
+                metrics.update(ctx.timers, **{"time/step_s": time.perf_counter() - start})
+                # Ranks wait for the slowest; their tokens add up (all else is already the batch's).
+                metrics = distributed.reduce_metrics(metrics, {**{k: "max" for k in metrics if k.startswith("time/")},
+                                                               "perf/tokens": "sum"})
+                metrics["perf/tokens_per_s"] = metrics.pop("perf/tokens") / metrics["time/step_s"]
                 if eval_due(ctx.step, cfg.trainer.eval_every, cfg.trainer.steps):
                     metrics.update(eval_metrics(ctx))  # after time/step_s: the step's time excludes evaluation
                 ctx.logger.observe(ctx.step, metrics, ctx.samples)  # progress, warnings, samples table
@@ -351,9 +494,9 @@ def train(cfg, run_dir: Path, console: Console) -> Dict[str, float]:
                 last = metrics
                 previous, boundary, ctx.updating = boundary.step, checkpoint.capture(ctx), False
                 if checkpoint.due(previous, ctx.step, cfg.trainer.save_every):
-                    checkpoint.save(ctx, boundary, cfg.trainer.keep_last)
+                    save_checkpoint(ctx, boundary)
                 stop.check()
-            checkpoint.save(ctx, boundary, cfg.trainer.keep_last)
+            save_checkpoint(ctx, boundary)
     except KeyboardInterrupt:
         stopped(ctx, boundary, stop.name)
         raise

@@ -9,6 +9,7 @@ For each batch of preference pairs (x, y_w, y_l), micro-batch by micro-batch:
   4. report the implicit rewards r = beta log pi/pi_ref (Eq. 5) and how often r(y_w) > r(y_l),
      on the batch and, now and then, on held-out pairs (eval/* in a step's row is measured before
      its update, so the first row shows the initial policy; the last row shows the final one).
+With several processes each rank takes 1/N of the pairs; every mean is over the global batch.
 """
 
 from __future__ import annotations
@@ -17,10 +18,11 @@ from typing import Dict, List
 
 import torch
 
+from rlnotes import distributed
 from rlnotes.data import Row
 from rlnotes.notes import dpo_implicit_rewards, dpo_loss
 from rlnotes.offline import Sequences, chunks, encode_pairs, eval_due, summed_logprobs
-from rlnotes.runners.common import Context, optimizer_step
+from rlnotes.runners.common import Context, next_rows, optimizer_step
 
 
 def ref_logprobs(ctx: Context, rows: List[Row], seqs: Sequences) -> torch.Tensor:
@@ -41,16 +43,19 @@ def _key(row: Row) -> tuple:
 def precompute_reference(ctx: Context) -> None:
     """Reference log-probs of every distinct train pair, made once: the reference never changes,
     so this replaces the per-step no-grad pass over 2B sequences by one pass over the train set
-    (a win once training sees pairs more than once; it costs memory of two floats per pair)."""
+    (a win once training sees pairs more than once; it costs memory of two floats per pair).
+    With several processes each rank scores 1/N of the pairs (parts made equal by repeating a few
+    pairs, so that FSDP's lock-step passes line up) and every rank gets the whole table."""
     unique = list({_key(r): r for r in ctx.sampler.rows}.values())
+    padded = [unique[i % len(unique)] for i in range(len(unique) + (-len(unique)) % distributed.world_size())]
     table: Dict[tuple, tuple] = {}
     size = ctx.cfg.trainer.micro_batch_size or ctx.cfg.trainer.batch_size
-    for chunk, _ in chunks(unique, size):
+    for chunk, _ in chunks(distributed.shard(padded), size):
         seqs = encode_pairs(ctx, chunk)
         ref = ref_logprobs(ctx, chunk, seqs).tolist()
         for i, r in enumerate(chunk):
             table[_key(r)] = (ref[i], ref[len(chunk) + i])
-    ctx.cache["ref"] = table
+    ctx.cache["ref"] = {k: v for part in distributed.gather(table) for k, v in part.items()}
 
 
 @torch.no_grad()
@@ -82,10 +87,12 @@ def train_step(ctx: Context) -> Dict[str, float]:
     if eval_due(ctx):
         metrics.update(evaluate(ctx))
 
-    rows = ctx.sampler.next_batch()
+    rows = next_rows(ctx)
+    scale = len(rows) / cfg.trainer.batch_size  # this rank's share of the global batch
     sums = {"loss": 0.0, "dpo/chosen_reward": 0.0, "dpo/rejected_reward": 0.0, "dpo/margin": 0.0,
             "dpo/accuracy": 0.0, "perf/tokens": 0.0}
-    for chunk, share in chunks(rows, cfg.trainer.micro_batch_size):
+    for chunk, part in chunks(rows, cfg.trainer.micro_batch_size):
+        share = part * scale  # the chunk's share of the global batch
         seqs = encode_pairs(ctx, chunk)
         n = len(chunk)
         # 1. Reference log-probs (no grad).
@@ -107,7 +114,8 @@ def train_step(ctx: Context) -> Dict[str, float]:
                            ("dpo/accuracy", (chosen > rejected).float().mean())):
             sums[key] += float(value) * share
         sums["perf/tokens"] += seqs.tokens()
-    metrics.update(sums)
+    tokens = sums.pop("perf/tokens")  # summed over ranks by the train loop
+    metrics.update(zip(sums, distributed.sum_over_ranks(list(sums.values()))), **{"perf/tokens": tokens})
     metrics.update(optimizer_step(ctx))
     if ctx.step == cfg.trainer.steps:
         metrics.update(evaluate(ctx))

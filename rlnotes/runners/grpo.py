@@ -11,6 +11,9 @@ For each batch of prompts:
 DAPO's dynamic sampling (algo.dynamic_sampling) replaces steps 1-2: groups whose rewards are all
 equal (A = 0, no gradient) are dropped and more prompts sampled until the batch is full.
 
+With several processes each samples and scores its own prompts, so a group and its advantages
+live on one rank; the loss normalisers (tokens, sequences) are the global batch's.
+
 pi_old needs no pass of its own: with mu = 1 it is the current policy (rho = 1 in value, its
 gradient is the policy gradient), and with mu > 1 it is the log-prob recorded while sampling.
 """
@@ -21,35 +24,48 @@ from typing import Dict
 
 import torch
 
+from rlnotes import distributed
 from rlnotes.notes import group_advantages, grpo_loss, kl_penalty, masked_mean, ppo_clip_fraction
 from rlnotes.rollout import Rollout, concat_rollouts
-from rlnotes.runners.common import (Context, informative_groups, micro_batch_weight, micro_batches, optimizer_step,
-                                    rollout_metrics, sample_and_score)
+from rlnotes.runners.common import (Context, batch_totals, informative_groups, micro_batch_weight, micro_batches,
+                                    next_rows, optimizer_step, rollout_metrics, sample_and_score, tis_weights)
+
+
+def kept_groups(flags: torch.Tensor, start: int, wanted: int) -> torch.Tensor:
+    """Which of this rank's groups to keep: the first `wanted` informative groups of the global
+    batch (`flags` [groups], every rank's, in batch order) that fall in this rank's part, which
+    begins at group `start`; as indices into that part."""
+    chosen = flags.nonzero().squeeze(-1)[:wanted]
+    return chosen[(chosen >= start) & (chosen < start + len(flags) // distributed.world_size())] - start
 
 
 def sample_informative(ctx: Context, group_size: int,
                        max_rounds: int) -> tuple[Rollout, torch.Tensor, Dict[str, float]]:
     """DAPO dynamic sampling (Yu et al. 2025, Sec. 3.2): up to 1 + max_rounds batches of prompts,
     keeping the informative groups until trainer.batch_size of them are found. The reward metrics
-    are the first batch's, as sampled; with no informative group at all, the last batch is used."""
-    want, kept, kept_rewards, metrics = ctx.cfg.trainer.batch_size, [], [], {}
+    are the first batch's, as sampled; with no informative group at all, the last batch is used.
+    The groups kept are those one process would keep, so a rank may end up with few or none."""
+    want, kept, kept_rewards, metrics, have = ctx.cfg.trainer.batch_size, [], [], {}, 0
     for round_ in range(max_rounds + 1):
-        rollout, rewards, round_metrics = sample_and_score(ctx, ctx.sampler.next_batch(), group_size)
+        rollout, rewards, round_metrics = sample_and_score(ctx, next_rows(ctx), group_size, round_)
         if not metrics:
             metrics = {**round_metrics, **rollout_metrics(rollout, rewards, group_size)}
         else:
             metrics["perf/tokens"] += round_metrics["perf/tokens"]
-        have = sum(len(r) for r in kept_rewards) // group_size
-        groups = informative_groups(rewards, group_size).nonzero().squeeze(-1)[:want - have]
+        flags = distributed.gather_rows(informative_groups(rewards, group_size))
+        groups = kept_groups(flags, distributed.rank() * (len(rewards) // group_size), want - have)
         rows = (groups[:, None] * group_size + torch.arange(group_size, device=groups.device)).reshape(-1)
         if len(rows):
             kept.append(rollout.select(rows.cpu()))
             kept_rewards.append(rewards[rows])
-        if have + len(groups) >= want:
+        have += min(int(flags.sum()), want - have)
+        if have >= want:
             break
     metrics["reward/resample_rounds"] = float(round_)
-    if not kept:
+    if not have:
         return rollout, rewards, metrics
+    if not kept:  # other ranks hold every group kept
+        return rollout.select(torch.arange(0)), rewards[:0], metrics
     return concat_rollouts(kept, ctx.policy.tokenizer.pad_token_id), torch.cat(kept_rewards), metrics
 
 
@@ -61,12 +77,12 @@ def train_step(ctx: Context) -> Dict[str, float]:
     if algo.dynamic_sampling:
         rollout, rewards, metrics = sample_informative(ctx, algo.group_size, algo.max_resample_rounds)
     else:
-        rows = ctx.sampler.next_batch()
+        rows = next_rows(ctx)
         rollout, rewards, metrics = sample_and_score(ctx, rows, algo.group_size)
         metrics.update(rollout_metrics(rollout, rewards, algo.group_size))
 
-    # 3. Group-normalised advantage, one per completion.
-    advantages = group_advantages(rewards, algo.group_size, scale_by_std=algo.scale_by_std)
+    # 3. Group-normalised advantage, one per completion (none on a rank dynamic sampling left empty).
+    advantages = group_advantages(rewards, algo.group_size, scale_by_std=algo.scale_by_std) if len(rewards) else rewards
 
     # 4. Reference log-probs, micro-batch by micro-batch.
     chunks = micro_batches(len(rollout), cfg.trainer.micro_batch_size)
@@ -79,6 +95,7 @@ def train_step(ctx: Context) -> Dict[str, float]:
 
     # 5. mu policy updates on this batch; one optimizer step per pass.
     policy.model.train()
+    totals = batch_totals(rollout.completion_mask)  # the global batch's tokens and sequences
     sums: Dict[str, float] = {"loss": 0.0, "kl/ref": 0.0, "policy/clip_frac": 0.0}
     with ctx.timed("policy"):
         for epoch in range(algo.epochs):
@@ -86,13 +103,16 @@ def train_step(ctx: Context) -> Dict[str, float]:
                 logp = policy.logprobs(b.input_ids, b.attention_mask, b.completion_ids.shape[1], temperature)
                 old = logp.detach() if algo.epochs == 1 else b.logprobs
                 mask, adv = b.completion_mask, advantages[idx]
+                tis = tis_weights(ctx, b)  # rollout.tis_cap: tokens vLLM sampled weigh min(pi_old / pi_vllm, C)
+                if tis is not None:
+                    adv = adv[:, None] * tis
                 loss = grpo_loss(logp, old, ref_logp, adv, mask, clip_eps=algo.clip_eps, beta=algo.beta,
                                  clip_eps_high=algo.clip_eps_high, kl_estimator=algo.kl_estimator,
                                  aggregation=algo.aggregation, max_len=cfg.rollout.max_new_tokens)
-                weight = micro_batch_weight(algo.aggregation, mask, rollout.completion_mask)
+                weight = micro_batch_weight(algo.aggregation, mask, totals)
                 (loss * weight).backward()
                 if epoch == 0:  # report the batch as sampled, before any update moved the policy
-                    share = float(mask.sum() / rollout.completion_mask.sum())  # token means over the batch
+                    share = float(mask.sum()) / totals.tokens  # token means over the global batch
                     sums["loss"] += float(loss.detach()) * weight
                     sums["policy/clip_frac"] += float(ppo_clip_fraction(logp.detach(), old, adv, mask,
                                                                         algo.clip_eps, algo.clip_eps_high)) * share
@@ -100,6 +120,7 @@ def train_step(ctx: Context) -> Dict[str, float]:
                         sums["kl/ref"] += float(masked_mean(kl_penalty(logp.detach(), ref_logp, algo.kl_estimator),
                                                             mask)) * share
             metrics.update(optimizer_step(ctx))
+    sums = dict(zip(sums, distributed.sum_over_ranks(list(sums.values()))))  # each rank's share of the batch's
     if algo.beta == 0:
         sums["kl/ref"] = float("nan")  # no reference pass was made
     metrics.update(sums)

@@ -12,6 +12,10 @@ For each batch of prompts:
      the batch.
 
 log pi_old is the log-prob recorded while sampling, so it needs no pass of its own.
+
+With several processes each rank shuffles its own completions and gives minibatch_size / N of
+them to each minibatch, so every rank takes the same number of optimizer steps; advantage
+whitening, the explained variance and the early stop on target_kl use the global batch.
 """
 
 from __future__ import annotations
@@ -20,11 +24,33 @@ from typing import Dict
 
 import torch
 
+from rlnotes import distributed
 from rlnotes.critic import explained_variance, logprobs_and_values, value_head, values
 from rlnotes.notes import (aggregate, gae, kl_penalty, masked_mean, masked_whiten, ppo_clip_fraction, ppo_clip_loss,
                            value_loss)
-from rlnotes.runners.common import (Context, add_head, micro_batch_weight, micro_batches, optimizer_step,
-                                    penalized_token_rewards, rollout_metrics, sample_and_score)
+from rlnotes.runners.common import (Context, add_head, batch_totals, micro_batch_weight, micro_batches, next_rows,
+                                    optimizer_step, penalized_token_rewards, rollout_metrics, sample_and_score,
+                                    tis_weights)
+
+
+def whiten(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """masked_whiten with the mean and variance of the global batch's real tokens."""
+    if not distributed.active():
+        return masked_whiten(values, mask)
+    mean = distributed.masked_mean_over_ranks(values, mask)
+    var = distributed.masked_mean_over_ranks((values - mean) ** 2, mask)
+    return torch.where(mask.bool(), (values - mean) * torch.rsqrt(var + 1e-8), 0.0)
+
+
+def batch_explained_variance(old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
+    """explained_variance over the global batch's real tokens."""
+    if not distributed.active():
+        return float(explained_variance(old_values, returns, mask))
+    mean = distributed.masked_mean_over_ranks
+    var_r = mean((returns - mean(returns, mask)) ** 2, mask)
+    diff = returns - old_values
+    var_d = mean((diff - mean(diff, mask)) ** 2, mask)
+    return float(1 - var_d / var_r.clamp(min=1e-8))
 
 
 def minibatch_loss(ctx: Context, b, adv, returns, old_values) -> tuple[torch.Tensor, Dict[str, torch.Tensor]]:
@@ -34,7 +60,8 @@ def minibatch_loss(ctx: Context, b, adv, returns, old_values) -> tuple[torch.Ten
     logp, v, entropy = logprobs_and_values(ctx.policy.model, ctx.heads["value_head"], b.input_ids, b.attention_mask,
                                            w, cfg.rollout.temperature, entropy=algo.entropy_coef > 0)
     agg = lambda x: aggregate(x, m, algo.aggregation, cfg.rollout.max_new_tokens)  # noqa: E731
-    pg_loss = agg(ppo_clip_loss(logp, b.logprobs, adv, algo.clip_eps))
+    tis = tis_weights(ctx, b)  # rollout.tis_cap: tokens vLLM sampled weigh min(pi_old / pi_vllm, C)
+    pg_loss = agg(ppo_clip_loss(logp, b.logprobs, adv if tis is None else adv * tis, algo.clip_eps))
     v_loss = agg(value_loss(v, old_values, returns, algo.value_clip_eps))
     loss = pg_loss + algo.vf_coef * v_loss
     if entropy is not None:
@@ -53,7 +80,7 @@ def train_step(ctx: Context) -> Dict[str, float]:
     head = ctx.heads["value_head"]
 
     # 1. Sample G completions per prompt and score them.
-    rows = ctx.sampler.next_batch()
+    rows = next_rows(ctx)
     rollout, rewards, metrics = sample_and_score(ctx, rows, algo.group_size)
     metrics.update(rollout_metrics(rollout, rewards, algo.group_size))
     mask, n = rollout.completion_mask, rollout.completion_ids.shape[1]
@@ -69,35 +96,38 @@ def train_step(ctx: Context) -> Dict[str, float]:
 
     # 4. Generalized advantage estimation.
     adv, returns = gae(token_rewards, old_values, mask, algo.gamma, algo.lam)
-    metrics["value/explained_variance"] = float(explained_variance(old_values, returns, mask))
+    metrics["value/explained_variance"] = batch_explained_variance(old_values, returns, mask)
     if algo.whiten_advantages:
-        adv = masked_whiten(adv, mask)
+        adv = whiten(adv, mask)
 
     # 5. K epochs of shuffled minibatches, one optimizer step per minibatch.
     policy.model.train()
     sums = {"loss": 0.0, "value/loss": 0.0, "policy/clip_frac": 0.0, "policy/approx_kl": 0.0}
-    updates = 0
+    updates, n_global = 0, batch_totals(mask).rows
     with ctx.timed("policy"):
         for _ in range(algo.epochs):
             epoch_kl, order = 0.0, torch.randperm(len(rollout), generator=ctx.generator, device=ctx.device)
-            for mb in order.split(algo.minibatch_size):
+            for mb in order.split(algo.minibatch_size // distributed.world_size()):
+                totals = batch_totals(mask[mb])  # the minibatch's tokens and sequences on every rank
                 for part in micro_batches(len(mb), cfg.trainer.micro_batch_size):
                     idx = mb[part]
                     b = rollout.select(idx)
                     w = b.completion_ids.shape[1]
                     loss, parts = minibatch_loss(ctx, b, adv[idx, :w], returns[idx, :w], old_values[idx, :w])
-                    weight = micro_batch_weight(algo.aggregation, b.completion_mask, mask[mb])
+                    weight = micro_batch_weight(algo.aggregation, b.completion_mask, totals)
                     (loss * weight).backward()
                     sums["loss"] += float(loss.detach()) * weight
                     for key, value in parts.items():
-                        sums[key] += float(value) * len(idx) / len(mb)
-                    epoch_kl += float(parts["policy/approx_kl"]) * len(idx) / len(rollout)
+                        sums[key] += float(value) * len(idx) / totals.rows
+                    epoch_kl += float(parts["policy/approx_kl"]) * len(idx) / n_global
                 metrics.update(optimizer_step(ctx))
                 updates += 1
                 if ctx.step >= cfg.trainer.steps:
                     break
+            epoch_kl = distributed.sum_over_ranks([epoch_kl])[0]  # every rank stops after the same epoch
             if ctx.step >= cfg.trainer.steps or (algo.target_kl is not None and epoch_kl > algo.target_kl):
                 break
+    sums = dict(zip(sums, distributed.sum_over_ranks(list(sums.values()))))  # the ranks' shares add up
     metrics.update({key: value / updates for key, value in sums.items()})
     metrics["policy/updates"] = float(updates)
     return metrics

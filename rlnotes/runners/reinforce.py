@@ -19,17 +19,20 @@ from typing import Dict
 
 import torch
 
+from rlnotes import distributed
 from rlnotes.critic import explained_variance, logprobs_and_values, value_head
 from rlnotes.notes import aggregate, policy_gradient_loss, returns_to_go, value_loss
 from rlnotes.notes.reinforce import leave_one_out_baseline
-from rlnotes.runners.common import (Context, add_head, micro_batch_weight, micro_batches, optimizer_step,
-                                    penalized_token_rewards, rollout_metrics, sample_and_score)
+from rlnotes.runners.common import (Context, add_head, batch_totals, micro_batch_weight, micro_batches, next_rows,
+                                    optimizer_step, penalized_token_rewards, rollout_metrics, sample_and_score,
+                                    tis_weights)
 
 
 def mean_baseline(state: dict, returns: torch.Tensor, momentum: float) -> torch.Tensor:
     """b = running mean of earlier batches' mean return (this batch's own mean on the first
-    batch, when there is none); then b <- momentum b + (1 - momentum) mean(returns)."""
-    batch_mean = float(returns.mean())
+    batch, when there is none); then b <- momentum b + (1 - momentum) mean(returns).
+    mean(returns) is over the global batch (the ranks hold equally many completions)."""
+    batch_mean = distributed.mean_over_ranks(float(returns.mean()))
     b = state.get("reinforce/mean_return", batch_mean)
     state["reinforce/mean_return"] = momentum * b + (1 - momentum) * batch_mean
     return torch.full_like(returns, b)
@@ -52,7 +55,7 @@ def train_step(ctx: Context) -> Dict[str, float]:
         add_head(ctx, "value_head", value_head(policy.model.config.hidden_size, ctx.device))
 
     # 1. Sample G completions per prompt and score them.
-    rows = ctx.sampler.next_batch()
+    rows = next_rows(ctx)
     rollout, rewards, metrics = sample_and_score(ctx, rows, algo.group_size)
     metrics.update(rollout_metrics(rollout, rewards, algo.group_size))
     mask = rollout.completion_mask
@@ -65,10 +68,11 @@ def train_step(ctx: Context) -> Dict[str, float]:
     returns = returns_to_go(token_rewards, mask, algo.gamma)
     baseline = BASELINES[algo.baseline](ctx, returns[:, 0])
     if not use_value:
-        metrics["reward/baseline"] = float(baseline.mean())
+        metrics["reward/baseline"] = distributed.mean_over_ranks(float(baseline.mean()))
 
     # 5. One policy-gradient step, micro-batch by micro-batch.
     policy.model.train()
+    totals = batch_totals(mask)  # the global batch's tokens and sequences
     sums = {"loss": 0.0, "value/loss": 0.0, "value/explained_variance": 0.0}
     with ctx.timed("policy"):
         for idx in chunks:
@@ -80,20 +84,22 @@ def train_step(ctx: Context) -> Dict[str, float]:
                 logp, v, _ = logprobs_and_values(policy.model, ctx.heads["value_head"], b.input_ids,
                                                  b.attention_mask, w, temperature)
                 adv = adv - v.detach()
-                v_loss = aggregate(value_loss(v, None, g), m, algo.aggregation)
-                loss = policy_gradient_loss(logp, adv, m, algo.aggregation) + algo.vf_coef * v_loss
             else:
                 logp = policy.logprobs(b.input_ids, b.attention_mask, w, temperature)
-                loss = policy_gradient_loss(logp, adv, m, algo.aggregation)
-            weight = micro_batch_weight(algo.aggregation, m, mask)
+            tis = tis_weights(ctx, b)  # rollout.tis_cap: tokens vLLM sampled weigh min(pi / pi_vllm, C)
+            loss = policy_gradient_loss(logp, adv if tis is None else adv * tis, m, algo.aggregation)
+            if use_value:
+                v_loss = aggregate(value_loss(v, None, g), m, algo.aggregation)
+                loss = loss + algo.vf_coef * v_loss
+            weight = micro_batch_weight(algo.aggregation, m, totals)
             (loss * weight).backward()
             sums["loss"] += float(loss.detach()) * weight
             if use_value:
-                share = len(idx) / len(rollout)
+                share = len(idx) / totals.rows
                 sums["value/loss"] += float(v_loss.detach()) * weight
                 sums["value/explained_variance"] += float(explained_variance(v.detach(), g, m)) * share
         metrics.update(optimizer_step(ctx))
     if not use_value:
         del sums["value/loss"], sums["value/explained_variance"]
-    metrics.update(sums)
+    metrics.update(zip(sums, distributed.sum_over_ranks(list(sums.values()))))  # the ranks' shares add up
     return metrics

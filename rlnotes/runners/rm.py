@@ -8,6 +8,7 @@ For each batch of pairs (x, y_w, y_l), micro-batch by micro-batch:
   3. report how often r(y_w) > r(y_l), on the batch and, now and then, on held-out pairs.
 Rewards are defined up to a constant (only differences enter the loss); InstructGPT normalises
 them afterwards so that the demonstrations score 0 on average; this runner does not.
+With several processes each rank takes 1/N of the pairs; every mean is over the global batch.
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ from typing import Dict
 
 import torch
 
+from rlnotes import distributed
 from rlnotes.notes import bradley_terry_loss
 from rlnotes.offline import chunks, encode_pairs, eval_due
 from rlnotes.reward_model import HEAD, make_head, sequence_rewards
-from rlnotes.runners.common import Context, add_head, optimizer_step
+from rlnotes.runners.common import Context, add_head, next_rows, optimizer_step
 
 
 def pair_rewards(ctx: Context, rows) -> tuple[torch.Tensor, torch.Tensor, float]:
@@ -48,11 +50,13 @@ def train_step(ctx: Context) -> Dict[str, float]:
         add_head(ctx, HEAD, make_head(ctx.policy.model).to(ctx.device))
     metrics: Dict[str, float] = evaluate(ctx) if eval_due(ctx) else {}
 
-    rows = ctx.sampler.next_batch()
+    rows = next_rows(ctx)
+    scale = len(rows) / cfg.trainer.batch_size  # this rank's share of the global batch
     ctx.policy.model.train()
     sums = {"loss": 0.0, "rm/accuracy": 0.0, "rm/margin": 0.0, "rm/chosen_reward": 0.0, "perf/tokens": 0.0}
     with ctx.timed("policy"):
-        for chunk, share in chunks(rows, cfg.trainer.micro_batch_size):
+        for chunk, part in chunks(rows, cfg.trainer.micro_batch_size):
+            share = part * scale  # the chunk's share of the global batch
             # 1. Rewards of chosen and rejected completions in one pass.
             chosen, rejected, tokens = pair_rewards(ctx, chunk)
             # 2. Bradley-Terry loss, this micro-batch's share of the batch mean.
@@ -64,7 +68,8 @@ def train_step(ctx: Context) -> Dict[str, float]:
                                ("rm/margin", margin.mean()), ("rm/chosen_reward", chosen.detach().mean())):
                 sums[key] += float(value) * share
             sums["perf/tokens"] += tokens
-    metrics.update(sums)
+    tokens = sums.pop("perf/tokens")  # summed over ranks by the train loop
+    metrics.update(zip(sums, distributed.sum_over_ranks(list(sums.values()))), **{"perf/tokens": tokens})
     metrics.update(optimizer_step(ctx))
     if ctx.step == cfg.trainer.steps:
         metrics.update(evaluate(ctx))

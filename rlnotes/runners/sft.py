@@ -6,6 +6,8 @@ For each batch of (prompt x, completion y) rows, micro-batch by micro-batch:
      (token-mean: every completion token of the batch weighs the same); the prompt is context
      only and gets no loss;
   3. one optimizer step per batch; now and then, the same loss on held-out rows.
+With several processes each rank takes 1/N of the rows; the token count that token-mean divides
+by (or the number of rows, for seq-mean-token-mean) is the global batch's.
 """
 
 from __future__ import annotations
@@ -15,9 +17,10 @@ from typing import Dict
 
 import torch
 
+from rlnotes import distributed
 from rlnotes.notes import aggregate
 from rlnotes.offline import Sequences, encode_rows, eval_due
-from rlnotes.runners.common import Context, micro_batch_weight, micro_batches, optimizer_step
+from rlnotes.runners.common import Context, batch_totals, micro_batch_weight, micro_batches, next_rows, optimizer_step
 
 
 def nll(ctx: Context, seqs: Sequences) -> torch.Tensor:
@@ -38,7 +41,8 @@ def train_step(ctx: Context) -> Dict[str, float]:
     cfg, algo, policy = ctx.cfg, ctx.cfg.algo, ctx.policy
     metrics: Dict[str, float] = evaluate(ctx) if eval_due(ctx) else {}
 
-    seqs = encode_rows(ctx, ctx.sampler.next_batch(), "completion")
+    seqs = encode_rows(ctx, next_rows(ctx), "completion")
+    totals = batch_totals(seqs.completion_mask)  # the global batch's tokens and rows
     policy.model.train()
     loss_sum = 0.0
     with ctx.timed("policy"):
@@ -46,11 +50,12 @@ def train_step(ctx: Context) -> Dict[str, float]:
             # 1-2. Completion-token NLL, this micro-batch's share of the batch's loss.
             chunk = seqs.select(idx)
             loss = nll(ctx, chunk)
-            weight = micro_batch_weight(algo.aggregation, chunk.completion_mask, seqs.completion_mask)
+            weight = micro_batch_weight(algo.aggregation, chunk.completion_mask, totals)
             (loss * weight).backward()
             loss_sum += float(loss.detach()) * weight
     # 3. One optimizer step per batch.
     metrics.update(optimizer_step(ctx))
+    loss_sum = distributed.sum_over_ranks([loss_sum])[0]  # the ranks' shares of the batch's loss
     metrics.update({"loss": loss_sum, "sft/ppl": math.exp(min(loss_sum, 50.0)), "perf/tokens": seqs.tokens()})
     if ctx.step == cfg.trainer.steps:
         metrics.update(evaluate(ctx))

@@ -6,6 +6,7 @@ import rlnotes.notes as notes
 
 SIGNATURES = {
     "returns_to_go": "(rewards, mask, gamma=1.0)",
+    "truncated_is_weights": "(logprobs, sampler_logprobs, cap)",
     "policy_gradient_loss": "(logprobs, advantages, mask, aggregation='token-mean')",
     "kl_penalty": "(logprobs, ref_logprobs, estimator='k3')",
     "gae": "(rewards, values, mask, gamma=1.0, lam=0.95)",

@@ -1,0 +1,126 @@
+"""rollout.engine=vllm: completions sampled by a vLLM engine colocated on this process's GPU.
+
+Each step the policy's LoRA adapter, and only the adapter (the base weights never change), is
+written to a RAM-backed dir and handed to vLLM as a new LoRA request; vLLM samples the batch
+with it and returns the log-prob of every sampled token. The trainer then recomputes its own
+log-probs of those tokens in one no-grad pass: the two engines' numerics differ (kernels,
+precision), so the loss uses the trainer's, the difference is logged (sampler/*), and
+rollout.tis_cap corrects the policy gradient for it (rlnotes.notes.tis).
+
+Only the engine calls need vLLM and a GPU; building the request, exporting the adapter and
+turning vLLM's outputs into a Rollout are plain functions, tested on CPU.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import List, Optional, Sequence
+
+import torch
+
+from rlnotes.rollout import Rollout, left_pad
+
+
+@dataclass
+class Sample:
+    """One completion as vLLM returns it."""
+    token_ids: List[int]
+    logprobs: List[float]      # the sampled tokens' log-probs, one per token
+    truncated: bool            # stopped by max_tokens (finish_reason "length"), not by EOS
+
+
+def model_path(model_cfg) -> str:
+    """The directory or hub id vLLM loads the base model from (SmolLM2: its converted cache dir)."""
+    from rlnotes.models import SMOLLM2, smollm2_dir
+
+    return str(smollm2_dir()) if model_cfg.name_or_path == SMOLLM2 else model_cfg.name_or_path
+
+
+def export_adapter(policy, root: Path, step: int) -> Path:
+    """The policy's LoRA adapter (adapter_config.json and adapter_model.safetensors, no base
+    weights) written to root/step_N, the dir of the previous steps removed."""
+    out = Path(root) / f"step_{step:06d}"
+    for old in Path(root).glob("step_*"):
+        if old != out:
+            shutil.rmtree(old, ignore_errors=True)
+    policy.model.save_pretrained(out)
+    return out
+
+
+def to_rollout(prompts: Sequence[Sequence[int]], samples: Sequence[Sequence[Sample]], pad_id: int,
+               tokenizer, device: torch.device) -> Rollout:
+    """A Rollout of vLLM's samples: `samples[i]` are prompt i's G completions. `logprobs` and
+    `sampler_logprobs` both hold vLLM's until the trainer puts its own in `logprobs`."""
+    group_size = len(samples[0])
+    flat = [s for group in samples for s in group]
+    width = max(max((len(s.token_ids) for s in flat), default=1), 1)
+    ids = torch.full((len(flat), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(flat), width))
+    logps = torch.zeros((len(flat), width))
+    for i, s in enumerate(flat):
+        n = len(s.token_ids)
+        ids[i, :n] = torch.tensor(s.token_ids, dtype=torch.long)
+        mask[i, :n] = 1.0
+        logps[i, :n] = torch.tensor(s.logprobs, dtype=torch.float32)
+    prompt_ids, prompt_mask = left_pad(prompts, pad_id)
+    texts = tokenizer.batch_decode([s.token_ids for s in flat], skip_special_tokens=True)
+    truncated = torch.tensor([s.truncated for s in flat])
+    logps = logps.to(device)
+    return Rollout(prompt_ids.repeat_interleave(group_size, 0).to(device),
+                   prompt_mask.repeat_interleave(group_size, 0).to(device), ids.to(device), mask.to(device),
+                   logps, texts, truncated.to(device), sampler_logprobs=logps.clone())
+
+
+class VLLMEngine:
+    """A vLLM engine on this process's GPU, sampling with the policy's current LoRA adapter."""
+
+    def __init__(self, cfg, tokenizer):
+        from vllm import LLM
+
+        from rlnotes import distributed
+
+        lora = cfg.model.lora
+        extra = {"distributed_executor_backend": "external_launcher"} if distributed.active() else {}
+        self.llm = LLM(model=model_path(cfg.model), tokenizer=model_path(cfg.model), enable_lora=True,
+                       max_lora_rank=lora.r, max_loras=1, gpu_memory_utilization=cfg.rollout.vllm_gpu_memory,
+                       seed=cfg.seed + distributed.rank(), logprobs_mode="processed_logprobs",  # log softmax(z / T)
+                       enable_prefix_caching=True, **extra)
+        self.tokenizer, self.cfg = tokenizer, cfg
+        self.dir = Path(tempfile.mkdtemp(prefix="rlnotes-lora-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
+        self.step: Optional[int] = None
+        self.request = None
+
+    def sync(self, policy, step: int) -> None:
+        """Hand the policy's adapter to vLLM, once per optimizer step."""
+        if step == self.step:
+            return
+        from vllm.lora.request import LoRARequest
+
+        if self.request is not None:
+            self.llm.llm_engine.remove_lora(self.request.lora_int_id)
+        path = export_adapter(policy, self.dir, step)
+        self.request = LoRARequest(f"policy_step_{step}", step + 1, str(path))
+        self.step = step
+
+    def generate(self, prompts: Sequence[Sequence[int]], group_size: int, seeds: Optional[List[int]],
+                 device: torch.device) -> Rollout:
+        """group_size completions of each prompt; `seeds` (one per prompt) make each prompt's draw
+        its own (rollout.per_prompt_seed), None leaves them to the engine's stream."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        r = self.cfg.rollout
+        params = [SamplingParams(n=group_size, temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_new_tokens,
+                                 logprobs=0, stop_token_ids=[self.tokenizer.eos_token_id],
+                                 seed=None if seeds is None else seeds[i]) for i in range(len(prompts))]
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
+                                    lora_request=self.request, use_tqdm=False)
+        samples = [[Sample(list(c.token_ids), [c.logprobs[t][tok].logprob for t, tok in enumerate(c.token_ids)],
+                           c.finish_reason == "length") for c in out.outputs] for out in outputs]
+        return to_rollout(prompts, samples, self.tokenizer.pad_token_id, self.tokenizer, device)
+
+    def close(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)

@@ -1,0 +1,145 @@
+"""rollout.engine=vllm on CPU: everything but the engine call (no GPU, no vllm package needed).
+
+The truncated importance-sampling weights against hand values, the config checks, the adapter
+export, the Rollout built from vLLM's outputs, and a GRPO run whose 'vLLM' is a stand-in that
+samples with the policy and reports log-probs off by a known amount.
+"""
+
+import json
+import math
+
+import pytest
+import torch
+from omegaconf import open_dict
+
+from rlnotes.cli import main
+from rlnotes.notes.tis import truncated_is_weights
+from rlnotes.vllm_engine import Sample, export_adapter, to_rollout
+
+
+def test_truncated_is_weights_by_hand():
+    logp = torch.log(torch.tensor([[0.5, 0.2, 0.9]]))
+    sampler = torch.log(torch.tensor([[0.25, 0.4, 0.3]]))  # ratios 2, 0.5, 3
+    w = truncated_is_weights(logp.requires_grad_(), sampler, cap=2.5)
+    torch.testing.assert_close(w, torch.tensor([[2.0, 0.5, 2.5]]))
+    assert not w.requires_grad
+    assert truncated_is_weights(torch.tensor([50.0]), torch.tensor([-50.0]), 2.0).item() == pytest.approx(2.0)
+    with pytest.raises(ValueError, match="cap=0.5 must be at least 1"):
+        truncated_is_weights(logp, sampler, 0.5)
+
+
+def test_vllm_outputs_become_a_rollout():
+    from rlnotes.models import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    a, b = tok("ab")["input_ids"], tok("b")["input_ids"]
+    samples = [[Sample(a + [tok.eos_token_id], [-0.1, -0.2, -0.3], False), Sample(a, [-1.0, -2.0], True)],
+               [Sample(b + [tok.eos_token_id], [-0.5, -0.6], False), Sample(b, [-0.7], True)]]
+    r = to_rollout([[5, 6, 7], [8]], samples, tok.pad_token_id, tok, torch.device("cpu"))
+    assert r.completion_mask.tolist() == [[1, 1, 1], [1, 1, 0], [1, 1, 0], [1, 0, 0]]
+    assert r.prompt_mask.tolist() == [[1, 1, 1]] * 2 + [[0, 0, 1]] * 2  # left-padded, each prompt G times
+    assert r.texts == ["ab", "ab", "b", "b"] and r.truncated.tolist() == [False, True, False, True]
+    torch.testing.assert_close(r.sampler_logprobs[1], torch.tensor([-1.0, -2.0, 0.0]))
+    assert r.sampler_logprobs is not r.logprobs and torch.equal(r.sampler_logprobs, r.logprobs)
+    torch.testing.assert_close(r.select(torch.tensor([3])).sampler_logprobs, torch.tensor([[-0.7]]))
+
+
+def test_only_the_adapter_is_exported(tmp_path):
+    from peft import PeftModel
+
+    from rlnotes.models import load_base
+    from rlnotes.policy import Policy
+    from tests.conftest import compose
+
+    cfg = compose()
+    policy = Policy.from_config(cfg.model, torch.device("cpu"))
+    with torch.no_grad():
+        for name, p in policy.model.named_parameters():
+            if "lora_B" in name:
+                p.normal_()
+    first = export_adapter(policy, tmp_path, 0)
+    out = export_adapter(policy, tmp_path, 1)
+    assert not first.exists() and sorted(f.name for f in out.iterdir()) == ["README.md", "adapter_config.json",
+                                                                           "adapter_model.safetensors"]
+    base, _ = load_base(cfg.model)
+    loaded = PeftModel.from_pretrained(base, out)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    torch.testing.assert_close(loaded(ids).logits, policy.model(ids).logits)
+
+
+@pytest.mark.parametrize("overrides, gpu, message", [
+    (("rollout.engine=vllm",), False, "rollout.engine=vllm runs on a GPU and torch sees none here"),
+    (("rollout.engine=vllm", "hardware=cuda"), True, "needs the vllm package; install it with: pip install "
+     "'rlnotes[vllm]'"),
+    (("rollout.tis_cap=2",), False, "rollout.tis_cap corrects for vLLM's sampling log-probs"),
+    (("rollout.engine=fast",), False, "rollout.engine='fast' is not valid; choose one of: hf, vllm"),
+])
+def test_vllm_settings_that_cannot_work_fail_in_one_line(monkeypatch, capsys, overrides, gpu, message):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
+    assert main(["train", *overrides]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("rlnotes: error: ") and message in err and "\n" not in err, err
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (("model.lora=null", "model=smollm2-135m"), "sends the LoRA adapter to vLLM each step"),
+    ((), "model=tiny is built in code"),
+])
+def test_vllm_needs_a_lora_policy_it_can_load(monkeypatch, capsys, overrides, message):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else real(name, *a))
+    assert main(["train", "rollout.engine=vllm", "hardware=cuda", *overrides]) == 2
+    assert message in capsys.readouterr().err
+
+
+class StandIn:
+    """vLLM's place in a run on CPU: samples with the policy itself and reports log-probs `offset`
+    below the true ones, as a sampler with other numerics would."""
+    offset = 0.05
+
+    def __init__(self, cfg, tokenizer):
+        self.cfg, self.synced = cfg, []
+
+    def sync(self, policy, step):
+        self.policy = policy
+        self.synced.append(step)
+
+    def generate(self, prompts, group_size, seeds, device):
+        from rlnotes.rollout import generate
+
+        r, c = self.policy, self.cfg.rollout
+        rollout = generate(r.model, r.tokenizer, prompts, group_size, c.max_new_tokens, c.temperature, c.top_p,
+                           torch.Generator().manual_seed(seeds[0] if seeds else 0))
+        rollout.sampler_logprobs = (rollout.logprobs - self.offset) * rollout.completion_mask
+        return rollout
+
+    def close(self):
+        pass
+
+
+def test_a_run_with_another_sampler_logs_the_mismatch_and_corrects_for_it(tmp_path, monkeypatch):
+    from rich.console import Console
+
+    from rlnotes.runners.common import train
+    from tests.conftest import compose
+
+    monkeypatch.setattr("rlnotes.vllm_engine.VLLMEngine", StandIn)
+    rows = {}
+    for tis_cap in (None, 1.02):
+        cfg = compose("trainer.steps=2", "trainer.batch_size=4", "logging.progress=false")
+        with open_dict(cfg):
+            cfg.rollout.engine, cfg.rollout.tis_cap = "vllm", tis_cap  # past the GPU check, as on a GPU machine
+        train(cfg, tmp_path / str(tis_cap), Console(quiet=True))
+        rows[tis_cap] = [json.loads(line) for line in (tmp_path / str(tis_cap) / "metrics.jsonl").open()]
+    plain, capped = rows[None][0], rows[1.02][0]
+    assert plain["sampler/mismatch"] == pytest.approx(StandIn.offset, abs=1e-5)
+    assert plain["sampler/logprob_trainer"] - plain["sampler/logprob_vllm"] == pytest.approx(StandIn.offset, abs=1e-5)
+    assert "time/old_logprobs_s" in plain and "sampler/tis_clip_frac" not in plain
+    # Every token's weight is exp(0.05) > 1.02: all capped, so the policy-gradient term is 1.02 x the plain one.
+    assert capped["sampler/tis_clip_frac"] == 1.0
+    assert capped["reward/mean"] == plain["reward/mean"]  # the same samples
+    assert capped["optim/grad_norm"] != pytest.approx(plain["optim/grad_norm"], rel=1e-3)
+    assert math.isfinite(capped["loss"])
