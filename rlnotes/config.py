@@ -395,6 +395,13 @@ class HardwareConfig:
     # Processes `rlnotes train` starts on this machine through torchrun (one per GPU); null or 1 =
     # this process alone. Ignored in processes torchrun started: there its --nproc_per_node counts.
     nproc: Optional[int] = None
+    # fp32, or bf16: forward passes (sampling, log-probs, the reference, evaluation) under bfloat16
+    # autocast, while weights, gradients, optimizer state, log-softmax and losses stay float32.
+    # For GPUs with bf16 units (hardware=cuda sets it); on CPUs without them it is far slower.
+    precision: str = "fp32"
+    # Let CUDA run float32 matmuls on TF32 tensor cores (about 10 bits of mantissa, the PyTorch
+    # default for convolutions); ignored on CPU.
+    tf32: bool = True
 
 
 @dataclass
@@ -483,6 +490,7 @@ def register() -> None:
 
 
 SCHEDULES = ("constant", "linear", "cosine")
+PRECISIONS = ("fp32", "bf16")
 DEVICES = ("cpu", "cuda", "auto")
 # hardware.strategy: how several processes share a run (see rlnotes.distributed).
 STRATEGIES = ("ddp", "fsdp")
@@ -670,7 +678,7 @@ def validate(cfg) -> None:
 
     check_choice("algo.name", cfg.algo.name, RUNNERS)
     choices = {"algo.aggregation": AGGREGATIONS, "algo.kl_estimator": KL_ESTIMATORS, "algo.loss_type": DPO_LOSS_TYPES,
-               "optim.schedule": SCHEDULES, "hardware.device": DEVICES,
+               "optim.schedule": SCHEDULES, "hardware.device": DEVICES, "hardware.precision": PRECISIONS,
                "algo.baseline": REINFORCE_BASELINES}
     for key, valid in choices.items():
         if OmegaConf.select(cfg, key, default=None) is not None:

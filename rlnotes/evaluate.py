@@ -162,13 +162,14 @@ def run(cfg, console) -> tuple[Evaluation, Path]:
     """`rlnotes eval`: load the policy, evaluate it on the task's eval split, write the results."""
     import time
 
-    from rlnotes.models import load_base, resolve_device
+    from rlnotes.models import configure_backends, load_base, mixed_precision, resolve_device
     from rlnotes.policy import Policy
     from rlnotes.rewards import Rewards
 
     if cfg.hardware.threads:
         torch.set_num_threads(cfg.hardware.threads)
     device = resolve_device(cfg.hardware.device)
+    configure_backends(cfg.hardware, device)
     scorer = Rewards(checker_config(cfg), console)
     if cfg.eval.policy:
         path = Path(cfg.eval.policy)
@@ -187,7 +188,8 @@ def run(cfg, console) -> tuple[Evaluation, Path]:
 
     rows = eval_rows(cfg, policy.tokenizer, max_positions(policy.model), console)
     start = time.perf_counter()
-    evaluation = evaluate(policy, cfg, rows, scorer)
+    with mixed_precision(cfg.hardware.precision, device):
+        evaluation = evaluate(policy, cfg, rows, scorer)
     evaluation.metrics["time/eval_s"] = time.perf_counter() - start
     if (out / "eval.jsonl").exists():
         (out / "eval.jsonl").unlink()

@@ -5,6 +5,8 @@ a local Hugging Face dir, or a hub id. The tokenizer always travels with the mod
 
 from __future__ import annotations
 
+import contextlib
+
 import importlib.metadata
 import os
 import shutil
@@ -33,6 +35,21 @@ def resolve_device(name: str) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
         raise ConfigError("hardware.device=cuda but torch sees no GPU; use hardware=cpu or install a CUDA torch")
     return torch.device(name)
+
+
+def mixed_precision(precision: str, device: torch.device):
+    """The context a step's forward passes run in: bfloat16 autocast for hardware.precision=bf16
+    (matmuls in bf16, reductions and losses in float32), nothing for fp32."""
+    if precision == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def configure_backends(hardware, device: torch.device) -> None:
+    """TF32 matmuls on CUDA when hardware.tf32 (float32 weights, tensor-core speed)."""
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = bool(hardware.tf32)
+        torch.backends.cudnn.allow_tf32 = bool(hardware.tf32)
 
 
 def tiny_tokenizer() -> PreTrainedTokenizerFast:

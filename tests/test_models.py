@@ -175,3 +175,41 @@ def test_device_names_without_a_gpu():
     assert resolve_device("auto") == torch.device("cpu") == resolve_device("cpu")
     with pytest.raises(ConfigError, match="torch sees no GPU; use hardware=cpu"):
         resolve_device("cuda")
+
+
+def test_bf16_precision_autocasts_matmuls_and_keeps_weights_float32():
+    from rlnotes.models import mixed_precision
+
+    a, b = torch.randn(4, 8), torch.randn(8, 3)
+    with mixed_precision("bf16", torch.device("cpu")):
+        assert (a @ b).dtype == torch.bfloat16
+    with mixed_precision("fp32", torch.device("cpu")):
+        assert (a @ b).dtype == torch.float32
+
+
+@pytest.mark.parametrize("algo", ["grpo", "ppo"])
+def test_a_bf16_run_trains_with_float32_weights_and_losses(tmp_path, algo):
+    """hardware.precision=bf16 (what hardware=cuda sets) runs every pass under autocast; the
+    weights and the logged losses stay float32 and finite, and the run learns the same task."""
+    import json
+
+    from rich.console import Console
+
+    from rlnotes.runners.common import train
+    from tests.conftest import compose
+
+    cfg = compose(f"algo={algo}", "hardware.precision=bf16", "trainer.steps=4", "logging.progress=false")
+    train(cfg, tmp_path, Console(quiet=True))
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows and all(r["loss"] is not None and abs(r["loss"]) < 1e3 for r in rows)
+    from safetensors.torch import load_file
+
+    weights = load_file(str(tmp_path / "final" / "adapter_model.safetensors"))
+    assert {w.dtype for w in weights.values()} == {torch.float32}
+
+
+def test_unknown_precision_is_rejected_in_one_line():
+    from rlnotes.cli import UsageError, check
+
+    with pytest.raises(UsageError, match="hardware.precision='fp16' is not valid; choose one of: fp32, bf16"):
+        check(["hardware.precision=fp16"], multirun=False, config_dir=None)

@@ -27,7 +27,7 @@ from rlnotes.evaluate import write as write_eval
 from rlnotes.diagnostics import batch_arithmetic, describe_batches
 from rlnotes.logger import MetricsLogger, NullLogger
 from rlnotes.tracking import open_sinks
-from rlnotes.models import resolve_device
+from rlnotes.models import configure_backends, mixed_precision, resolve_device
 from rlnotes.notes import kl_penalty, masked_mean
 from rlnotes.notes.tis import truncated_is_weights
 from rlnotes.notes.reinforce import terminal_rewards
@@ -73,6 +73,10 @@ class Context:
     # The vLLM engine that samples when rollout.engine=vllm (rlnotes.vllm_engine); None: the policy samples.
     engine: Optional[object] = None
 
+    def precision(self):
+        """The forward passes' precision context (hardware.precision): bf16 autocast or nothing."""
+        return mixed_precision(self.cfg.hardware.precision, self.device)
+
     @contextmanager
     def timed(self, name: str) -> Iterator[None]:
         """Add the block's wall time to `time/<name>_s` of the current step."""
@@ -102,6 +106,7 @@ def setup(cfg, run_dir: Path, console: Console, resume_from: Optional[Path] = No
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     device = distributed.init(resolve_device(cfg.hardware.device))
+    configure_backends(cfg.hardware, device)
     from rlnotes.config import ALGO_SCHEMAS
 
     rewards = Rewards(cfg.reward, console) if ALGO_SCHEMAS[cfg.algo.name].samples else None
@@ -475,18 +480,21 @@ def train(cfg, run_dir: Path, console: Console) -> Dict[str, float]:
     try:
         with stop:
             if ctx.step == 0 and eval_due(0, cfg.trainer.eval_every, cfg.trainer.steps):
-                ctx.logger.log(0, eval_metrics(ctx))  # the starting point of every eval curve
+                with ctx.precision():
+                    ctx.logger.log(0, eval_metrics(ctx))  # the starting point of every eval curve
             while ctx.step < cfg.trainer.steps:
                 ctx.timers = {}
                 start = time.perf_counter()
-                metrics = train_step(ctx)
+                with ctx.precision():
+                    metrics = train_step(ctx)
                 metrics.update(ctx.timers, **{"time/step_s": time.perf_counter() - start})
                 # Ranks wait for the slowest; their tokens add up (all else is already the batch's).
                 metrics = distributed.reduce_metrics(metrics, {**{k: "max" for k in metrics if k.startswith("time/")},
                                                                "perf/tokens": "sum"})
                 metrics["perf/tokens_per_s"] = metrics.pop("perf/tokens") / metrics["time/step_s"]
                 if eval_due(ctx.step, cfg.trainer.eval_every, cfg.trainer.steps):
-                    metrics.update(eval_metrics(ctx))  # after time/step_s: the step's time excludes evaluation
+                    with ctx.precision():
+                        metrics.update(eval_metrics(ctx))  # after time/step_s: the step's time excludes evaluation
                 ctx.logger.observe(ctx.step, metrics, ctx.samples)  # progress, warnings, samples table
                 if (ctx.step % cfg.trainer.log_every == 0 or ctx.step >= cfg.trainer.steps
                         or "eval/accuracy" in metrics):
