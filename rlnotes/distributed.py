@@ -124,6 +124,12 @@ def sum_over_ranks(values: Sequence[float]) -> List[float]:
     return t.tolist()
 
 
+def sum_shares(shares: Dict[str, float]) -> Dict[str, float]:
+    """Metrics each rank accumulated as its share of the global batch's value, summed over the
+    ranks (one all-reduce): the global batch's values."""
+    return dict(zip(shares, sum_over_ranks(list(shares.values()))))
+
+
 def mean_over_ranks(value: float) -> float:
     """The mean of a value each rank measured on equally many items: the global batch's mean."""
     return sum_over_ranks([value])[0] / world_size() if active() else float(value)

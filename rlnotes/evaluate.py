@@ -94,10 +94,7 @@ def evaluate(policy, cfg, rows: List[dict], scorer, step: int = 0) -> Evaluation
                              system_prompt(cfg))
         rollout = generate(policy.model, policy.tokenizer, ids, n, max_new, cfg.rollout.temperature,
                            cfg.rollout.top_p, generator, greedy=e.greedy)
-        prompts = [r["prompt"] for r in batch for _ in range(n)]
-        columns = {k: [r[k] for r in batch for _ in range(n)] for k in batch[0] if k != "prompt"}
-        completion_ids = [row[m.bool()].tolist() for row, m in zip(rollout.completion_ids, rollout.completion_mask)]
-        rewards, _ = scorer(prompts, rollout.texts, columns, completion_ids=completion_ids)
+        rewards, _ = scorer.score_groups(batch, rollout.texts, rollout.token_lists(), n)
         lengths += rollout.completion_mask.sum(-1).tolist()
         truncated += rollout.truncated.tolist()
         for i, (text, reward) in enumerate(zip(rollout.texts, rewards.tolist())):

@@ -15,7 +15,8 @@ import torch
 
 from rlnotes.data import system_prompt
 from rlnotes.notes import masked_sum
-from rlnotes.rollout import Prompt, completion_text, encode_prompts, left_pad
+from rlnotes.rewards import completion_text
+from rlnotes.rollout import Prompt, encode_prompts, left_pad
 
 
 @dataclass

@@ -510,6 +510,15 @@ class Rewards:
         return [None if v is None else (self.fallback if _number(v) is None else _number(v)) for v in values], \
             len(failed)
 
+    def score_groups(self, rows: Sequence[dict], completions: Sequence[str],
+                     completion_ids: Optional[Sequence[Sequence[int]]] = None,
+                     group_size: int = 1) -> tuple[torch.Tensor, Dict[str, float]]:
+        """Rewards and metrics of `group_size` completions per row, each row's next to each other: the
+        row's prompt and other columns are repeated for each of its completions."""
+        prompts = [r["prompt"] for r in rows for _ in range(group_size)]
+        columns = {k: [r[k] for r in rows for _ in range(group_size)] for k in rows[0] if k != "prompt"}
+        return self(prompts, completions, columns, completion_ids=completion_ids)
+
     def __call__(self, prompts: Sequence, completions: Sequence[str], columns: Dict[str, list],
                  completion_ids: Optional[Sequence[Sequence[int]]] = None) -> tuple[torch.Tensor, Dict[str, float]]:
         """Total rewards [N] of the text `completions` and metrics: reward/<name> (the mean of each

@@ -38,12 +38,6 @@ def render_plain(prompt: Prompt, system_prompt: Optional[str] = None) -> str:
     return "\n".join([f"{m['role']}: {m['content']}" for m in as_messages(prompt, system_prompt)] + ["assistant:"])
 
 
-def completion_text(completion: Prompt) -> str:
-    """A completion as text: a conversational one (a list of assistant messages, as TRL passes
-    completions of chat prompts) gives its messages' contents, one after another."""
-    return completion if isinstance(completion, str) else "".join(m["content"] for m in completion)
-
-
 def encode_prompts(tokenizer, prompts: Sequence[Prompt], chat_template: bool = True,
                    system_prompt: Optional[str] = None) -> List[List[int]]:
     """Token ids of each prompt (text or messages): through the chat template with the generation
@@ -88,6 +82,10 @@ class Rollout:
     @property
     def attention_mask(self) -> torch.Tensor:
         return torch.cat([self.prompt_mask, self.completion_mask.long()], dim=1)
+
+    def token_lists(self) -> List[List[int]]:
+        """Each completion's sampled token ids, EOS included, padding dropped."""
+        return [row[mask.bool()].tolist() for row, mask in zip(self.completion_ids, self.completion_mask)]
 
     def __len__(self) -> int:
         return self.completion_ids.shape[0]

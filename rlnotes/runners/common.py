@@ -173,12 +173,6 @@ def per_prompt_seed(cfg) -> bool:
     return distributed.world_size() > 1 if on is None else bool(on)
 
 
-def columns_of(rows: List[Row], repeat: int) -> Dict[str, list]:
-    """Each row's non-prompt fields as lists, every row repeated `repeat` times."""
-    keys = [k for k in rows[0] if k != "prompt"]
-    return {k: [r[k] for r in rows for _ in range(repeat)] for k in keys}
-
-
 def sample_and_score(ctx: Context, rows: List[Row], group_size: int,
                      round_: int = 0) -> tuple[Rollout, torch.Tensor, Dict[str, float]]:
     """G completions per prompt and the reward of each: (rollout, rewards [N], reward metrics).
@@ -206,11 +200,10 @@ def sample_and_score(ctx: Context, rows: List[Row], group_size: int,
     metrics = {"perf/tokens": tokens, "perf/gen_tokens_per_s": tokens / (time.perf_counter() - start)}
     if rollout.sampler_logprobs is not None:
         metrics.update(trainer_logprobs(ctx, rollout))
-    prompts = [r["prompt"] for r in rows for _ in range(group_size)]
     with ctx.timed("reward"):
-        ids = [row[mask.bool()].tolist() for row, mask in zip(rollout.completion_ids, rollout.completion_mask)]
-        rewards, reward_metrics = ctx.rewards(prompts, rollout.texts, columns_of(rows, group_size), completion_ids=ids)
-    ctx.samples = {"prompts": prompts, "completions": list(rollout.texts), "rewards": rewards.tolist()}
+        rewards, reward_metrics = ctx.rewards.score_groups(rows, rollout.texts, rollout.token_lists(), group_size)
+    ctx.samples = {"prompts": [r["prompt"] for r in rows for _ in range(group_size)],
+                   "completions": list(rollout.texts), "rewards": rewards.tolist()}
     # Each rank scored its own completions: failures add up, per-function means average (the ranks
     # score equally many completions), generation speeds add up (the ranks sample side by side).
     ops = {key: "sum" if key == "reward/failures" else "mean" for key in reward_metrics}

@@ -90,7 +90,8 @@ def train_step(ctx: Context) -> Dict[str, float]:
     rows = next_rows(ctx)
     scale = len(rows) / cfg.trainer.batch_size  # this rank's share of the global batch
     sums = {"loss": 0.0, "dpo/chosen_reward": 0.0, "dpo/rejected_reward": 0.0, "dpo/margin": 0.0,
-            "dpo/accuracy": 0.0, "perf/tokens": 0.0}
+            "dpo/accuracy": 0.0}
+    tokens = 0.0
     for chunk, part in chunks(rows, cfg.trainer.micro_batch_size):
         share = part * scale  # the chunk's share of the global batch
         seqs = encode_pairs(ctx, chunk)
@@ -113,9 +114,8 @@ def train_step(ctx: Context) -> Dict[str, float]:
                            ("dpo/rejected_reward", rejected.mean()), ("dpo/margin", (chosen - rejected).mean()),
                            ("dpo/accuracy", (chosen > rejected).float().mean())):
             sums[key] += float(value) * share
-        sums["perf/tokens"] += seqs.tokens()
-    tokens = sums.pop("perf/tokens")  # summed over ranks by the train loop
-    metrics.update(zip(sums, distributed.sum_over_ranks(list(sums.values()))), **{"perf/tokens": tokens})
+        tokens += seqs.tokens()
+    metrics.update(distributed.sum_shares(sums), **{"perf/tokens": tokens})  # tokens: summed by the train loop
     metrics.update(optimizer_step(ctx))
     if ctx.step == cfg.trainer.steps:
         metrics.update(evaluate(ctx))

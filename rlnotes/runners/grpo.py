@@ -120,7 +120,7 @@ def train_step(ctx: Context) -> Dict[str, float]:
                         sums["kl/ref"] += float(masked_mean(kl_penalty(logp.detach(), ref_logp, algo.kl_estimator),
                                                             mask)) * share
             metrics.update(optimizer_step(ctx))
-    sums = dict(zip(sums, distributed.sum_over_ranks(list(sums.values()))))  # each rank's share of the batch's
+    sums = distributed.sum_shares(sums)
     if algo.beta == 0:
         sums["kl/ref"] = float("nan")  # no reference pass was made
     metrics.update(sums)

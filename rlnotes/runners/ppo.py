@@ -127,7 +127,6 @@ def train_step(ctx: Context) -> Dict[str, float]:
             epoch_kl = distributed.sum_over_ranks([epoch_kl])[0]  # every rank stops after the same epoch
             if ctx.step >= cfg.trainer.steps or (algo.target_kl is not None and epoch_kl > algo.target_kl):
                 break
-    sums = dict(zip(sums, distributed.sum_over_ranks(list(sums.values()))))  # the ranks' shares add up
-    metrics.update({key: value / updates for key, value in sums.items()})
+    metrics.update({key: value / updates for key, value in distributed.sum_shares(sums).items()})
     metrics["policy/updates"] = float(updates)
     return metrics

@@ -101,5 +101,5 @@ def train_step(ctx: Context) -> Dict[str, float]:
         metrics.update(optimizer_step(ctx))
     if not use_value:
         del sums["value/loss"], sums["value/explained_variance"]
-    metrics.update(zip(sums, distributed.sum_over_ranks(list(sums.values()))))  # the ranks' shares add up
+    metrics.update(distributed.sum_shares(sums))
     return metrics

@@ -53,12 +53,13 @@ def train_step(ctx: Context) -> Dict[str, float]:
     rows = next_rows(ctx)
     scale = len(rows) / cfg.trainer.batch_size  # this rank's share of the global batch
     ctx.policy.model.train()
-    sums = {"loss": 0.0, "rm/accuracy": 0.0, "rm/margin": 0.0, "rm/chosen_reward": 0.0, "perf/tokens": 0.0}
+    sums = {"loss": 0.0, "rm/accuracy": 0.0, "rm/margin": 0.0, "rm/chosen_reward": 0.0}
+    tokens = 0.0
     with ctx.timed("policy"):
         for chunk, part in chunks(rows, cfg.trainer.micro_batch_size):
             share = part * scale  # the chunk's share of the global batch
             # 1. Rewards of chosen and rejected completions in one pass.
-            chosen, rejected, tokens = pair_rewards(ctx, chunk)
+            chosen, rejected, chunk_tokens = pair_rewards(ctx, chunk)
             # 2. Bradley-Terry loss, this micro-batch's share of the batch mean.
             loss = bradley_terry_loss(chosen, rejected).mean()
             (loss * share).backward()
@@ -67,9 +68,8 @@ def train_step(ctx: Context) -> Dict[str, float]:
             for key, value in (("loss", loss.detach()), ("rm/accuracy", (margin > 0).float().mean()),
                                ("rm/margin", margin.mean()), ("rm/chosen_reward", chosen.detach().mean())):
                 sums[key] += float(value) * share
-            sums["perf/tokens"] += tokens
-    tokens = sums.pop("perf/tokens")  # summed over ranks by the train loop
-    metrics.update(zip(sums, distributed.sum_over_ranks(list(sums.values()))), **{"perf/tokens": tokens})
+            tokens += chunk_tokens
+    metrics.update(distributed.sum_shares(sums), **{"perf/tokens": tokens})  # tokens: summed by the train loop
     metrics.update(optimizer_step(ctx))
     if ctx.step == cfg.trainer.steps:
         metrics.update(evaluate(ctx))
