@@ -127,12 +127,6 @@ def checkpoints(run_dir: Path) -> List[Path]:
     return sorted(found, key=step_of)
 
 
-def due(previous: int, step: int, every: Optional[int]) -> bool:
-    """trainer.save_every: whether a step that went from `previous` to `step` passed a multiple of
-    N (PPO takes several optimizer steps a batch; null or 0: only at the end and on a stop)."""
-    return bool(every) and step // every > previous // every
-
-
 # ---------------------------------------------------------------------------------------------
 # Saving.
 

@@ -72,9 +72,11 @@ def fmt(value: Optional[float]) -> str:
     return f"{value:.3f}" if abs(value) < 10 else f"{value:.1f}"
 
 
-def due(step: int, last: int, every: Optional[int]) -> bool:
-    """Whether `step` passed a multiple of `every` since `last` (steps may jump: PPO takes several a batch)."""
-    return bool(every) and step // every > last // every
+def passed_multiple(previous: int, step: int, every: Optional[int]) -> bool:
+    """Whether going from step `previous` to `step` passed a multiple of `every` (steps may jump:
+    PPO takes several optimizer steps a batch); never for null or 0. The schedule of samples
+    tables, plain lines, checkpoints (trainer.save_every) and evaluations (trainer.eval_every)."""
+    return bool(every) and step // every > previous // every
 
 
 def shorten(text: str, width: int) -> str:
@@ -249,7 +251,7 @@ class MetricsLogger:
         if self.watcher is not None:
             for alert in self.watcher.observe(step, metrics):
                 self.warn(alert)
-        if samples and samples.get("completions") and due(step, self._last_samples, self.samples_every):
+        if samples and samples.get("completions") and passed_multiple(self._last_samples, step, self.samples_every):
             self._last_samples = step
             self.show_samples(step, samples)
 
@@ -279,7 +281,7 @@ class MetricsLogger:
             sink.log(step, row)
         self.latest.update({k: v for k, v in row.items() if v is not None})
         self._advance(step)
-        if self.progress is None and (due(step, self._last_plain, self.print_every) or step >= self.total):
+        if self.progress is None and (passed_multiple(self._last_plain, step, self.print_every) or step >= self.total):
             self._last_plain = step
             self.console.print(plain_line(step, self.total, self.latest, self.elapsed(), self._base), highlight=False,
                                soft_wrap=True)

@@ -198,9 +198,11 @@ def test_keep_last_prunes_old_checkpoints(tmp_path):
 
 def test_save_every_counts_steps_that_jump():
     """PPO moves several optimizer steps a batch: a save is due when a batch passes a multiple."""
-    assert [s for s in range(4, 41, 4) if checkpoint.due(s - 4, s, 10)] == [12, 20, 32, 40]
-    assert [s for s in range(1, 7) if checkpoint.due(s - 1, s, 2)] == [2, 4, 6]
-    assert not any(checkpoint.due(s - 1, s, every) for s in range(1, 7) for every in (None, 0))
+    from rlnotes.logger import passed_multiple
+
+    assert [s for s in range(4, 41, 4) if passed_multiple(s - 4, s, 10)] == [12, 20, 32, 40]
+    assert [s for s in range(1, 7) if passed_multiple(s - 1, s, 2)] == [2, 4, 6]
+    assert not any(passed_multiple(s - 1, s, every) for s in range(1, 7) for every in (None, 0))
 
 
 def test_a_crash_mid_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch):

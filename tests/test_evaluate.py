@@ -108,3 +108,12 @@ def test_eval_data_evaluates_another_split(tmp_path):
     train(cfg, tmp_path, Console(quiet=True))
     samples = [json.loads(line) for line in (tmp_path / "eval" / "step_000001.jsonl").read_text().splitlines()]
     assert len(samples) == 4 and {s["letter"] for s in samples} == {"c"}
+
+
+def test_eval_every_follows_steps_that_jump(tmp_path):
+    """PPO takes 4 optimizer steps a batch by default (steps 4, 8, 12): trainer.eval_every=3
+    evaluates after every batch that passed a multiple of 3, not only at exact multiples."""
+    cfg = compose("algo=ppo", "logging.progress=false", "trainer.steps=12", "trainer.eval_every=3", "eval.size=4")
+    train(cfg, tmp_path, Console(quiet=True))
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "eval/accuracy" in r] == [0, 4, 8, 12]

@@ -25,7 +25,7 @@ from rlnotes.evaluate import checker_config, evaluate
 from rlnotes.evaluate import eval_rows as held_out_rows
 from rlnotes.evaluate import write as write_eval
 from rlnotes.diagnostics import batch_arithmetic, describe_batches
-from rlnotes.logger import MetricsLogger, NullLogger
+from rlnotes.logger import MetricsLogger, NullLogger, passed_multiple
 from rlnotes.tracking import open_sinks
 from rlnotes.models import configure_backends, mixed_precision, resolve_device
 from rlnotes.notes import kl_penalty, masked_mean
@@ -359,9 +359,10 @@ def eval_metrics(ctx: Context) -> Dict[str, float]:
     return {**evaluation.metrics, "time/eval_s": time.perf_counter() - start}
 
 
-def eval_due(step: int, every: Optional[int], total: int) -> bool:
-    """trainer.eval_every: before the first step, every N steps and after the last."""
-    return bool(every) and (step % every == 0 or step == total)
+def eval_due(previous: int, step: int, every: Optional[int], total: int) -> bool:
+    """trainer.eval_every: after a step that passed a multiple of N (PPO's steps jump several at a
+    time) and after the last; the train loop also evaluates before the first step."""
+    return bool(every) and (passed_multiple(previous, step, every) or step == total)
 
 
 def finish(ctx: Context, interrupted: bool = False) -> Path:
@@ -472,7 +473,7 @@ def train(cfg, run_dir: Path, console: Console) -> Dict[str, float]:
     last: Dict[str, float] = {}
     try:
         with stop:
-            if ctx.step == 0 and eval_due(0, cfg.trainer.eval_every, cfg.trainer.steps):
+            if ctx.step == 0 and cfg.trainer.eval_every:
                 with ctx.precision():
                     ctx.logger.log(0, eval_metrics(ctx))  # the starting point of every eval curve
             while ctx.step < cfg.trainer.steps:
@@ -485,7 +486,7 @@ def train(cfg, run_dir: Path, console: Console) -> Dict[str, float]:
                 metrics = distributed.reduce_metrics(metrics, {**{k: "max" for k in metrics if k.startswith("time/")},
                                                                "perf/tokens": "sum"})
                 metrics["perf/tokens_per_s"] = metrics.pop("perf/tokens") / metrics["time/step_s"]
-                if eval_due(ctx.step, cfg.trainer.eval_every, cfg.trainer.steps):
+                if eval_due(boundary.step, ctx.step, cfg.trainer.eval_every, cfg.trainer.steps):
                     with ctx.precision():
                         metrics.update(eval_metrics(ctx))  # after time/step_s: the step's time excludes evaluation
                 ctx.logger.observe(ctx.step, metrics, ctx.samples)  # progress, warnings, samples table
@@ -494,7 +495,7 @@ def train(cfg, run_dir: Path, console: Console) -> Dict[str, float]:
                     ctx.logger.log(ctx.step, metrics)
                 last = metrics
                 previous, boundary, ctx.updating = boundary.step, checkpoint.capture(ctx), False
-                if checkpoint.due(previous, ctx.step, cfg.trainer.save_every):
+                if passed_multiple(previous, ctx.step, cfg.trainer.save_every):
                     save_checkpoint(ctx, boundary)
                 stop.check()
             save_checkpoint(ctx, boundary)
