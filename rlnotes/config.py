@@ -228,8 +228,10 @@ class ModelConfig:
 
 @dataclass
 class RewardFnConfig:
-    # A built-in reward name (see rlnotes.rewards.REWARDS) or an import path "pkg.mod.fn" of a
-    # function fn(prompts, completions, **columns) -> list[float | None].
+    # A built-in reward name (see rlnotes.rewards.REWARDS), an import path "pkg.mod.fn" or
+    # "pkg.mod:fn" (found from the working directory too) or a file "path/to/rewards.py:fn" of a
+    # function called as TRL calls it: fn(prompts=, completions=, <column>=, ..., **kwargs)
+    # -> list[float | None].
     fn: str = MISSING
     # Weight in the sum over functions.
     weight: float = 1.0
@@ -251,6 +253,9 @@ class RewardConfig:
     target: Optional[str] = None
     # Reward given to a sample whose function raised or returned NaN, inf or a non-number.
     fallback: float = 0.0
+    # Seconds one call of a reward function may take (a batch, or one sample when retried); a call
+    # past it gives its samples the fallback, and 3 such calls in a row stop the run. null: no limit.
+    timeout_s: Optional[float] = None
     # reward=model: the final/ dir of an algo=rm run (adapter, tokenizer, reward_head.safetensors)
     # or a local Hugging Face model dir that AutoModelForSequenceClassification loads (one label).
     path: Optional[str] = None

@@ -30,6 +30,7 @@ from urllib.parse import urlparse
 
 from rlnotes.config import ALGO_SCHEMAS, ConfigError
 from rlnotes.data import TASKS, Row, Split, system_prompt
+from rlnotes.rewards import CALL_NAMES
 from rlnotes.rollout import Prompt, encode_prompts
 
 # File extension -> the `datasets` builder that reads it.
@@ -328,14 +329,16 @@ def read(cfg) -> Data:
 
 
 def reward_columns(fn, bound: Sequence[str] = ()) -> List[str]:
-    """The columns a reward function fn(prompts, completions, col, ...) cannot do without: its
-    parameters after the first two that have no default and are not bound by reward args."""
+    """The columns a reward function cannot do without: its required parameters (keyword-only
+    ones too) that are not among the names every call passes (rlnotes.rewards.CALL_NAMES:
+    prompts, completions, ...) and not bound by reward args."""
     try:
-        params = list(inspect.signature(fn).parameters.values())[2:]
+        params = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):  # a builtin or C function: nothing to learn
         return []
     kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    return [p.name for p in params if p.kind in kinds and p.default is inspect.Parameter.empty and p.name not in bound]
+    return [p.name for p in params if p.kind in kinds and p.default is inspect.Parameter.empty
+            and p.name not in CALL_NAMES and p.name not in bound]
 
 
 def needed_columns(algo: str, reward_fns: Sequence = ()) -> Dict[str, str]:

@@ -66,7 +66,8 @@ def checker_config(cfg):
     if name is None:
         return cfg.reward
     return OmegaConf.create({"name": "eval", "functions": [{"fn": name, "weight": 1.0, "args": {}}],
-                             "target": None, "fallback": 0.0, "path": None})
+                             "target": None, "fallback": 0.0, "path": None,
+                             "timeout_s": cfg.reward.timeout_s})
 
 
 @dataclass

@@ -1,39 +1,57 @@
 """Reward functions and their weighted sum.
 
-Every reward function has the signature TRL uses, so a function written for TRL works unchanged:
+Every reward function is called as TRL (1.16) calls it, by keyword, so a function written for
+TRL works unchanged:
 
-    fn(prompts, completions, **columns) -> list[float | None]
+    fn(prompts=..., completions=..., completion_ids=..., <column>=... for every other dataset
+       column, trainer_state=..., log_extra=..., log_metric=..., <its configured args>)
+       -> list[float | None], one value per completion
 
-`columns` are the dataset row's other fields, one list per column (e.g. `answer`), then the
-function's configured `args` (an arg named like a column replaces it), and during training
-`completion_ids`: each completion's sampled token ids, EOS included. A prompt is a string, or a
-list of {role, content} messages for conversational data; a completion then comes as
-[{"role": "assistant", "content": text}], as TRL passes it, and as plain text otherwise.
+`def reward_len(completions, **kwargs)`, `def accuracy(completions, ground_truth, **kwargs)` and
+keyword-only signatures all work; a function without **kwargs gets only the names it takes. A
+configured arg named like a column replaces it. `completion_ids` are each completion's sampled
+token ids, EOS included (None where no tokens are known). `trainer_state` has global_step,
+max_steps and epoch; `log_metric(name, value)` logs reward/<function>/<name>; `log_extra(column,
+values)` adds a column to the samples table. A prompt is a string, or a list of {role, content}
+messages for conversational data; a completion then comes as [{"role": "assistant", "content":
+text}], as TRL passes it, and as plain text otherwise. `async def` functions are awaited, side by
+side. Functions are named by built-in name, import path ('pkg.mod.fn' or 'pkg.mod:fn', found
+from the working directory as `python -m` would) or file ('path/to/rewards.py:fn').
 
 The reward of a sample is the weighted sum sum_k w_k r_k over the functions k that gave it a
 number. None means "no opinion" and leaves that function out of the sum; a sample on which every
-function says None gets 0, the empty sum (a warning says so once: it usually means a column is
-missing). A function that raises, or gives NaN, inf or a non-number, does not stop the run: a
-batched call that raises is retried sample by sample, every failing sample gets `reward.fallback`
-and is counted in reward/failures, and the first traceback is shown once. A function that fails
-on every sample it scores in a batch stops the run (RewardFailure).
+function says None gets 0, the empty sum (a warning names the first such row, once: it usually
+means a column is missing). A function that raises (SystemExit included), or gives NaN, inf or a
+non-number, does not stop the run: a batched call that raises is retried sample by sample, every
+failing sample gets `reward.fallback` and is counted in reward/failures, and the first traceback
+is shown once. A function that fails on every sample it scores in a batch, or returns other than
+one value per completion, stops the run (RewardFailure). `reward.timeout_s` bounds a call (see
+Rewards).
 """
 
 from __future__ import annotations
 
 import ast
+import asyncio
+import copy
+import hashlib
 import importlib
 import importlib.util
 import inspect
 import math
 import operator
+import os
 import re
+import statistics
+import sys
 import threading
+import time
 import traceback
 import unicodedata
-from collections import Counter
-from dataclasses import dataclass
+from collections import Counter, deque
+from dataclasses import dataclass, field, replace
 from fractions import Fraction
+from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
@@ -334,24 +352,123 @@ def check_builtin_args(name: str, args: dict) -> None:
 # the configured functions
 
 
+def _import_file(path: str, target: str):
+    """The module in file `path` (relative to the working directory), its folder on sys.path (as
+    `python path/to/rewards.py` would have it) so that it can import its neighbours."""
+    from rlnotes.config import ConfigError
+
+    file = Path(path).resolve()
+    if not file.is_file():
+        raise ConfigError(f"reward function {target!r}: no file {path} (paths are relative to {os.getcwd()})")
+    name = file.stem
+    loaded = sys.modules.get(name)
+    if loaded is not None and Path(getattr(loaded, "__file__", None) or "").resolve() == file:
+        return loaded
+    if loaded is not None:  # another module has that name: keep both
+        name = f"{name}_{hashlib.sha1(str(file).encode()).hexdigest()[:8]}"
+    if str(file.parent) not in sys.path:
+        sys.path.append(str(file.parent))
+    spec = importlib.util.spec_from_file_location(name, file)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
+
+
+def _import_module(name: str):
+    """`importlib.import_module(name)`, also from the working directory as `python -m` would find
+    it: when the module is not found, the working directory joins the end of sys.path (so an
+    installed package of the same name still wins) and the import is tried again."""
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        cwd = os.getcwd()
+        if not (e.name and name.startswith(e.name)) or any(os.path.abspath(p or ".") == cwd for p in sys.path):
+            raise
+        sys.path.append(cwd)
+        importlib.invalidate_caches()
+        return importlib.import_module(name)
+
+
+def _split_target(name: str) -> tuple[str, str]:
+    """(module or file, attribute) of 'pkg.mod:fn', 'path/to/rewards.py:fn' or 'pkg.mod.fn'."""
+    where, _, attr = name.rpartition(":") if ":" in name else name.rpartition(".")
+    return where, attr
+
+
+def _is_file(where: str) -> bool:
+    return where.endswith(".py") or "/" in where or os.sep in where
+
+
 def resolve(name: str) -> Callable:
-    """A built-in reward by name, or a user's function by import path 'pkg.module.fn'."""
+    """A built-in reward by name, or a user's function: 'pkg.module.fn' or 'pkg.module:fn' (found
+    as `python -m` finds modules: installed, on PYTHONPATH, or in the working directory) or
+    'path/to/rewards.py:fn' (a file)."""
     from rlnotes.config import ConfigError
 
     if name in REWARDS:
         return REWARDS[name]
-    module, _, attr = name.rpartition(".")
-    if not module:
+    where, attr = _split_target(name)
+    if not where or not attr:
         raise ConfigError(f"reward function {name!r} is not built in ({', '.join(REWARDS)}) "
-                          "and not an import path like mypkg.rewards.my_fn")
+                          "and not an import path like mypkg.rewards.my_fn or a file like path/to/rewards.py:my_fn")
     try:
-        fn = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as e:
-        raise ConfigError(f"reward function {name!r} could not be imported ({type(e).__name__}: {e}); "
-                          "make its module importable (install it or add its folder to PYTHONPATH)") from None
+        fn = _import_file(where, name) if _is_file(where) else _import_module(where)
+        for part in attr.split("."):
+            fn = getattr(fn, part)
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a user's module may raise anything while it loads
+        raise ConfigError(f"reward function {name!r} could not be imported ({_first_line(e)}); put its module in "
+                          "the directory you run rlnotes from, install it, or name its file: "
+                          "path/to/rewards.py:my_fn") from None
     if not callable(fn):
         raise ConfigError(f"reward function {name!r} is not callable")
     return fn
+
+
+# The keyword arguments every reward function is called with besides the dataset's columns and
+# its configured args, as TRL (1.16) calls them.
+CALL_NAMES = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric")
+
+
+def accepted_names(fn) -> Optional[frozenset]:
+    """The keyword arguments `fn` can take; None when it takes any (**kwargs, or a signature that
+    cannot be read)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return None
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return frozenset(p.name for p in params if p.kind in kinds)
+
+
+def check_signature(name: str, fn) -> None:
+    """A reward function is called by keyword only: a required positional-only parameter (before
+    '/') can never be given. (Required parameters that no column fills are found when the data
+    is read: rlnotes.datasets.reward_columns.)"""
+    from rlnotes.config import ConfigError
+
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return
+    for p in params:
+        if p.kind is inspect.Parameter.POSITIONAL_ONLY and p.default is inspect.Parameter.empty:
+            raise ConfigError(f"reward function {name!r} takes {p.name!r} positional-only (before '/'), but reward "
+                              "functions are called by keyword (prompts=..., completions=..., <column>=...); "
+                              "remove the '/'")
+
+
+def is_async(fn) -> bool:
+    """Whether calling `fn` gives a coroutine to await (`async def`, also as a callable object)."""
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
 
 
 def function_specs(cfg) -> List[tuple[str, float, dict, Optional[str]]]:
@@ -376,6 +493,13 @@ def _plain(args) -> dict:
 RESERVED = ("mean", "std", "zero_std_frac", "failures", "baseline", "resample_rounds")
 
 
+def _name_parts(fn: str) -> List[str]:
+    """The parts of a function's path that can name it: 'a.b:c' and 'path/to/b.py:c' as 'b.c' would."""
+    where, attr = _split_target(fn)
+    module = Path(where).stem if _is_file(where) else where
+    return [p for p in module.split(".") + attr.split(".") if p]
+
+
 def metric_names(fns: Sequence[str], names: Sequence[Optional[str]]) -> List[str]:
     """Each function's metric name (reward/<name>): its configured `name`, else the last part of
     its import path, lengthened part by part while another function's name is the same ("a.score"
@@ -388,7 +512,7 @@ def metric_names(fns: Sequence[str], names: Sequence[Optional[str]]) -> List[str
         if n in RESERVED or given.count(n) > 1:
             why = "a metric the runners write" if n in RESERVED else "given to two functions"
             raise ConfigError(f"reward function name {n!r} is {why}; choose another name")
-    parts = [fn.split(".") for fn in fns]
+    parts = [_name_parts(fn) for fn in fns]
     depth = [1] * len(fns)
 
     def clashes(i: int, labels: List[str]) -> bool:
@@ -421,21 +545,29 @@ class RewardFn:
     fn: Callable
     weight: float
     args: dict
+    accepts: Optional[frozenset] = None   # the keywords fn takes; None: any (it has **kwargs)
+    awaited: bool = False                  # an async function: its calls are awaited, side by side
 
 
 def build(cfg) -> List[RewardFn]:
-    """The configured functions, resolved, named and their built-in args checked."""
+    """The configured functions, resolved, named, their signatures and built-in args checked."""
     specs = function_specs(cfg)
     names = metric_names([s[0] for s in specs], [s[3] for s in specs])
     fns = []
     for (path, weight, args, _), name in zip(specs, names):
         if path in REWARDS:
             check_builtin_args(path, args)
-        fns.append(RewardFn(name, resolve(path), weight, args))
+        fn = resolve(path)
+        check_signature(path, fn)
+        fns.append(RewardFn(name, fn, weight, args, accepted_names(fn), is_async(fn)))
     return fns
 
 
 def check_reward_config(cfg) -> None:
+    from rlnotes.config import ConfigError
+
+    if cfg.timeout_s is not None and not cfg.timeout_s > 0:
+        raise ConfigError(f"reward.timeout_s={cfg.timeout_s} must be > 0 (seconds a call may take; null: no limit)")
     build(cfg)
 
 
@@ -444,7 +576,69 @@ def check_reward_config(cfg) -> None:
 
 
 class RewardFailure(RuntimeError):
-    """A reward function gave no usable value for any sample of a batch: the run cannot learn."""
+    """A reward function broke its contract (a wrong number of values), gave no usable value for
+    any sample of a batch, or timed out on several calls in a row: the run cannot learn."""
+
+
+@dataclass
+class TrainerState:
+    """The `trainer_state` a reward function gets (the fields of TRL's TrainerState that reward
+    shaping reads): optimizer steps taken, the run's trainer.steps, and epochs of the training
+    rows sampled so far."""
+    global_step: int = 0
+    max_steps: int = 0
+    epoch: float = 0.0
+
+
+# Columns of the samples table a reward function's log_extra cannot take.
+SAMPLE_FIELDS = ("step", "prompt", "completion", "reward")
+# Calls of a function whose times make its usual time (the median) for the slow-call warning;
+# a call warns when it takes SLOW_FACTOR times that and at least SLOW_MIN_S seconds.
+SLOW_WINDOW, SLOW_FACTOR, SLOW_MIN_S = 20, 10.0, 1.0
+# A function that times out on this many calls in a row stops the run.
+TIMEOUTS_IN_A_ROW = 3
+
+
+@dataclass
+class _Outcome:
+    """What one call of a reward function gave: its result or the exception it raised, and its time."""
+    result: object = None
+    error: Optional[BaseException] = None
+    seconds: float = 0.0
+    timed_out: bool = False
+
+
+class _Log:
+    """What the functions of one scoring call log: extra samples-table columns (log_extra) and
+    scalars (log_metric), the latter as reward/<function>/<name>."""
+
+    def __init__(self, n: int):
+        self.n = n
+        self.columns: Dict[str, list] = {}
+        self.metrics: Dict[str, List[float]] = {}
+
+    def extra(self, offset: int, count: int) -> Callable[[str, list], None]:
+        """log_extra for a call on samples offset..offset+count (a per-sample retry scores one)."""
+        def log_extra(column: str, values) -> None:
+            values = list(values)
+            if len(values) != count:
+                raise ValueError(f"log_extra({column!r}, ...) got {len(values)} values for {count} completions")
+            if column in SAMPLE_FIELDS:
+                raise ValueError(f"log_extra({column!r}, ...): {column!r} is a column of the samples table already")
+            self.columns.setdefault(column, [None] * self.n)[offset:offset + count] = values
+        return log_extra
+
+    def metric(self, fn_name: str) -> Callable[[str, float], None]:
+        def log_metric(name: str, value: float) -> None:
+            self.metrics.setdefault(f"reward/{fn_name}/{name}", []).append(float(value))
+        return log_metric
+
+
+def _own_copy(value):
+    """A deep copy of `value`, quick for the common lists of strings and numbers."""
+    if isinstance(value, list):
+        return [v if isinstance(v, (str, int, float, type(None))) else _own_copy(v) for v in value]
+    return copy.deepcopy(value)
 
 
 def _number(value) -> Optional[float]:
@@ -463,14 +657,40 @@ def _first_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
 
 
+def _brief(value, width: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= width else text[:width - 1] + "…"
+
+
 class Rewards:
-    """The weighted sum of the configured reward functions, robust to a function that fails."""
+    """The weighted sum of the configured reward functions, robust to a function that fails.
+
+    Each function is called by keyword, as TRL calls it: prompts=, completions=, completion_ids=,
+    one keyword per dataset column, trainer_state= (a TrainerState; set `state` before a call),
+    log_extra=, log_metric=, then its configured args (a function without **kwargs gets only
+    the names it takes). Each call gets its own deep copies of these inputs, so a function that
+    edits them changes nothing another function or the samples table sees. Sync functions run one
+    after another, then the async ones are awaited together (asyncio.gather).
+
+    `reward.timeout_s` bounds each call. A sync function then runs in a worker thread that is
+    abandoned at the time-out: Python cannot stop a thread, so it runs on in the background until
+    it returns (its result dropped), and may overlap with the next call of the same function. An
+    async function is cancelled at its next await; one that blocks without awaiting holds up the
+    others until it returns. A call past the time-out gives every one of its samples the fallback
+    and is not retried; TIMEOUTS_IN_A_ROW such calls in a row stop the run.
+    """
 
     def __init__(self, cfg, console=None):
         self.fns = build(cfg)
         self.fallback = float(cfg.fallback)
+        self.timeout = cfg.timeout_s
         self.console = console
+        self.state = TrainerState()
+        # The samples-table columns the functions logged with log_extra in the last call.
+        self.extra: Dict[str, list] = {}
         self._said: set = set()
+        self._times: Dict[str, deque] = {rf.name: deque(maxlen=SLOW_WINDOW) for rf in self.fns}
+        self._timeouts: Dict[str, int] = {rf.name: 0 for rf in self.fns}
 
     def _once(self, key: str, message: str) -> None:
         """Print `message` the first time `key` comes up in this run."""
@@ -478,27 +698,124 @@ class Rewards:
             self.console.print(message)
         self._said.add(key)
 
-    def _sample(self, rf: RewardFn, prompts, completions, columns, i: int):
-        """rf's value for sample i alone; NaN when it raises or gives other than one value."""
-        try:
-            (value,) = rf.fn(prompts[i:i + 1], completions[i:i + 1],
-                             **{**{k: col[i:i + 1] for k, col in columns.items()}, **rf.args})
-        except Exception:  # noqa: BLE001 - a user's function may raise anything
-            return float("nan")
-        return value
+    # -- calling ---------------------------------------------------------------------------------
 
-    def _call(self, rf: RewardFn, prompts, completions, columns) -> tuple[List[Optional[float]], int]:
-        """One number or None per sample, failing samples replaced by the fallback, and their count."""
-        error = None
+    def _kwargs(self, rf: RewardFn, inputs: dict, log: _Log, offset: int) -> dict:
+        """rf's own copies of its keyword arguments for a call on samples offset.. of the batch."""
+        n = len(inputs["completions"])
+        kwargs = {**{k: _own_copy(v) for k, v in inputs.items()}, "trainer_state": replace(self.state), "log_extra": log.extra(offset, n),
+                  "log_metric": log.metric(rf.name), **_own_copy(rf.args)}
+        return kwargs if rf.accepts is None else {k: v for k, v in kwargs.items() if k in rf.accepts}
+
+    def _call_sync(self, rf: RewardFn, kwargs: dict) -> _Outcome:
+        start = time.perf_counter()
+        if self.timeout is None:
+            try:
+                return _Outcome(rf.fn(**kwargs), seconds=time.perf_counter() - start)
+            except (Exception, SystemExit) as e:  # noqa: BLE001 - a user's function may raise anything
+                return _Outcome(error=e, seconds=time.perf_counter() - start)
+        box: Dict[str, object] = {}
+
+        def work() -> None:
+            try:
+                box["result"] = rf.fn(**kwargs)
+            except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+                box["error"] = e
+
+        worker = threading.Thread(target=work, name=f"reward {rf.name}", daemon=True)
+        worker.start()
+        worker.join(self.timeout)
+        seconds = time.perf_counter() - start
+        if worker.is_alive():
+            return _Outcome(seconds=seconds, timed_out=True)
+        if isinstance(box.get("error"), KeyboardInterrupt):
+            raise box["error"]
+        return _Outcome(box.get("result"), box.get("error"), seconds)
+
+    async def _call_async(self, rf: RewardFn, kwargs: dict) -> _Outcome:
+        start = time.perf_counter()
+        task = asyncio.ensure_future(rf.fn(**kwargs))
+        done, _ = await asyncio.wait({task}, timeout=self.timeout)
+        seconds = time.perf_counter() - start
+        if not done:
+            task.cancel()
+            return _Outcome(seconds=seconds, timed_out=True)
         try:
-            values = list(rf.fn(prompts, completions, **{**columns, **rf.args}))
-            if len(values) != len(completions):
-                raise RewardFailure(f"returned {len(values)} values for {len(completions)} completions")
-        except Exception as e:  # noqa: BLE001 - a user's function may raise anything
-            error = _first_line(e)
+            return _Outcome(task.result(), seconds=seconds)
+        except (Exception, SystemExit) as e:  # noqa: BLE001 - a user's function may raise anything
+            return _Outcome(error=e, seconds=seconds)
+
+    def _outcomes(self, fns: Sequence[RewardFn], inputs: dict, log: _Log, offset: int = 0) -> List[_Outcome]:
+        """One call of each of `fns` on `inputs`: the sync ones in turn, then the async ones together."""
+        out: Dict[int, _Outcome] = {}
+        for i, rf in enumerate(fns):
+            if not rf.awaited:
+                out[i] = self._call_sync(rf, self._kwargs(rf, inputs, log, offset))
+        awaited = [i for i, rf in enumerate(fns) if rf.awaited]
+        if awaited:
+            async def together():
+                return await asyncio.gather(*[self._call_async(fns[i], self._kwargs(fns[i], inputs, log, offset))
+                                              for i in awaited])
+            out.update(zip(awaited, asyncio.run(together())))
+        return [out[i] for i in range(len(fns))]
+
+    # -- checking what came back -------------------------------------------------------------
+
+    @staticmethod
+    def _values(rf: RewardFn, result, n: int) -> list:
+        """The list a call returned; anything but one value per completion breaks the contract."""
+        try:
+            values = list(result)
+        except TypeError:
+            raise RewardFailure(f"reward function {rf.name!r} returned {type(result).__name__}, not a list of one "
+                                f"value (a number or None) per completion") from None
+        if len(values) != n:
+            raise RewardFailure(f"reward function {rf.name!r} returned {len(values)} values for {n} completions; "
+                                "it must return one value (a number or None) per completion")
+        return values
+
+    def _sample(self, rf: RewardFn, inputs: dict, log: _Log, i: int):
+        """rf's value for sample i alone; NaN when it raises or times out."""
+        one = {k: v[i:i + 1] if v is not None else None for k, v in inputs.items()}
+        (outcome,) = self._outcomes([rf], one, log, offset=i)
+        if outcome.error is not None or outcome.timed_out:
+            return float("nan")
+        return self._values(rf, outcome.result, 1)[0]
+
+    def _watch_time(self, rf: RewardFn, seconds: float) -> None:
+        """Warn (once per function) about a call far slower than the function's usual calls."""
+        times = self._times[rf.name]
+        if len(times) >= 3:
+            usual = statistics.median(times)
+            if seconds > SLOW_FACTOR * usual and seconds > SLOW_MIN_S:
+                self._once(f"slow:{rf.name}", f"[yellow]reward function {rf.name!r} took {seconds:.1f} s on this "
+                                              f"batch, {seconds / max(usual, 1e-9):.0f}x its usual {usual:.2g} s; "
+                                              "reward.timeout_s=SECONDS bounds a call[/]")
+        times.append(seconds)
+
+    def _settle(self, rf: RewardFn, outcome: _Outcome, inputs: dict, log: _Log) -> tuple[List[Optional[float]], int]:
+        """One number or None per sample, failing samples replaced by the fallback, and their count."""
+        n = len(inputs["completions"])
+        if outcome.timed_out:
+            self._timeouts[rf.name] += 1
+            if self._timeouts[rf.name] >= TIMEOUTS_IN_A_ROW:
+                raise RewardFailure(f"reward function {rf.name!r} took longer than reward.timeout_s={self.timeout} "
+                                    f"s on {TIMEOUTS_IN_A_ROW} calls in a row; make it faster or raise the limit")
+            self._once(f"timeout:{rf.name}", f"[yellow]reward function {rf.name!r} took longer than "
+                                             f"reward.timeout_s={self.timeout} s; its {n} samples get "
+                                             f"{self.fallback}[/]")
+            return [self.fallback] * n, n
+        self._timeouts[rf.name] = 0
+        self._watch_time(rf, outcome.seconds)
+        error = None
+        if outcome.error is None:
+            values = self._values(rf, outcome.result, n)
+        else:
+            error = _first_line(outcome.error)
+            trace = "".join(traceback.format_exception(outcome.error))
             self._once("traceback", f"[yellow]reward function {rf.name!r} raised; retrying sample by sample "
-                                    f"(failures get {self.fallback}). First traceback:[/]\n{traceback.format_exc()}")
-            values = [self._sample(rf, prompts, completions, columns, i) for i in range(len(completions))]
+                                    f"(failures get {self.fallback}). First traceback:[/]\n{trace}")
+            values = [self._sample(rf, inputs, log, i) for i in range(n)]
         failed = [v for v in values if v is not None and _number(v) is None]
         if failed and len(failed) == sum(v is not None for v in values):
             why = error or f"it returned {failed[0]!r}"
@@ -509,6 +826,8 @@ class Rewards:
                                          f"{len(failed)} samples; they get {self.fallback}[/]")
         return [None if v is None else (self.fallback if _number(v) is None else _number(v)) for v in values], \
             len(failed)
+
+    # -- scoring -------------------------------------------------------------------------------
 
     def score_groups(self, rows: Sequence[dict], completions: Sequence[str],
                      completion_ids: Optional[Sequence[Sequence[int]]] = None,
@@ -522,16 +841,19 @@ class Rewards:
     def __call__(self, prompts: Sequence, completions: Sequence[str], columns: Dict[str, list],
                  completion_ids: Optional[Sequence[Sequence[int]]] = None) -> tuple[torch.Tensor, Dict[str, float]]:
         """Total rewards [N] of the text `completions` and metrics: reward/<name> (the mean of each
-        function over the samples it scored) and reward/failures (samples that got the fallback)."""
+        function over the samples it scored), reward/failures (samples that got the fallback) and
+        the functions' own log_metric scalars, reward/<name>/<metric> (their mean over the call).
+        The columns the functions logged with log_extra are in `self.extra` afterwards."""
         prompts = list(prompts)
         shaped = [in_prompt_format(p, c) for p, c in zip(prompts, completions)]
-        if completion_ids is not None:
-            columns = {**columns, "completion_ids": [list(ids) for ids in completion_ids]}
+        ids = [list(i) for i in completion_ids] if completion_ids is not None else None
+        inputs = {**columns, "prompts": prompts, "completions": shaped, "completion_ids": ids}
+        log = _Log(len(shaped))
         totals, scored = [0.0] * len(shaped), [0] * len(shaped)
         metrics: Dict[str, float] = {}
         failures = 0
-        for rf in self.fns:
-            values, failed = self._call(rf, prompts, shaped, columns)
+        for rf, outcome in zip(self.fns, self._outcomes(self.fns, inputs, log)):
+            values, failed = self._settle(rf, outcome, inputs, log)
             failures += failed
             for i, v in enumerate(values):
                 if v is not None:
@@ -540,7 +862,19 @@ class Rewards:
             given = [v for v in values if v is not None]
             metrics[f"reward/{rf.name}"] = sum(given) / len(given) if given else float("nan")
         if 0 in scored:
-            self._once("unscored", f"[yellow]every reward function said None (no opinion) for {scored.count(0)} of "
-                                   f"{len(scored)} samples; they get 0. Check the columns your functions read.[/]")
+            self._warn_unscored(scored, prompts, shaped, columns)
         metrics["reward/failures"] = failures
+        metrics.update({name: sum(v) / len(v) for name, v in log.metrics.items()})
+        self.extra = log.columns
         return torch.tensor(totals), metrics
+
+    def _warn_unscored(self, scored: List[int], prompts: list, completions: list, columns: Dict[str, list]) -> None:
+        """Once a run: the samples no function scored, and the first of them with its row."""
+        from rich.markup import escape
+
+        i = scored.index(0)
+        row = ", ".join(f"{k}={_brief(v[i], 40)}" for k, v in columns.items())
+        self._once("unscored", f"[yellow]every reward function said None (no opinion) for {scored.count(0)} of "
+                               f"{len(scored)} samples; they get 0. The first is sample {i}: prompt "
+                               f"{escape(_brief(prompts[i]))}, completion {escape(_brief(completions[i]))}"
+                               + (f", {escape(row)}" if row else "") + ". Check the columns your functions read.[/]")

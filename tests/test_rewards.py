@@ -521,11 +521,15 @@ def test_wrong_number_of_values_fails(user_module):
         rewards((f"{USER_MODULE}.too_many", 1.0))(["p", "p"], ["a", "b"], {})
 
 
-def test_wrong_number_of_values_in_a_batch_is_retried_per_sample(user_module):
-    # One value per call is right for a single sample, so the retry recovers every value.
-    total, metrics = rewards((f"{USER_MODULE}.first_only", 1.0))(["p"] * 3, ["a", "bb", "ccc"], {})
-    torch.testing.assert_close(total, torch.tensor([1.0, 2.0, 3.0]))
-    assert metrics["reward/failures"] == 0
+def test_wrong_number_of_values_is_a_contract_error_not_retried(user_module):
+    """Too few values stop the run at once, naming the function and both counts: a per-sample retry
+    would hide the bug (one value per call is right for one sample)."""
+    console = FakeConsole()
+    with pytest.raises(RewardFailure) as err:
+        rewards((f"{USER_MODULE}.first_only", 1.0), console=console)(["p"] * 3, ["a", "bb", "ccc"], {})
+    assert str(err.value) == ("reward function 'first_only' returned 1 values for 3 completions; it must return one "
+                              "value (a number or None) per completion")
+    assert console.printed == []  # no "retrying sample by sample"
 
 
 def test_columns_args_and_completion_ids_reach_the_function_as_keywords(user_module):
@@ -533,6 +537,8 @@ def test_columns_args_and_completion_ids_reach_the_function_as_keywords(user_mod
     r(["p1", "p2"], ["c1", "c2"], {"answer": ["1", "2"], "difficulty": ["easy", "hard"]},
       completion_ids=[[5, 2], [7, 8, 2]])
     (call,) = user_module.CALLS
+    assert {k for k in call if k.startswith(("trainer_state", "log_"))} == {"trainer_state", "log_extra", "log_metric"}
+    call = {k: v for k, v in call.items() if k not in ("trainer_state", "log_extra", "log_metric")}
     assert call == {"prompts": ["p1", "p2"], "completions": ["c1", "c2"], "answer": ["1", "2"],
                     "difficulty": "fixed", "scale": 3, "completion_ids": [[5, 2], [7, 8, 2]]}
 
