@@ -97,14 +97,19 @@ def pick(n: int, k: int) -> List[int]:
 
 
 def samples_table(step: int, samples: Mapping[str, Sequence], k: int, width: int = 100) -> Table:
-    """A few of a batch's prompts, completions (shortened) and rewards."""
+    """A few of a batch's prompts, completions (shortened) and rewards, then the columns reward
+    functions added with log_extra (samples["extra"]: column -> one value per sample)."""
     table = Table(title=f"samples at step {step}", title_justify="left", show_lines=False, expand=False)
     table.add_column("prompt", overflow="fold", max_width=width * 2 // 5)
     table.add_column("completion", overflow="fold", max_width=width * 3 // 5)
     table.add_column("reward", justify="right")
+    extra = samples.get("extra") or {}
+    for column in extra:
+        table.add_column(column, overflow="fold", max_width=width // 5)
     for i in pick(len(samples["completions"]), k):
         prompt, completion = samples["prompts"][i], samples["completions"][i]
-        table.add_row(shorten(prompt, width * 2 // 5), shorten(completion, width * 3 // 5), fmt(samples["rewards"][i]))
+        table.add_row(shorten(prompt, width * 2 // 5), shorten(completion, width * 3 // 5), fmt(samples["rewards"][i]),
+                      *[shorten(str(values[i]), width // 5) for values in extra.values()])
     return table
 
 
@@ -266,10 +271,12 @@ class MetricsLogger:
         width = max(60, min(self.console.width, 160))
         self.console.print(samples_table(step, samples, self.samples_shown, width))
         with (self.run_dir / "samples.jsonl").open("a") as f:
+            extra = samples.get("extra") or {}
             for i in pick(len(samples["completions"]), self.samples_shown):
                 f.write(json.dumps({"step": step, "prompt": samples["prompts"][i],
                                     "completion": samples["completions"][i],
-                                    "reward": _clean(float(samples["rewards"][i]))}) + "\n")
+                                    "reward": _clean(float(samples["rewards"][i])),
+                                    **{column: _clean(values[i]) for column, values in extra.items()}}, default=str) + "\n")
 
     # -- logged rows --------------------------------------------------------------------------
 

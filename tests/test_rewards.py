@@ -6,7 +6,10 @@ import json
 import math
 import sys
 import textwrap
+import time
+import types
 from fractions import Fraction
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +20,7 @@ from rlnotes.rewards import (
     RewardFailure,
     Rewards,
     check_builtin_args,
+    check_reward_config,
     countdown,
     countdown_expression,
     evaluate_arithmetic,
@@ -420,11 +424,11 @@ def test_resolve_unknown_plain_name_lists_builtins():
 # --------------------------------------------------------------------------------------------- Rewards
 
 
-def rewards(*fns, target=None, fallback=0.0, console=None):
+def rewards(*fns, target=None, fallback=0.0, console=None, timeout=None):
     """Rewards from (fn, weight), (fn, weight, args) or (fn, weight, args, name) tuples."""
     functions = [RewardFnConfig(fn=f[0], weight=f[1], args=f[2] if len(f) > 2 else {},
                                 name=f[3] if len(f) > 3 else None) for f in fns]
-    cfg = OmegaConf.structured(RewardConfig(functions=functions, target=target, fallback=fallback))
+    cfg = OmegaConf.structured(RewardConfig(functions=functions, target=target, fallback=fallback, timeout_s=timeout))
     return Rewards(cfg, console=console)
 
 
@@ -605,6 +609,389 @@ def test_empty_config_raises():
 def test_unknown_function_fails_at_construction():
     with pytest.raises(ConfigError, match="exact_matchh"):
         rewards(("exact_matchh", 1.0))
+
+
+# --------------------------------------------------------------------------------------------- TRL's calling convention
+
+TRL_MODULE = "rlnotes_test_trl_rewards"
+# Reward functions as TRL users write them: keyword arguments, **kwargs, the names TRL passes.
+TRL_CODE = '''
+import asyncio
+import sys
+import time
+
+SEEN = []
+STARTED = []
+
+
+def reward_len(completions, **kwargs):
+    return [-abs(3 - len(c)) for c in completions]
+
+
+def accuracy(completions, ground_truth, **kwargs):
+    return [float(c == g) for c, g in zip(completions, ground_truth)]
+
+
+def keyword_only(*, prompts, completions, ground_truth, scale=1.0, **kwargs):
+    return [scale * float(g in p) for p, g in zip(prompts, ground_truth)]
+
+
+def no_kwargs(completions, ground_truth):
+    return [float(c.startswith(g)) for c, g in zip(completions, ground_truth)]
+
+
+def by_progress(completions, trainer_state, **kwargs):
+    SEEN.append((trainer_state.global_step, trainer_state.max_steps))
+    return [trainer_state.global_step / trainer_state.max_steps] * len(completions)
+
+
+def digits_only(completions, **kwargs):
+    """Applies only to completions that start with a digit."""
+    return [float(c.isdigit()) if c[:1].isdigit() else None for c in completions]
+
+
+async def judge_a(completions, **kwargs):
+    """Finishes only if judge_b runs at the same time (both wait until both have started)."""
+    return await _meet("a", completions)
+
+
+async def judge_b(completions, **kwargs):
+    return await _meet("b", completions)
+
+
+async def _meet(who, completions):
+    STARTED.append(who)
+    for _ in range(200):
+        if {"a", "b"} <= set(STARTED):
+            return [1.0] * len(completions)
+        await asyncio.sleep(0.01)
+    return [0.0] * len(completions)
+
+
+def mentions_the_question(prompts, completions, **kwargs):
+    """Conversational data: prompts are message lists, completions [{"role": "assistant", ...}]."""
+    SEEN.append((prompts, completions))
+    return [float(c[0]["content"] in p[-1]["content"]) for p, c in zip(prompts, completions)]
+
+
+def logs(completions, ground_truth, log_extra, log_metric, **kwargs):
+    log_extra("length", [len(c) for c in completions])
+    log_metric("long_frac", sum(len(c) > 2 for c in completions) / len(completions))
+    return [0.0] * len(completions)
+
+
+def vandal(prompts, completions, ground_truth, **kwargs):
+    completions.sort()
+    ground_truth[0] = "edited"
+    prompts.clear()
+    return [0.0] * len(completions)
+
+
+def exits(completions, **kwargs):
+    if "exit" in completions:
+        sys.exit(3)
+    return [1.0] * len(completions)
+
+
+def interrupts(completions, **kwargs):
+    raise KeyboardInterrupt
+
+
+def sleeps(completions, **kwargs):
+    time.sleep(float(completions[0]))
+    return [1.0] * len(completions)
+
+
+async def sleeps_async(completions, **kwargs):
+    await asyncio.sleep(float(completions[0]))
+    return [1.0] * len(completions)
+
+
+def positional_only(prompts, completions, /, **kwargs):
+    return [0.0] * len(completions)
+'''
+
+
+@pytest.fixture
+def trl_module(tmp_path, monkeypatch):
+    (tmp_path / f"{TRL_MODULE}.py").write_text(TRL_CODE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield importlib.import_module(TRL_MODULE)
+    sys.modules.pop(TRL_MODULE, None)
+
+
+def trl(*names, **kw):
+    return rewards(*[(f"{TRL_MODULE}.{n}", 1.0) for n in names], **kw)
+
+
+def test_trl_signatures_are_called_by_keyword(trl_module):
+    """reward_len(completions, **kwargs), accuracy(completions, ground_truth, **kwargs), a
+    keyword-only one and one without **kwargs: each gets what it names, by keyword."""
+    r = rewards((f"{TRL_MODULE}.reward_len", 1.0), (f"{TRL_MODULE}.accuracy", 10.0),
+                (f"{TRL_MODULE}.keyword_only", 1.0, {"scale": 100.0}), (f"{TRL_MODULE}.no_kwargs", 1000.0))
+    total, metrics = r(["is it 7?", "is it 8?"], ["7", "9999"], {"ground_truth": ["7", "8"]})
+    # reward_len: [-2, -1]; accuracy: [1, 0]; keyword_only: [1, 1] x 100; no_kwargs: [1, 0] x 1000
+    torch.testing.assert_close(total, torch.tensor([-2.0 + 10 + 100 + 1000, -1.0 + 0 + 100 + 0]))
+    assert metrics["reward/failures"] == 0
+
+
+def test_trainer_state_reaches_the_function(trl_module):
+    from rlnotes.rewards import TrainerState
+
+    r = trl("by_progress")
+    r.state = TrainerState(global_step=3, max_steps=12, epoch=0.5)
+    total, _ = r(["p", "p"], ["a", "b"], {})
+    torch.testing.assert_close(total, torch.tensor([0.25, 0.25]))
+    assert trl_module.SEEN == [(3, 12)]
+
+
+def test_none_is_not_applicable_and_a_row_no_function_scores_is_named(trl_module):
+    console = FakeConsole()
+    r = rewards((f"{TRL_MODULE}.digits_only", 2.0), console=console)
+    total, metrics = r(["p1", "What is [b]?", "p3"], ["12", "no digits", "1a"], {"ground_truth": ["12", "x", "y"]})
+    torch.testing.assert_close(total, torch.tensor([2.0, 0.0, 0.0]))
+    assert metrics["reward/digits_only"] == 0.5   # over the samples it scored
+    (message,) = console.printed
+    assert "1 of 3 samples" in message and "sample 1: prompt 'What is \\[b]?'" in message  # markup escaped
+    assert "completion 'no digits'" in message and "ground_truth='x'" in message
+
+
+def test_async_functions_are_awaited_together(trl_module):
+    r = trl("judge_a", "judge_b", "reward_len")
+    total, metrics = r(["p"], ["abc"], {})
+    assert metrics["reward/judge_a"] == metrics["reward/judge_b"] == 1.0   # each saw the other start
+    torch.testing.assert_close(total, torch.tensor([2.0]))
+
+
+def test_conversational_data_as_trl_passes_it(trl_module):
+    chat = lambda q: [{"role": "system", "content": "Be brief."}, {"role": "user", "content": q}]  # noqa: E731
+    total, _ = trl("mentions_the_question")([chat("say 7"), chat("say 8")], ["7", "9"], {})
+    torch.testing.assert_close(total, torch.tensor([1.0, 0.0]))
+    ((prompts, completions),) = trl_module.SEEN
+    assert prompts == [chat("say 7"), chat("say 8")]
+    assert completions == [[{"role": "assistant", "content": "7"}], [{"role": "assistant", "content": "9"}]]
+
+
+def test_log_metric_and_log_extra(trl_module, user_module):
+    r = trl("logs", "digits_only")
+    _, metrics = r(["p"] * 3, ["a", "bbb", "cccc"], {"ground_truth": ["1", "2", "3"]})
+    assert metrics["reward/logs/long_frac"] == pytest.approx(2 / 3)
+    assert r.extra == {"length": [1, 3, 4]}
+
+
+def test_log_extra_of_a_per_sample_retry_lands_on_its_sample(trl_module):
+    """A batch that raises is retried one sample at a time; each retry's logged value goes to its row."""
+    module = types.ModuleType("retry_logs")
+
+    def logs_then_fails(completions, log_extra, **kwargs):
+        log_extra("seen", list(completions))
+        if len(completions) > 1:
+            raise ValueError("batch")
+        return [1.0]
+
+    module.logs_then_fails = logs_then_fails
+    sys.modules["retry_logs"] = module
+    try:
+        r = rewards(("retry_logs.logs_then_fails", 1.0))
+        r(["p"] * 3, ["a", "b", "c"], {})
+    finally:
+        sys.modules.pop("retry_logs")
+    assert r.extra == {"seen": ["a", "b", "c"]}
+
+
+def test_each_function_gets_its_own_copies(trl_module, user_module):
+    """A function that sorts the completions, edits a column and empties the prompts changes
+    nothing a later function, the caller or the samples table sees."""
+    r = rewards((f"{TRL_MODULE}.vandal", 1.0), (f"{USER_MODULE}.record", 1.0))
+    prompts, completions, columns = ["p1", "p2"], ["zz", "aa"], {"ground_truth": ["g1", "g2"]}
+    r(prompts, completions, columns)
+    (call,) = user_module.CALLS
+    assert call["prompts"] == ["p1", "p2"] and call["completions"] == ["zz", "aa"]
+    assert call["ground_truth"] == ["g1", "g2"]
+    assert prompts == ["p1", "p2"] and completions == ["zz", "aa"] and columns == {"ground_truth": ["g1", "g2"]}
+
+
+def test_sys_exit_in_a_reward_is_a_failure_not_an_exit(trl_module):
+    console = FakeConsole()
+    total, metrics = trl("exits", fallback=-1.0, console=console)(["p"] * 2, ["ok", "exit"], {})
+    torch.testing.assert_close(total, torch.tensor([1.0, -1.0]))
+    assert metrics["reward/failures"] == 1 and "SystemExit: 3" in console.printed[0]
+    with pytest.raises(RewardFailure, match=r"'exits' gave no finite number .*\(SystemExit: 3\)"):
+        trl("exits")(["p"], ["exit"], {})
+
+
+def test_keyboard_interrupt_still_stops(trl_module):
+    with pytest.raises(KeyboardInterrupt):
+        trl("interrupts")(["p"], ["a"], {})
+    with pytest.raises(KeyboardInterrupt):
+        trl("interrupts", timeout=5.0)(["p"], ["a"], {})
+
+
+@pytest.mark.parametrize("fn", ["sleeps", "sleeps_async"])
+def test_timeout_gives_the_fallback_and_three_in_a_row_stop_the_run(trl_module, fn):
+    console = FakeConsole()
+    r = trl(fn, "reward_len", fallback=-5.0, timeout=0.2, console=console)
+    start = time.perf_counter()
+    total, metrics = r(["p", "p"], ["1.5", "x"], {})
+    assert time.perf_counter() - start < 1.2
+    torch.testing.assert_close(total, torch.tensor([-5.0 - 0.0, -5.0 - 2.0]))
+    assert metrics["reward/failures"] == 2
+    assert console.printed == [f"[yellow]reward function {fn!r} took longer than reward.timeout_s=0.2 s; its 2 "
+                               "samples get -5.0[/]"]
+    assert r(["p"], ["0"], {})[1]["reward/failures"] == 0   # a call in time resets the count
+    r(["p"], ["1.5"], {})
+    r(["p"], ["1.5"], {})
+    with pytest.raises(RewardFailure, match=f"'{fn}' took longer than reward.timeout_s=0.2 s on 3 calls in a row"):
+        r(["p"], ["1.5"], {})
+
+
+def test_a_call_far_slower_than_usual_is_named(trl_module):
+    console = FakeConsole()
+    r = trl("sleeps", console=console)
+    for _ in range(3):
+        r(["p"], ["0"], {})
+    assert console.printed == []
+    r(["p"], ["1.1"], {})
+    (message,) = console.printed
+    assert message.startswith("[yellow]reward function 'sleeps' took 1.1 s on this batch") and "reward.timeout_s" in message
+
+
+def test_timeout_must_be_positive():
+    cfg = OmegaConf.structured(RewardConfig(functions=[RewardFnConfig(fn="number_match")], timeout_s=0))
+    with pytest.raises(ConfigError, match=r"reward.timeout_s=0.0 must be > 0"):
+        check_reward_config(cfg)
+
+
+def test_positional_only_parameters_are_refused_when_the_config_is_checked(trl_module):
+    with pytest.raises(ConfigError, match=r"'rlnotes_test_trl_rewards.positional_only' takes 'prompts' "
+                                          r"positional-only .* called by keyword"):
+        trl("positional_only")
+
+
+def test_a_required_argument_no_column_fills_is_refused_before_the_model_loads(trl_module, tmp_path, monkeypatch):
+    """accuracy(completions, ground_truth, **kwargs) on a file without ground_truth: one line naming
+    the function, the argument and the columns, from setup before the policy is built."""
+    import rlnotes.runners.common as common
+    from rich.console import Console
+
+    from tests.conftest import compose
+
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"q{i}", "answer": "1"}) + "\n" for i in range(8)))
+    cfg = compose("data=file", f"data.path={data}", "data.eval_size=2", "reward=custom",
+                  f"reward.target={TRL_MODULE}.accuracy")
+    monkeypatch.setattr(common.Policy, "from_config", lambda *a: pytest.fail("the model loaded"))
+    with pytest.raises(ConfigError) as err:
+        common.setup(cfg, tmp_path / "run", Console(quiet=True))
+    assert str(err.value) == (f"{data} has no column 'ground_truth', which reward accuracy needs; its columns: "
+                              "answer, prompt; rename one with data.columns.ground_truth=COLUMN")
+
+
+def test_reward_columns_of_trl_signatures():
+    from rlnotes.datasets import reward_columns
+
+    def reward_len(completions, **kwargs): ...
+    def accuracy(completions, ground_truth, **kwargs): ...
+    def keyword_only(*, prompts, completions, solution, trainer_state, log_extra, log_metric, level=1, **kw): ...
+
+    assert reward_columns(reward_len) == []
+    assert reward_columns(accuracy) == ["ground_truth"]
+    assert reward_columns(keyword_only) == ["solution"]
+    assert reward_columns(keyword_only, bound=("solution",)) == []
+
+
+# -- where a user's module is found
+
+CWD_CODE = "def brevity(completions, **kwargs):\n    return [1.0 / (1 + len(c)) for c in completions]\n"
+
+
+@pytest.fixture
+def in_project_dir(tmp_path, monkeypatch):
+    """The working directory holds the user's rewards.py (and sub/more.py); it is not on sys.path,
+    as when the `rlnotes` console script runs."""
+    (tmp_path / "cwd_rewards.py").write_text(CWD_CODE)
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "helper_mod.py").write_text("BONUS = 2.0\n")
+    (tmp_path / "sub" / "more.py").write_text("from helper_mod import BONUS\n\n\n"
+                                              "def bonus(completions, **kwargs):\n    return [BONUS] * len(completions)\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".") and Path(p).resolve() != tmp_path])
+    yield tmp_path
+    for name in ("cwd_rewards", "more", "helper_mod"):
+        sys.modules.pop(name, None)
+
+
+@pytest.mark.parametrize("target", ["cwd_rewards.brevity", "cwd_rewards:brevity"])
+def test_a_module_in_the_working_directory_is_found(in_project_dir, target):
+    assert resolve(target)(completions=["abc"]) == [0.25]
+
+
+def test_a_file_path_is_found_with_its_neighbours(in_project_dir):
+    r = rewards(("sub/more.py:bonus", 1.0), ("cwd_rewards:brevity", 1.0))
+    total, metrics = r(["p"], ["abc"], {})
+    torch.testing.assert_close(total, torch.tensor([2.25]))
+    assert set(metrics) == {"reward/bonus", "reward/brevity", "reward/failures"}
+    assert resolve("sub/more.py:bonus") is resolve(str(in_project_dir / "sub" / "more.py") + ":bonus")
+
+
+def test_a_missing_file_names_it(in_project_dir):
+    with pytest.raises(ConfigError, match=r"reward function 'nope/r.py:fn': no file nope/r.py \(paths are relative"):
+        resolve("nope/r.py:fn")
+
+
+def test_cli_precheck_finds_a_module_in_the_working_directory(in_project_dir):
+    from rlnotes.cli import check
+
+    (cfg,) = check(["reward=custom", "reward.target=cwd_rewards:brevity",
+                    "reward.functions=[{fn: sub/more.py:bonus, weight: 1.0}]"], False, None)
+    assert cfg.reward.target == "cwd_rewards:brevity"
+
+
+def test_console_script_trains_with_rewards_from_the_working_directory(tmp_path):
+    """The real `rlnotes` script (its sys.path has no working directory) and a user's reward module
+    and file beside the data, without PYTHONPATH."""
+    import os
+    import subprocess
+
+    (tmp_path / "cwd_rewards.py").write_text(CWD_CODE)
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "more.py").write_text("def bonus(completions, **kwargs):\n    return [2.0] * len(completions)\n")
+    script = Path(sys.executable).with_name("rlnotes")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run([str(script), "train", "reward=custom", "reward.target=cwd_rewards.brevity",
+                           "reward.functions=[{fn: sub/more.py:bonus, weight: 1.0}]", "trainer.steps=1",
+                           "trainer.batch_size=2", "algo.group_size=2", "rollout.max_new_tokens=4",
+                           "logging.progress=false", "hydra.run.dir=run"],
+                          cwd=tmp_path, env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    (row,) = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert row["reward/bonus"] == 2.0 and 0 < row["reward/brevity"] <= 1
+
+
+# -- TRL's own reward functions
+
+
+def test_trl_think_format_reward_on_conversational_data():
+    rewards_module = pytest.importorskip("trl.rewards")
+    r = rewards(("trl.rewards.think_format_reward", 1.0))
+    chat = [{"role": "user", "content": "Think, then answer."}]
+    total, metrics = r([chat, chat], ["<think>\nhm\n</think>\n42", "42"], {})
+    torch.testing.assert_close(total, torch.tensor([1.0, 0.0]))
+    assert metrics == {"reward/think_format_reward": 0.5, "reward/failures": 0}
+    assert rewards_module.think_format_reward is resolve("trl.rewards:think_format_reward")
+
+
+def test_trl_accuracy_reward_with_its_none_and_log_extra():
+    pytest.importorskip("trl.rewards")
+    pytest.importorskip("math_verify")
+    r = rewards(("trl.rewards.accuracy_reward", 1.0), ("number_match", 0.5))
+    chat = [{"role": "user", "content": "1/3 as a fraction?"}]
+    total, metrics = r([chat] * 3, [r"\boxed{\frac{1}{3}}", r"\boxed{\frac{1}{2}}", "7"],
+                       {"solution": [r"$\frac{1}{3}$", r"$\frac{1}{3}$", "no math here"], "answer": ["3", "2", "7"]})
+    # accuracy: [1, 0, None (the solution does not parse)]; number_match: [1, 1, 1] x 0.5
+    torch.testing.assert_close(total, torch.tensor([1.5, 0.5, 0.5]))
+    assert metrics["reward/accuracy_reward"] == 0.5 and metrics["reward/failures"] == 0
+    assert set(r.extra) == {"solution", "gold_parsed", "answer_parsed"} and r.extra["answer_parsed"][2] == "[skipped]"
 
 
 # --------------------------------------------------------------------------------------------- reward models

@@ -32,7 +32,7 @@ from rlnotes.notes import kl_penalty, masked_mean
 from rlnotes.notes.tis import truncated_is_weights
 from rlnotes.notes.reinforce import terminal_rewards
 from rlnotes.policy import Policy
-from rlnotes.rewards import Rewards
+from rlnotes.rewards import Rewards, TrainerState
 from rlnotes.rollout import Rollout, completion_keys, encode_prompts, generate
 
 
@@ -201,14 +201,21 @@ def sample_and_score(ctx: Context, rows: List[Row], group_size: int,
     if rollout.sampler_logprobs is not None:
         metrics.update(trainer_logprobs(ctx, rollout))
     with ctx.timed("reward"):
+        ctx.rewards.state = trainer_state(ctx)
         rewards, reward_metrics = ctx.rewards.score_groups(rows, rollout.texts, rollout.token_lists(), group_size)
     ctx.samples = {"prompts": [r["prompt"] for r in rows for _ in range(group_size)],
-                   "completions": list(rollout.texts), "rewards": rewards.tolist()}
+                   "completions": list(rollout.texts), "rewards": rewards.tolist(), "extra": ctx.rewards.extra}
     # Each rank scored its own completions: failures add up, per-function means average (the ranks
     # score equally many completions), generation speeds add up (the ranks sample side by side).
     ops = {key: "sum" if key == "reward/failures" else "mean" for key in reward_metrics}
     metrics = distributed.reduce_metrics({**metrics, **reward_metrics}, {**ops, "perf/gen_tokens_per_s": "sum"})
     return rollout, rewards.to(ctx.device), metrics
+
+
+def trainer_state(ctx: Context) -> TrainerState:
+    """The `trainer_state` reward functions get: steps taken, trainer.steps, epochs of rows drawn."""
+    sampler = ctx.sampler
+    return TrainerState(ctx.step, ctx.cfg.trainer.steps, sampler.epoch + sampler.pos / max(len(sampler.rows), 1))
 
 
 @torch.no_grad()
@@ -352,6 +359,7 @@ def eval_metrics(ctx: Context) -> Dict[str, float]:
     """Evaluate the current policy on the eval split (trainer.eval_every); samples go to eval/step_N.jsonl."""
     start = time.perf_counter()
     # Every rank evaluates the same rows (same numbers, same passes, nothing to wait for); rank 0 writes.
+    ctx.scorer.state = trainer_state(ctx)
     with distributed.gathered(ctx.policy.model):
         evaluation = evaluate(ctx.policy, ctx.cfg, ctx.eval_rows, ctx.scorer, ctx.step)
     if distributed.is_main():
