@@ -169,6 +169,9 @@ def run(cfg, console) -> tuple[Evaluation, Path]:
     device = resolve_device(cfg.hardware.device)
     configure_backends(cfg.hardware, device)
     scorer = Rewards(checker_config(cfg), console)
+    from rlnotes.datasets import load_checked
+
+    load_checked(OmegaConf.merge(cfg, {"data": eval_data(cfg)}), scorer.fns)  # a column a checker needs: fail now
     if cfg.eval.policy:
         path = Path(cfg.eval.policy)
         if not path.is_dir():

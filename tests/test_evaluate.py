@@ -117,3 +117,17 @@ def test_eval_every_follows_steps_that_jump(tmp_path):
     train(cfg, tmp_path, Console(quiet=True))
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "eval/accuracy" in r] == [0, 4, 8, 12]
+
+
+def test_eval_command_refuses_a_checker_argument_no_column_fills_before_the_model_loads(monkeypatch, capsys):
+    """An eval.reward taking a required argument that the data lacks: one line naming the function,
+    the argument and the columns, before any model loads."""
+    import rlnotes.models
+
+    module = types.ModuleType("evalneeds")
+    module.accuracy = lambda completions, solution, **kwargs: [1.0] * len(completions)
+    monkeypatch.setitem(sys.modules, "evalneeds", module)
+    monkeypatch.setattr(rlnotes.models, "load_base", lambda *a: pytest.fail("the model loaded"))
+    assert main(["eval", "eval.reward=evalneeds.accuracy"]) == 1
+    err = capsys.readouterr().err
+    assert "no column 'solution', which reward accuracy needs; its columns: letter, prompt" in err

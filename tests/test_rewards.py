@@ -1125,3 +1125,28 @@ def test_grpo_logs_every_function_and_scores_tokens(tmp_path, user_module):
         assert row["reward/score"] == 0.25 and row["reward/failures"] == 0
         assert row["reward/long"] == pytest.approx(-row["completion/len_mean"], rel=1e-5)
         assert row["reward/mean"] == pytest.approx(row["reward/letter_share"] + row["reward/long"] + 0.5, rel=1e-5)
+
+
+def test_grpo_trains_with_trl_style_functions_on_a_users_jsonl(tmp_path, trl_module):
+    """`rlnotes train` on a user's file with TRL-style functions: keyword arguments and a column
+    (accuracy), trainer_state, None, two async ones, log_metric and log_extra into metrics.jsonl and
+    samples.jsonl, and a function that edits its inputs without harming the others."""
+    from rlnotes.cli import main
+
+    data = tmp_path / "mine.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"Say {i}:", "ground_truth": str(i)}) + "\n" for i in range(10)))
+    names = ["vandal", "reward_len", "accuracy", "by_progress", "digits_only", "judge_a", "judge_b", "logs"]
+    functions = "[" + ", ".join(f"{{fn: {TRL_MODULE}.{n}, weight: 1.0}}" for n in names) + "]"
+    code = main(["train", "data=file", f"data.path={data}", "data.eval_size=2", f"reward.functions={functions}",
+                 "trainer.steps=2", "trainer.batch_size=2", "algo.group_size=2", "rollout.max_new_tokens=4",
+                 "logging.progress=false", "logging.samples_every=1", "logging.samples_shown=2",
+                 f"hydra.run.dir={tmp_path / 'run'}"])
+    assert code == 0
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["reward/by_progress"] for r in rows] == [0.0, 0.5]   # global_step / max_steps at steps 0 and 1
+    for row in rows:
+        assert row["reward/failures"] == 0 and row["reward/judge_a"] == row["reward/judge_b"] == 1.0
+        assert 0.0 <= row["reward/logs/long_frac"] <= 1.0
+    samples = [json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 4 and all(s["length"] == len(s["completion"]) for s in samples)
+    assert all(s["prompt"].startswith("Say ") for s in samples)   # vandal emptied only its own copy
