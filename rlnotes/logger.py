@@ -273,10 +273,10 @@ class MetricsLogger:
         with (self.run_dir / "samples.jsonl").open("a") as f:
             extra = samples.get("extra") or {}
             for i in pick(len(samples["completions"]), self.samples_shown):
+                logged = {column: _clean(values[i]) for column, values in extra.items()}   # reward functions' log_extra
                 f.write(json.dumps({"step": step, "prompt": samples["prompts"][i],
                                     "completion": samples["completions"][i],
-                                    "reward": _clean(float(samples["rewards"][i])),
-                                    **{column: _clean(values[i]) for column, values in extra.items()}}, default=str) + "\n")
+                                    "reward": _clean(float(samples["rewards"][i])), **logged}, default=str) + "\n")
 
     # -- logged rows --------------------------------------------------------------------------
 

@@ -49,7 +49,7 @@ import time
 import traceback
 import unicodedata
 from collections import Counter, deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from fractions import Fraction
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
@@ -703,8 +703,8 @@ class Rewards:
     def _kwargs(self, rf: RewardFn, inputs: dict, log: _Log, offset: int) -> dict:
         """rf's own copies of its keyword arguments for a call on samples offset.. of the batch."""
         n = len(inputs["completions"])
-        kwargs = {**{k: _own_copy(v) for k, v in inputs.items()}, "trainer_state": replace(self.state), "log_extra": log.extra(offset, n),
-                  "log_metric": log.metric(rf.name), **_own_copy(rf.args)}
+        kwargs = {**{k: _own_copy(v) for k, v in inputs.items()}, "trainer_state": replace(self.state),
+                  "log_extra": log.extra(offset, n), "log_metric": log.metric(rf.name), **_own_copy(rf.args)}
         return kwargs if rf.accepts is None else {k: v for k, v in kwargs.items() if k in rf.accepts}
 
     def _call_sync(self, rf: RewardFn, kwargs: dict) -> _Outcome:

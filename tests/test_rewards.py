@@ -853,7 +853,8 @@ def test_a_call_far_slower_than_usual_is_named(trl_module):
     assert console.printed == []
     r(["p"], ["1.1"], {})
     (message,) = console.printed
-    assert message.startswith("[yellow]reward function 'sleeps' took 1.1 s on this batch") and "reward.timeout_s" in message
+    assert message.startswith("[yellow]reward function 'sleeps' took 1.1 s on this batch")
+    assert "reward.timeout_s" in message
 
 
 def test_timeout_must_be_positive():
@@ -912,8 +913,8 @@ def in_project_dir(tmp_path, monkeypatch):
     (tmp_path / "cwd_rewards.py").write_text(CWD_CODE)
     (tmp_path / "sub").mkdir()
     (tmp_path / "sub" / "helper_mod.py").write_text("BONUS = 2.0\n")
-    (tmp_path / "sub" / "more.py").write_text("from helper_mod import BONUS\n\n\n"
-                                              "def bonus(completions, **kwargs):\n    return [BONUS] * len(completions)\n")
+    (tmp_path / "sub" / "more.py").write_text("from helper_mod import BONUS\n\n\ndef bonus(completions, **kwargs):\n"
+                                              "    return [BONUS] * len(completions)\n")
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".") and Path(p).resolve() != tmp_path])
     yield tmp_path
@@ -955,14 +956,16 @@ def test_console_script_trains_with_rewards_from_the_working_directory(tmp_path)
 
     (tmp_path / "cwd_rewards.py").write_text(CWD_CODE)
     (tmp_path / "sub").mkdir()
-    (tmp_path / "sub" / "more.py").write_text("def bonus(completions, **kwargs):\n    return [2.0] * len(completions)\n")
+    (tmp_path / "sub" / "more.py").write_text("def bonus(completions, **kwargs):\n"
+                                              "    return [2.0] * len(completions)\n")
     script = Path(sys.executable).with_name("rlnotes")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     done = subprocess.run([str(script), "train", "reward=custom", "reward.target=cwd_rewards.brevity",
                            "reward.functions=[{fn: sub/more.py:bonus, weight: 1.0}]", "trainer.steps=1",
                            "trainer.batch_size=2", "algo.group_size=2", "rollout.max_new_tokens=4",
                            "logging.progress=false", "hydra.run.dir=run"],
-                          cwd=tmp_path, env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
+                          cwd=tmp_path, env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                          timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     (row,) = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert row["reward/bonus"] == 2.0 and 0 < row["reward/brevity"] <= 1
