@@ -162,13 +162,14 @@ def run(cfg, console) -> tuple[Evaluation, Path]:
 
     from rlnotes.models import configure_backends, load_base, mixed_precision, resolve_device
     from rlnotes.policy import Policy
-    from rlnotes.rewards import Rewards
+    from rlnotes.rewards import Rewards, TrainerState
 
     if cfg.hardware.threads:
         torch.set_num_threads(cfg.hardware.threads)
     device = resolve_device(cfg.hardware.device)
     configure_backends(cfg.hardware, device)
     scorer = Rewards(checker_config(cfg), console)
+    scorer.state = TrainerState(max_steps=cfg.trainer.steps)   # a reward may divide by max_steps
     from rlnotes.datasets import load_checked
 
     load_checked(OmegaConf.merge(cfg, {"data": eval_data(cfg)}), scorer.fns)  # a column a checker needs: fail now

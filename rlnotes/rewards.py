@@ -56,6 +56,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 from omegaconf import DictConfig, OmegaConf
+from rich.markup import escape
 
 # ---------------------------------------------------------------------------------------------
 # completions as text
@@ -870,8 +871,6 @@ class Rewards:
 
     def _warn_unscored(self, scored: List[int], prompts: list, completions: list, columns: Dict[str, list]) -> None:
         """Once a run: the samples no function scored, and the first of them with its row."""
-        from rich.markup import escape
-
         i = scored.index(0)
         row = ", ".join(f"{k}={_brief(v[i], 40)}" for k, v in columns.items())
         self._once("unscored", f"[yellow]every reward function said None (no opinion) for {scored.count(0)} of "
