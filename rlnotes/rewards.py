@@ -671,7 +671,8 @@ class Rewards:
     log_extra=, log_metric=, then its configured args (a function without **kwargs gets only
     the names it takes). Each call gets its own deep copies of these inputs, so a function that
     edits them changes nothing another function or the samples table sees. Sync functions run one
-    after another, then the async ones are awaited together (asyncio.gather).
+    after another, then the async ones are awaited together (asyncio.gather) on one event loop
+    that the Rewards keeps (run in the calling thread).
 
     `reward.timeout_s` bounds each call. A sync function then runs in a worker thread that is
     abandoned at the time-out: Python cannot stop a thread, so it runs on in the background until
@@ -692,6 +693,7 @@ class Rewards:
         self._said: set = set()
         self._times: Dict[str, deque] = {rf.name: deque(maxlen=SLOW_WINDOW) for rf in self.fns}
         self._timeouts: Dict[str, int] = {rf.name: 0 for rf in self.fns}
+        self._loop: Optional[asyncio.AbstractEventLoop] = None   # runs the async functions
 
     def _once(self, key: str, message: str) -> None:
         """Print `message` the first time `key` comes up in this run."""
@@ -757,7 +759,10 @@ class Rewards:
             async def together():
                 return await asyncio.gather(*[self._call_async(fns[i], self._kwargs(fns[i], inputs, log, offset))
                                               for i in awaited])
-            out.update(zip(awaited, asyncio.run(together())))
+            # One loop for the whole run, as TRL keeps: an async client a function made on its first
+            # call (an HTTP session, a rate limiter) stays bound to a loop that is still open.
+            self._loop = self._loop or asyncio.new_event_loop()
+            out.update(zip(awaited, self._loop.run_until_complete(together())))
         return [out[i] for i in range(len(fns))]
 
     # -- checking what came back -------------------------------------------------------------

@@ -668,6 +668,15 @@ async def _meet(who, completions):
     return [0.0] * len(completions)
 
 
+LOOPS = []
+
+
+async def keeps_a_client(completions, **kwargs):
+    """Like an async HTTP client made once: bound to the event loop of its first call."""
+    LOOPS.append(asyncio.get_running_loop())
+    return [1.0] * len(completions)
+
+
 def mentions_the_question(prompts, completions, **kwargs):
     """Conversational data: prompts are message lists, completions [{"role": "assistant", ...}]."""
     SEEN.append((prompts, completions))
@@ -761,6 +770,14 @@ def test_async_functions_are_awaited_together(trl_module):
     total, metrics = r(["p"], ["abc"], {})
     assert metrics["reward/judge_a"] == metrics["reward/judge_b"] == 1.0   # each saw the other start
     torch.testing.assert_close(total, torch.tensor([2.0]))
+
+
+def test_async_functions_run_on_one_event_loop_across_calls(trl_module):
+    r = trl("keeps_a_client")
+    r(["p"], ["a"], {})
+    r(["p"], ["b"], {})
+    first, second = trl_module.LOOPS
+    assert first is second and not first.is_closed()
 
 
 def test_conversational_data_as_trl_passes_it(trl_module):
