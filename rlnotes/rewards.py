@@ -424,9 +424,10 @@ def resolve(name: str) -> Callable:
     except ConfigError:
         raise
     except Exception as e:  # noqa: BLE001 - a user's module may raise anything while it loads
-        raise ConfigError(f"reward function {name!r} could not be imported ({_first_line(e)}); put its module in "
-                          "the directory you run rlnotes from, install it, or name its file: "
-                          "path/to/rewards.py:my_fn") from None
+        hint = ("put its module in the directory you run rlnotes from, install it, or name its file: "
+                "path/to/rewards.py:my_fn" if isinstance(e, ModuleNotFoundError)
+                else "check the name" if isinstance(e, AttributeError) else "its module failed to load")
+        raise ConfigError(f"reward function {name!r} could not be imported ({_first_line(e)}); {hint}") from None
     if not callable(fn):
         raise ConfigError(f"reward function {name!r} is not callable")
     return fn

@@ -952,6 +952,15 @@ def test_a_file_path_is_found_with_its_neighbours(in_project_dir):
     assert resolve("sub/more.py:bonus") is resolve(str(in_project_dir / "sub" / "more.py") + ":bonus")
 
 
+def test_a_module_that_fails_to_load_says_so(in_project_dir):
+    (in_project_dir / "broken_rewards.py").write_text("def f(completions, **kwargs)\n    return []\n")
+    with pytest.raises(ConfigError) as err:
+        resolve("broken_rewards:f")
+    assert str(err.value) == ("reward function 'broken_rewards:f' could not be imported (SyntaxError: expected ':' "
+                              "(broken_rewards.py, line 1)); its module failed to load")
+    sys.modules.pop("broken_rewards", None)
+
+
 def test_a_missing_file_names_it(in_project_dir):
     with pytest.raises(ConfigError, match=r"reward function 'nope/r.py:fn': no file nope/r.py \(paths are relative"):
         resolve("nope/r.py:fn")
