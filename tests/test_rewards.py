@@ -1179,3 +1179,17 @@ def test_grpo_trains_with_trl_style_functions_on_a_users_jsonl(tmp_path, trl_mod
     samples = [json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
     assert len(samples) == 4 and all(s["length"] == len(s["completion"]) for s in samples)
     assert all(s["prompt"].startswith("Say ") for s in samples)   # vandal emptied only its own copy
+
+
+def test_trainer_state_counts_steps_and_epochs_of_rows_drawn():
+    from types import SimpleNamespace
+
+    from rlnotes.data import PromptSampler
+    from rlnotes.runners.common import trainer_state
+
+    sampler = PromptSampler([{"prompt": str(i)} for i in range(8)], batch_size=4, seed=0)
+    for _ in range(3):
+        sampler.next_batch()
+    ctx = SimpleNamespace(step=2, cfg=SimpleNamespace(trainer=SimpleNamespace(steps=10)), sampler=sampler)
+    state = trainer_state(ctx)
+    assert (state.global_step, state.max_steps, state.epoch) == (2, 10, 1.5)
