@@ -25,7 +25,20 @@ class ConfigError(ValueError):
 
 
 @dataclass
-class GRPOConfig:
+class AlgoConfig:
+    # The algo= option this config came from (conf/algo/<preset>.yaml: rloo, dapo, dr_grpo, ...): the
+    # name run dirs and the start line give the run. `name` is the runner that serves it (rloo is
+    # REINFORCE with baseline=group). null = the runner's name.
+    preset: Optional[str] = None
+
+
+def preset_name(algo) -> str:
+    """The algorithm a run is named for: the algo= option the user chose, else its runner."""
+    return algo.get("preset") or algo.name
+
+
+@dataclass
+class GRPOConfig(AlgoConfig):
     # Whether the algorithm samples completions and so needs a reward (not a config key).
     samples: ClassVar[bool] = True
     # Runner to use (a key of rlnotes.runners.RUNNERS).
@@ -57,7 +70,7 @@ class GRPOConfig:
 
 
 @dataclass
-class DPOConfig:
+class DPOConfig(AlgoConfig):
     # DPO learns from fixed preference pairs: it samples nothing and needs no reward.
     samples: ClassVar[bool] = False
     name: str = "dpo"
@@ -78,7 +91,7 @@ class DPOConfig:
 
 
 @dataclass
-class SFTConfig:
+class SFTConfig(AlgoConfig):
     # Supervised fine-tuning on demonstrations: no sampling, no reward.
     samples: ClassVar[bool] = False
     name: str = "sft"
@@ -92,7 +105,7 @@ class SFTConfig:
 
 
 @dataclass
-class RMConfig:
+class RMConfig(AlgoConfig):
     # Reward model on preference pairs (InstructGPT's RM stage): no sampling, no reward.
     samples: ClassVar[bool] = False
     name: str = "rm"
@@ -107,7 +120,7 @@ REINFORCE_BASELINES = ("none", "mean", "group", "value")
 
 
 @dataclass
-class ReinforceConfig:
+class ReinforceConfig(AlgoConfig):
     # REINFORCE (Williams 1992): one policy-gradient step per sampled batch, A_t = G_t - b.
     samples: ClassVar[bool] = True
     name: str = "reinforce"
@@ -133,7 +146,7 @@ class ReinforceConfig:
 
 
 @dataclass
-class PPOConfig:
+class PPOConfig(AlgoConfig):
     # PPO (Schulman et al. 2017) with a value head and GAE, InstructGPT-style KL in the reward.
     samples: ClassVar[bool] = True
     name: str = "ppo"

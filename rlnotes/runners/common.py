@@ -107,7 +107,7 @@ def setup(cfg, run_dir: Path, console: Console, resume_from: Optional[Path] = No
     torch.manual_seed(cfg.seed)
     device = distributed.init(resolve_device(cfg.hardware.device))
     configure_backends(cfg.hardware, device)
-    from rlnotes.config import ALGO_SCHEMAS
+    from rlnotes.config import ALGO_SCHEMAS, preset_name
 
     rewards = Rewards(cfg.reward, console) if ALGO_SCHEMAS[cfg.algo.name].samples else None
     with distributed.main_first():  # caches (a converted model, a downloaded dataset) are written once
@@ -130,7 +130,7 @@ def setup(cfg, run_dir: Path, console: Console, resume_from: Optional[Path] = No
     if main:
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     n_params = sum(p.numel() for p in params)
-    console.print(f"[bold]rlnotes[/] {cfg.algo.name} on {cfg.model.name_or_path} "
+    console.print(f"[bold]rlnotes[/] {preset_name(cfg.algo)} on {cfg.model.name_or_path} "
                   f"({n_params:,} trainable parameters, {'LoRA' if policy.uses_lora else 'full'}) -> {run_dir}")
     if distributed.active():
         world = distributed.world_size()
