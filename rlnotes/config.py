@@ -590,25 +590,32 @@ def _check_ppo(cfg) -> None:
     if n % cfg.algo.minibatch_size:
         raise ConfigError(f"algo.minibatch_size={cfg.algo.minibatch_size} must divide trainer.batch_size * "
                           f"algo.group_size = {n} completions")
-    m = cfg.trainer.micro_batch_size
-    if m is not None and m > cfg.algo.minibatch_size:
-        raise ConfigError(f"trainer.micro_batch_size={m} is larger than algo.minibatch_size="
-                          f"{cfg.algo.minibatch_size}, the completions of one PPO update; lower it or set it to null")
 
 
 def _check_micro_batch(cfg) -> None:
-    """trainer.micro_batch_size splits one update's completions (or pairs, rows): more than there are is a mistake."""
+    """trainer.micro_batch_size splits the completions (pairs, rows) of one update on each process into
+    equal passes: it must divide them."""
     m, b = cfg.trainer.micro_batch_size, cfg.trainer.batch_size
-    if m is None or cfg.algo.name == "ppo":
+    if m is None:
         return
-    if ALGO_SCHEMAS[cfg.algo.name].samples:
+    if cfg.algo.name == "ppo":
+        n, what = cfg.algo.minibatch_size, "completions of one PPO update (algo.minibatch_size)"
+    elif ALGO_SCHEMAS[cfg.algo.name].samples:
         n, what = b * cfg.algo.group_size, (f"completions of a step (trainer.batch_size={b} x algo.group_size="
                                              f"{cfg.algo.group_size})")
     else:
         n, what = b, f"{'pairs' if cfg.algo.name in ('dpo', 'rm') else 'rows'} of a step (trainer.batch_size)"
-    if m > n:
-        raise ConfigError(f"trainer.micro_batch_size={m} is larger than the {n} {what}; lower it to at most {n} "
+    world = planned_world_size(cfg.hardware)
+    share = n // world if world > 1 and n % world == 0 else n  # an uneven split is _check_layout's error
+    if share != n:
+        what += f", {share} on each of {world} processes"
+    if m > share:
+        raise ConfigError(f"trainer.micro_batch_size={m} is larger than the {n} {what}; lower it to at most {share} "
                           "or set it to null")
+    if share % m:
+        divisors = ", ".join(str(d) for d in range(1, share + 1) if share % d == 0)
+        raise ConfigError(f"trainer.micro_batch_size={m} does not divide the {n} {what} into equal passes; use one "
+                          f"of {divisors}, or null (one pass)")
 
 
 def _check_layout(cfg) -> None:
