@@ -15,7 +15,7 @@ from typing import Iterator, Optional
 import torch
 import torch.nn.functional as F
 
-from rlnotes.models import load_base
+from rlnotes.models import load_base, usual_modes
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0,
@@ -119,3 +119,4 @@ class Policy:
         """A peft adapter dir (LoRA) or a full model dir, with the tokenizer beside it."""
         self.model.save_pretrained(path)
         self.tokenizer.save_pretrained(path)
+        usual_modes(path)

@@ -27,7 +27,7 @@ from rlnotes.evaluate import write as write_eval
 from rlnotes.diagnostics import batch_arithmetic, describe_batches
 from rlnotes.logger import MetricsLogger, NullLogger, passed_multiple
 from rlnotes.tracking import open_sinks
-from rlnotes.models import configure_backends, mixed_precision, resolve_device
+from rlnotes.models import configure_backends, mixed_precision, resolve_device, usual_modes
 from rlnotes.notes import kl_penalty, masked_mean
 from rlnotes.notes.tis import truncated_is_weights
 from rlnotes.notes.reinforce import terminal_rewards
@@ -377,6 +377,7 @@ def finish(ctx: Context, interrupted: bool = False) -> Path:
         checkpoint.save_policy(ctx.policy, out, state)
         for name, head in ctx.heads.items():
             save_file({k: v.contiguous() for k, v in head.state_dict().items()}, str(out / f"{name}.safetensors"))
+        usual_modes(out)
     return out
 
 
