@@ -86,7 +86,10 @@ def test_export_errors_are_one_line(tmp_path, capsys):
         export(run / "final", tmp_path / "full")
     assert main(["export", str(tmp_path / "missing"), str(tmp_path / "out")]) == 2
     assert main(["export", str(run / "final")]) == 2
-    (run / "config.yaml").unlink()
+    (run / "config.yaml").unlink()  # and an adapter that names no base (as older ones of the tiny model)
+    adapter = run / "final" / "adapter_config.json"
+    adapter.write_text(adapter.read_text().replace('"base_model_name_or_path": "tiny"',
+                                                   '"base_model_name_or_path": null'))
     assert main(["export", str(run / "final"), str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 3 and all(line.startswith("rlnotes: error: ") for line in err)
