@@ -11,7 +11,9 @@ import importlib.metadata
 import os
 import shutil
 import string
+import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Tuple
 
@@ -108,24 +110,34 @@ def _drop_quantization_markers(model) -> None:
         del model.config.quantization_config
 
 
+def convert_gguf(gguf: Path, out: Path) -> None:
+    """Dequantize a GGUF model (and its tokenizer) into a float32 safetensors dir `out`."""
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    _drop_quantization_markers(model)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
 def smollm2_dir() -> Path:
-    """A float32 safetensors copy of SmolLM2-135M-Instruct: converted from the GGUF (about 20-30 s)
-    on first use, then loaded from the cache in about a second."""
+    """A float32 safetensors copy of SmolLM2-135M-Instruct: converted from the GGUF on first use
+    (about a minute and a half on 2 CPU cores, said on stderr: the run seems to hang meanwhile), then
+    loaded from the cache in about a second."""
     gguf = smollm2_gguf_path()
     target = cache_dir() / "smollm2-135m-instruct"
     if (target / "model.safetensors").exists():
         return target
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    _drop_quantization_markers(model)
+    print(f"rlnotes: converting SmolLM2-135M-Instruct from its GGUF file to float32 safetensors in {target}, once "
+          "(about a minute and a half on 2 CPU cores; later loads take about a second)", file=sys.stderr, flush=True)
+    start = time.perf_counter()
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".convert-"))
     try:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+        convert_gguf(gguf, tmp)
         os.replace(tmp, target)  # atomic: a crash never leaves a half-written cache
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    print(f"rlnotes: converted in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
     return target
 
 
