@@ -309,7 +309,8 @@ def _plot(argv: List[str]) -> int:
     parser = _Parser(prog="rlnotes plot", description="PNG figures of runs overlaid (reward, eval accuracy, KL, "
                      "loss, length; DPO margin and accuracy) and a table of their final metrics.")
     parser.add_argument("paths", nargs="+", metavar="DIR", help="run dirs (with metrics.jsonl) or multirun sweep dirs")
-    parser.add_argument("--out", help="where the PNGs go (default: the one run or sweep dir given)")
+    parser.add_argument("--out", help="where the PNGs go (default: the one run or sweep dir given, the sweep dir the "
+                        "runs share, or a plot-... dir beside the first one)")
     parser.add_argument("--sort", metavar="METRIC", help="sort the table by this metric's final value, best first "
                         "(default: reward/mean or the first key metric logged)")
     parser.add_argument("--smooth", type=float, default=0.0, metavar="W",
