@@ -113,12 +113,18 @@ def test_saved_and_exported_files_have_the_usual_modes(tmp_path):
             assert f.stat().st_mode & 0o777 == 0o644, f
 
 
-def test_a_tiny_adapter_names_its_base_and_exports_without_its_run(tmp_path):
+def test_a_tiny_adapter_names_its_base_and_exports_without_its_run(tmp_path, monkeypatch):
     """adapter_config.json names the base as rlnotes loads it (model.name_or_path=tiny), so an adapter
-    dir copied away from its run's config.yaml still exports."""
+    dir copied away from its run's config.yaml still exports; saving never asks the hub about "tiny"."""
     import json
     import shutil
 
+    import peft.utils.save_and_load
+
+    def no_hub(*args, **kwargs):
+        raise AssertionError(f"hub lookup while saving: {args}")
+
+    monkeypatch.setattr(peft.utils.save_and_load, "check_file_exists_on_hf_hub", no_hub)
     run, policy = _trained_run(tmp_path)
     assert json.loads((run / "final" / "adapter_config.json").read_text())["base_model_name_or_path"] == "tiny"
     alone = shutil.copytree(run / "final", tmp_path / "elsewhere" / "adapter")
