@@ -65,6 +65,13 @@ def test_a_sweep_over_presets_shares_one_sweep_dir_named_for_them(tmp_path, monk
     assert [p.name.split("-", 3)[-1] for p in sweeps] == ["dr_grpo+dapo"], sweeps
     assert sorted(p.name for p in sweeps[0].iterdir() if p.is_dir()) == ["0", "1"]
     assert (sweeps[0] / "summary.md").is_file()
+    from omegaconf import OmegaConf
+
+    from rlnotes.tracking import run_info
+
+    member = sweeps[0] / "1"
+    name = run_info(OmegaConf.load(member / "config.yaml"), member).name  # the trackers' run name
+    assert name == f"{sweeps[0].name}/1 algo=dapo" and name.split("-", 3)[-1].startswith("dr_grpo+dapo/1")
 
 
 def test_every_algo_option_names_itself():
