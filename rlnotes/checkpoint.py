@@ -43,8 +43,9 @@ CHECKPOINTS = "checkpoints"
 MANIFEST = "manifest.json"
 STATE = "trainer_state.pt"
 FORMAT = 1
-# Run logs with one JSON row per step; rows after a resumed checkpoint's step are dropped.
-STEP_LOGS = ("metrics.jsonl", "eval.jsonl", "samples.jsonl")
+# Run logs whose lines each belong to a step (JSON rows with a "step", warnings.log's "step N ...");
+# lines after a resumed checkpoint's step are dropped.
+STEP_LOGS = ("metrics.jsonl", "eval.jsonl", "samples.jsonl", "warnings.log")
 # Context.cache entries a runner rebuilds on first use and that are not saved: DPO's reference
 # log-probs (a function of the fixed reference model and the data, and as large as the train set).
 RECOMPUTED = frozenset({"ref", "eval_ref"})
@@ -306,10 +307,14 @@ def carry_logs(source_run: Optional[Path], run_dir: Path, step: int) -> None:
         source = source_run / name if source_run is not None else run_dir / name
         if not source.is_file():
             continue
-        rows = [line for line in source.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
+        rows = [line for line in source.read_text().splitlines() if line.strip() and _line_step(line) <= step]
         tmp = run_dir / f".{name}.tmp"
         tmp.write_text("".join(line + "\n" for line in rows))
         os.replace(tmp, run_dir / name)
+
+
+def _line_step(line: str) -> int:
+    return int(line.split(" ", 2)[1]) if line.startswith("step ") else json.loads(line)["step"]
 
 
 def drop_later(run_dir: Path, step: int) -> List[Path]:

@@ -169,7 +169,26 @@ def stamp_dirs(pattern: str, now) -> str:
     return re.sub(r"\$\{now:([^}]*)\}", lambda m: now.strftime(m.group(1)), pattern)
 
 
-def _rank_overrides(cfg) -> List[str]:
+# The algo= option a job chose, as conf/config.yaml's run and sweep dir patterns name it.
+ALGO_CHOICE = "${hydra.runtime.choices.algo}"
+
+
+def _quoted(value: str) -> str:
+    """A value as one Hydra override string (spaces, = and : included)."""
+    return "'" + value.replace("'", "\\'") + "'"
+
+
+def sweep_dir(jobs: list) -> str:
+    """The sweep dir pattern of a multirun's jobs, naming the algo= option they chose once for all
+    of them (`dapo+grpo` when the sweep varies it): each job would otherwise resolve the pattern to
+    its own choice, and the sweep would scatter over several dirs."""
+    from omegaconf import OmegaConf
+
+    pattern = OmegaConf.to_container(jobs[0].hydra, resolve=False)["sweep"]["dir"]
+    return pattern.replace(ALGO_CHOICE, "+".join(dict.fromkeys(job.hydra.runtime.choices.algo for job in jobs)))
+
+
+def _rank_overrides(cfg, sweep: str) -> List[str]:
     """Overrides for a process torchrun started. Hydra names run and sweep dirs by the clock, which
     can read another second on each rank: every rank takes rank 0's time, so all write to one dir;
     ranks other than 0 leave Hydra's own files (.hydra/, the job log, the sweep summary) to it.
@@ -182,8 +201,8 @@ def _rank_overrides(cfg) -> List[str]:
     distributed.init(resolve_device(cfg.hardware.device))
     now = distributed.agreed_now()
     dirs = OmegaConf.to_container(cfg.hydra, resolve=False)
-    quoted = lambda path: "'" + stamp_dirs(path, now).replace("'", "\\'") + "'"  # noqa: E731 - spaces, = and : too
-    extra = [f"hydra.run.dir={quoted(dirs['run']['dir'])}", f"hydra.sweep.dir={quoted(dirs['sweep']['dir'])}"]
+    extra = [f"hydra.run.dir={_quoted(stamp_dirs(dirs['run']['dir'], now))}",
+             f"hydra.sweep.dir={_quoted(stamp_dirs(sweep, now))}"]
     if not distributed.is_main():
         extra += ["hydra.output_subdir=null", "hydra/job_logging=disabled", "hydra/hydra_logging=disabled",
                   "~hydra.callbacks.sweep_summary"]
@@ -198,11 +217,13 @@ def _train(argv: List[str]) -> int:
     if not informational:
         jobs = check(args.overrides, args.multirun, args.config_dir)
         nproc = _processes(jobs)
+        if args.multirun:
+            argv = [*argv, f"hydra.sweep.dir={_quoted(sweep_dir(jobs))}"]
         if "WORLD_SIZE" in os.environ:  # a process torchrun started (ours or the user's)
             from rlnotes.config import ConfigError
 
             try:
-                argv = [*argv, *_rank_overrides(jobs[0])]
+                argv = [*argv, *_rank_overrides(jobs[0], sweep_dir(jobs))]
             except ConfigError as e:
                 raise UsageError(str(e)) from None
         elif nproc > 1:
@@ -288,7 +309,8 @@ def _plot(argv: List[str]) -> int:
     parser = _Parser(prog="rlnotes plot", description="PNG figures of runs overlaid (reward, eval accuracy, KL, "
                      "loss, length; DPO margin and accuracy) and a table of their final metrics.")
     parser.add_argument("paths", nargs="+", metavar="DIR", help="run dirs (with metrics.jsonl) or multirun sweep dirs")
-    parser.add_argument("--out", help="where the PNGs go (default: the one run or sweep dir given)")
+    parser.add_argument("--out", help="where the PNGs go (default: the one run or sweep dir given, the sweep dir the "
+                        "runs share, or a plot-... dir beside the first one)")
     parser.add_argument("--sort", metavar="METRIC", help="sort the table by this metric's final value, best first "
                         "(default: reward/mean or the first key metric logged)")
     parser.add_argument("--smooth", type=float, default=0.0, metavar="W",

@@ -25,7 +25,20 @@ class ConfigError(ValueError):
 
 
 @dataclass
-class GRPOConfig:
+class AlgoConfig:
+    # The algo= option this config came from (conf/algo/<preset>.yaml: rloo, dapo, dr_grpo, ...): the
+    # name run dirs and the start line give the run. `name` is the runner that serves it (rloo is
+    # REINFORCE with baseline=group). null = the runner's name.
+    preset: Optional[str] = None
+
+
+def preset_name(algo) -> str:
+    """The algorithm a run is named for: the algo= option the user chose, else its runner."""
+    return algo.get("preset") or algo.name
+
+
+@dataclass
+class GRPOConfig(AlgoConfig):
     # Whether the algorithm samples completions and so needs a reward (not a config key).
     samples: ClassVar[bool] = True
     # Runner to use (a key of rlnotes.runners.RUNNERS).
@@ -57,7 +70,7 @@ class GRPOConfig:
 
 
 @dataclass
-class DPOConfig:
+class DPOConfig(AlgoConfig):
     # DPO learns from fixed preference pairs: it samples nothing and needs no reward.
     samples: ClassVar[bool] = False
     name: str = "dpo"
@@ -78,7 +91,7 @@ class DPOConfig:
 
 
 @dataclass
-class SFTConfig:
+class SFTConfig(AlgoConfig):
     # Supervised fine-tuning on demonstrations: no sampling, no reward.
     samples: ClassVar[bool] = False
     name: str = "sft"
@@ -92,7 +105,7 @@ class SFTConfig:
 
 
 @dataclass
-class RMConfig:
+class RMConfig(AlgoConfig):
     # Reward model on preference pairs (InstructGPT's RM stage): no sampling, no reward.
     samples: ClassVar[bool] = False
     name: str = "rm"
@@ -107,7 +120,7 @@ REINFORCE_BASELINES = ("none", "mean", "group", "value")
 
 
 @dataclass
-class ReinforceConfig:
+class ReinforceConfig(AlgoConfig):
     # REINFORCE (Williams 1992): one policy-gradient step per sampled batch, A_t = G_t - b.
     samples: ClassVar[bool] = True
     name: str = "reinforce"
@@ -133,7 +146,7 @@ class ReinforceConfig:
 
 
 @dataclass
-class PPOConfig:
+class PPOConfig(AlgoConfig):
     # PPO (Schulman et al. 2017) with a value head and GAE, InstructGPT-style KL in the reward.
     samples: ClassVar[bool] = True
     name: str = "ppo"
@@ -582,25 +595,32 @@ def _check_ppo(cfg) -> None:
     if n % cfg.algo.minibatch_size:
         raise ConfigError(f"algo.minibatch_size={cfg.algo.minibatch_size} must divide trainer.batch_size * "
                           f"algo.group_size = {n} completions")
-    m = cfg.trainer.micro_batch_size
-    if m is not None and m > cfg.algo.minibatch_size:
-        raise ConfigError(f"trainer.micro_batch_size={m} is larger than algo.minibatch_size="
-                          f"{cfg.algo.minibatch_size}, the completions of one PPO update; lower it or set it to null")
 
 
 def _check_micro_batch(cfg) -> None:
-    """trainer.micro_batch_size splits one update's completions (or pairs, rows): more than there are is a mistake."""
+    """trainer.micro_batch_size splits the completions (pairs, rows) of one update on each process into
+    equal passes: it must divide them."""
     m, b = cfg.trainer.micro_batch_size, cfg.trainer.batch_size
-    if m is None or cfg.algo.name == "ppo":
+    if m is None:
         return
-    if ALGO_SCHEMAS[cfg.algo.name].samples:
+    if cfg.algo.name == "ppo":
+        n, what = cfg.algo.minibatch_size, "completions of one PPO update (algo.minibatch_size)"
+    elif ALGO_SCHEMAS[cfg.algo.name].samples:
         n, what = b * cfg.algo.group_size, (f"completions of a step (trainer.batch_size={b} x algo.group_size="
                                              f"{cfg.algo.group_size})")
     else:
         n, what = b, f"{'pairs' if cfg.algo.name in ('dpo', 'rm') else 'rows'} of a step (trainer.batch_size)"
-    if m > n:
-        raise ConfigError(f"trainer.micro_batch_size={m} is larger than the {n} {what}; lower it to at most {n} "
+    world = planned_world_size(cfg.hardware)
+    share = n // world if world > 1 and n % world == 0 else n  # an uneven split is _check_layout's error
+    if share != n:
+        what += f", {share} on each of {world} processes"
+    if m > share:
+        raise ConfigError(f"trainer.micro_batch_size={m} is larger than the {n} {what}; lower it to at most {share} "
                           "or set it to null")
+    if share % m:
+        divisors = ", ".join(str(d) for d in range(1, share + 1) if share % d == 0)
+        raise ConfigError(f"trainer.micro_batch_size={m} does not divide the {n} {what} into equal passes; use one "
+                          f"of {divisors}, or null (one pass)")
 
 
 def _check_layout(cfg) -> None:

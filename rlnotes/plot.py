@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import List, Optional, Sequence, Tuple, Union
 
 from rlnotes.sweep import (Run, RunError, Summary, expand, is_sweep, labels, load_run, print_summary, summarize,
-                           write_summary)
+                           sweep_dir_of, write_summary)
 
 PathLike = Union[str, Path]
 
@@ -135,11 +135,18 @@ class PlotResult:
     written: List[Path] = field(default_factory=list)
 
 
-def default_out(paths: Sequence[PathLike]) -> Path:
-    """Where figures go without --out: the one run or sweep dir given."""
-    if len(paths) != 1:
-        raise RunError(f"{len(paths)} dirs given: pass --out DIR for the figures")
-    return Path(paths[0])
+def default_out(paths: Sequence[PathLike], run_dirs: Sequence[Path]) -> Path:
+    """Where figures go without --out: the one run or sweep dir given; the sweep dir every run
+    belongs to; else a dir beside the first one given, named for the dirs it compares
+    (outputs/DATE/plot-12-00-00-grpo+12-05-00-rloo; the first one and the count, for more than 3)."""
+    if len(paths) == 1:
+        return Path(paths[0])
+    sweeps = {sweep_dir_of(run) for run in run_dirs}
+    if len(sweeps) == 1 and None not in sweeps:
+        return sweeps.pop()
+    names = [Path(p).resolve().name for p in paths]
+    name = "+".join(names) if len(names) <= 3 else f"{names[0]}+{len(names) - 1}-more"
+    return Path(paths[0]).parent / f"plot-{name}"
 
 
 def plot(paths: Sequence[PathLike], out: Optional[PathLike] = None, sort_by: Optional[str] = None,
@@ -147,7 +154,8 @@ def plot(paths: Sequence[PathLike], out: Optional[PathLike] = None, sort_by: Opt
     """Figures of every run in `paths` (run dirs and sweep dirs) into `out`, and their summary table
     printed (best first by `sort_by`); with several runs, also summary.md and summary.csv in `out`."""
     run_dirs = expand(paths)
-    out = Path(out) if out is not None else default_out(paths)
+    chosen = out is None
+    out = Path(out) if out is not None else default_out(paths, run_dirs)
     _matplotlib()  # fail before any work when it is missing
     runs = [load_run(p) for p in run_dirs]
     if not any(run.rows for run in runs):
@@ -160,4 +168,6 @@ def plot(paths: Sequence[PathLike], out: Optional[PathLike] = None, sort_by: Opt
     several = len(runs) > 1 or any(is_sweep(p) for p in paths)
     written = write_summary(summary, out) if several else []
     print_summary(summary, console, title=" ".join(map(str, paths)))
+    if chosen and len(paths) > 1 and console is not None:
+        console.print(f"no --out given: figures and table written to {out}", highlight=False)
     return PlotResult(figures=figures, summary=summary, out=out, written=written)

@@ -15,7 +15,7 @@ from typing import Iterator, Optional
 import torch
 import torch.nn.functional as F
 
-from rlnotes.models import load_base
+from rlnotes.models import load_base, usual_modes
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0,
@@ -117,5 +117,20 @@ class Policy:
 
     def save(self, path: Path) -> None:
         """A peft adapter dir (LoRA) or a full model dir, with the tokenizer beside it."""
-        self.model.save_pretrained(path)
+        if self.uses_lora:
+            self.model.save_pretrained(path, save_embedding_layers=_embeddings_saved(self.model))
+        else:
+            self.model.save_pretrained(path)
         self.tokenizer.save_pretrained(path)
+        usual_modes(path)
+
+
+def _embeddings_saved(model) -> bool | str:
+    """peft's save_embedding_layers: "auto" (saved) when LoRA adapts an embedding, else False. peft's
+    own "auto" would otherwise look the base model up on the hub by its name (tiny too) to see
+    whether the vocabulary grew, at every save; rlnotes never resizes it."""
+    from peft.utils.constants import EMBEDDING_LAYER_NAMES
+
+    targets = model.peft_config["default"].target_modules
+    names = [targets] if isinstance(targets, str) else list(targets or [])
+    return "auto" if any(n.split(".")[-1] in EMBEDDING_LAYER_NAMES for n in names) else False

@@ -164,6 +164,30 @@ def test_resuming_an_earlier_checkpoint_drops_later_rows_and_checkpoints(tmp_pat
     assert [p.name for p in checkpoint.checkpoints(tmp_path)] == ["step_000001", "step_000002", "step_000004"]
 
 
+@pytest.mark.parametrize("fires_at", [2, 3])
+def test_resume_gives_each_warning_once_over_the_whole_run(tmp_path, monkeypatch, fires_at):
+    """A warning given at or before the checkpoint's step is not given again on resume (the watcher
+    sees the steps before it); one given after it belongs to steps that are redone, and is given
+    again at the same step, not twice in warnings.log."""
+    from rlnotes import diagnostics
+
+    fired = []  # the steps seen (restored ones included) each time the check fires
+
+    def seen(history, cfg):
+        if history.count("reward/mean") >= fires_at:
+            fired.append(history.count("reward/mean"))
+            return "steps seen"
+
+    monkeypatch.setattr(diagnostics, "CHECKS", {"seen": seen})
+    run(tmp_path, "trainer.steps=4", "trainer.save_every=2", "trainer.keep_last=null")
+    warned = [f"step {fires_at} seen: steps seen"]
+    assert (tmp_path / "warnings.log").read_text().splitlines() == warned and fired == [fires_at]
+    fired.clear()
+    run(tmp_path, "trainer.steps=4", f"trainer.resume={tmp_path / 'checkpoints' / 'step_000002'}")
+    assert (tmp_path / "warnings.log").read_text().splitlines() == warned
+    assert fired == ([] if fires_at <= 2 else [fires_at])
+
+
 # ---------------------------------------------------------------------------------------------
 # What a checkpoint is
 

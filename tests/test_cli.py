@@ -46,6 +46,41 @@ def test_multirun_gives_one_run_dir_per_combination(tmp_path):
     assert seeds == [1, 2]
 
 
+def test_run_dirs_and_the_start_line_name_the_chosen_algorithm(tmp_path, monkeypatch, capsys):
+    """algo=rloo is served by the reinforce runner, but the run is rloo's: outputs/DATE/TIME-rloo."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "algo=rloo", "trainer.steps=1", "logging.progress=false"]) == 0
+    assert [p.name.split("-")[-1] for p in tmp_path.glob("outputs/*/*")] == ["rloo"]
+    assert "rlnotes rloo on tiny" in capsys.readouterr().err
+    run = next(tmp_path.glob("outputs/*/*"))
+    assert "  preset: rloo\n  name: reinforce\n" in (run / "config.yaml").read_text()
+
+
+def test_a_sweep_over_presets_shares_one_sweep_dir_named_for_them(tmp_path, monkeypatch):
+    """Each member resolves the dir pattern to its own choice; the sweep must still be one dir."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "-m", "algo=dr_grpo,dapo", "trainer.steps=1", "trainer.batch_size=2",
+                 "logging.progress=false"]) == 0
+    sweeps = list(tmp_path.glob("multirun/*/*"))
+    assert [p.name.split("-", 3)[-1] for p in sweeps] == ["dr_grpo+dapo"], sweeps
+    assert sorted(p.name for p in sweeps[0].iterdir() if p.is_dir()) == ["0", "1"]
+    assert (sweeps[0] / "summary.md").is_file()
+    from omegaconf import OmegaConf
+
+    from rlnotes.tracking import run_info
+
+    member = sweeps[0] / "1"
+    name = run_info(OmegaConf.load(member / "config.yaml"), member).name  # the trackers' run name
+    assert name == f"{sweeps[0].name}/1 algo=dapo" and name.split("-", 3)[-1].startswith("dr_grpo+dapo/1")
+
+
+def test_every_algo_option_names_itself():
+    from tests.conftest import compose
+
+    for name in _options("algo").split(", "):
+        assert compose(f"algo={name}").algo.preset == name
+
+
 def _options(group):
     """The options of a config group, as Hydra lists them: the YAML files of conf/<group>/."""
     return ", ".join(sorted(p.stem for p in (Path(__file__).parents[1] / "conf" / group).glob("*.yaml")))

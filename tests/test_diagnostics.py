@@ -37,10 +37,10 @@ def test_grpo_default_batches():
 
 
 def test_grpo_epochs_and_micro_batches():
-    a = batch_arithmetic(compose("algo.epochs=2", "trainer.steps=10", "trainer.micro_batch_size=5",
+    a = batch_arithmetic(compose("algo.epochs=2", "trainer.steps=10", "trainer.micro_batch_size=8",
                                  "rollout.max_new_tokens=8"))
-    # 32 completions in passes of 5: 7 passes per optimizer step; 2 steps per batch, so 5 batches.
-    assert (a["micro_batches"], a["updates_per_batch"], a["batches"], a["prompts_seen"]) == (7, 2, 5, 40)
+    # 32 completions in passes of 8: 4 passes per optimizer step; 2 steps per batch, so 5 batches.
+    assert (a["micro_batches"], a["updates_per_batch"], a["batches"], a["prompts_seen"]) == (4, 2, 5, 40)
     assert a["max_tokens_per_batch"] == 256
 
 
@@ -61,11 +61,11 @@ def test_dynamic_sampling_sees_up_to_one_batch_per_round():
 
 
 def test_pairs_and_rows():
-    dpo = batch_arithmetic(compose("algo=dpo", "trainer.micro_batch_size=3", "trainer.batch_size=8"))
+    dpo = batch_arithmetic(compose("algo=dpo", "trainer.micro_batch_size=4", "trainer.batch_size=8"))
     assert (dpo["unit"], dpo["completions_per_batch"], dpo["micro_batches"], dpo["max_tokens_per_batch"]) == (
-        "pairs", 16, 3, None)
+        "pairs", 16, 2, None)
     assert describe_batches(dpo).splitlines() == [
-        "batch: 8 pairs (16 sequences); 1 optimizer step per batch; micro-batches of 3 pairs (3 per optimizer step)",
+        "batch: 8 pairs (16 sequences); 1 optimizer step per batch; micro-batches of 4 pairs (2 per optimizer step)",
         "run: 60 optimizer steps = 60 batches = 480 pairs = 0.48 epochs of the train set"]
     sft = batch_arithmetic(compose("algo=sft", "trainer.steps=5"), train_rows=20)
     assert (sft["unit"], sft["completions_per_batch"], sft["prompts_seen"], sft["epochs"]) == ("rows", 8, 40, 2.0)
@@ -75,8 +75,20 @@ def test_pairs_and_rows():
     (["trainer.micro_batch_size=33"], "trainer.micro_batch_size=33 is larger than the 32 completions of a step "
                                       "(trainer.batch_size=8 x algo.group_size=4); lower it to at most 32 or set it "
                                       "to null"),
-    (["algo=ppo", "trainer.micro_batch_size=17"], "trainer.micro_batch_size=17 is larger than algo.minibatch_size=16, "
-                                                  "the completions of one PPO update"),
+    (["algo=ppo", "trainer.micro_batch_size=17"], "trainer.micro_batch_size=17 is larger than the 16 completions of "
+                                                  "one PPO update (algo.minibatch_size)"),
+    (["trainer.micro_batch_size=5"], "trainer.micro_batch_size=5 does not divide the 32 completions of a step "
+                                     "(trainer.batch_size=8 x algo.group_size=4) into equal passes; use one of 1, 2, "
+                                     "4, 8, 16, 32, or null (one pass)"),
+    (["hardware.nproc=2", "trainer.micro_batch_size=32"], "trainer.micro_batch_size=32 is larger than the 32 "
+                                                          "completions of a step (trainer.batch_size=8 x "
+                                                          "algo.group_size=4), 16 on each of 2 processes"),
+    (["hardware.nproc=2", "trainer.micro_batch_size=32"], "lower it to at most 16"),
+    (["hardware.nproc=2", "trainer.micro_batch_size=12"], "16 on each of 2 processes into equal passes; use one of 1, "
+                                                          "2, 4, 8, 16, or null"),
+    (["algo=ppo", "trainer.micro_batch_size=3"], "does not divide the 16 completions of one PPO update"),
+    (["algo=dpo", "trainer.micro_batch_size=3"], "trainer.micro_batch_size=3 does not divide the 8 pairs of a step"),
+    (["algo=sft", "trainer.micro_batch_size=5"], "trainer.micro_batch_size=5 does not divide the 8 rows of a step"),
     (["algo=dpo", "trainer.micro_batch_size=9"], "trainer.micro_batch_size=9 is larger than the 8 pairs of a step"),
     (["algo=sft", "trainer.micro_batch_size=9"], "trainer.micro_batch_size=9 is larger than the 8 rows of a step"),
     (["algo=dapo", "algo.max_resample_rounds=-1"], "algo.max_resample_rounds=-1 counts extra sampling rounds per "

@@ -86,9 +86,51 @@ def test_export_errors_are_one_line(tmp_path, capsys):
         export(run / "final", tmp_path / "full")
     assert main(["export", str(tmp_path / "missing"), str(tmp_path / "out")]) == 2
     assert main(["export", str(run / "final")]) == 2
-    (run / "config.yaml").unlink()
+    (run / "config.yaml").unlink()  # and an adapter that names no base (as older ones of the tiny model)
+    adapter = run / "final" / "adapter_config.json"
+    adapter.write_text(adapter.read_text().replace('"base_model_name_or_path": "tiny"',
+                                                   '"base_model_name_or_path": null'))
     assert main(["export", str(run / "final"), str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 3 and all(line.startswith("rlnotes: error: ") for line in err)
     assert "is not a directory" in err[0] and "required: OUT_DIR" in err[1] and "no config.yaml" in err[2]
     assert not (tmp_path / "out").exists()
+
+
+def test_saved_and_exported_files_have_the_usual_modes(tmp_path):
+    """safetensors writes 0600 and a temporary dir is 0700; a saved policy and an export are 0644/0755."""
+    import os
+
+    old = os.umask(0o022)
+    try:
+        run, _ = _trained_run(tmp_path)
+        out = export(run / "final", tmp_path / "hf")
+    finally:
+        os.umask(old)
+    for root in (run / "final", out):
+        assert root.stat().st_mode & 0o777 == 0o755, root
+        for f in root.iterdir():
+            assert f.stat().st_mode & 0o777 == 0o644, f
+
+
+def test_a_tiny_adapter_names_its_base_and_exports_without_its_run(tmp_path, monkeypatch):
+    """adapter_config.json names the base as rlnotes loads it (model.name_or_path=tiny), so an adapter
+    dir copied away from its run's config.yaml still exports; saving never asks the hub about "tiny"."""
+    import json
+    import shutil
+
+    import peft.utils.save_and_load
+
+    def no_hub(*args, **kwargs):
+        raise AssertionError(f"hub lookup while saving: {args}")
+
+    monkeypatch.setattr(peft.utils.save_and_load, "check_file_exists_on_hf_hub", no_hub)
+    run, policy = _trained_run(tmp_path)
+    assert json.loads((run / "final" / "adapter_config.json").read_text())["base_model_name_or_path"] == "tiny"
+    alone = shutil.copytree(run / "final", tmp_path / "elsewhere" / "adapter")
+    out = export(alone, tmp_path / "hf")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    expected = _logprobs(policy.model, policy.tokenizer)
+    torch.testing.assert_close(_logprobs(model, AutoTokenizer.from_pretrained(out)), expected, atol=1e-5, rtol=0)

@@ -213,3 +213,26 @@ def test_unknown_precision_is_rejected_in_one_line():
 
     with pytest.raises(UsageError, match="hardware.precision='fp16' is not valid; choose one of: fp32, bf16"):
         check(["hardware.precision=fp16"], multirun=False, config_dir=None)
+
+
+def test_the_first_smollm2_load_says_it_converts_once(tmp_path, monkeypatch, capsys):
+    """The one-time GGUF conversion takes a minute or two: a line before it and one after; none later."""
+    gguf = tmp_path / "pkg" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    converted = []
+
+    def convert(source, out):
+        assert source == gguf
+        converted.append(out)
+        (out / "model.safetensors").write_bytes(b"")
+
+    monkeypatch.setenv("RLNOTES_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(models, "smollm2_gguf_path", lambda: gguf)
+    monkeypatch.setattr(models, "convert_gguf", convert)
+    target = models.smollm2_dir()
+    assert target == tmp_path / "cache" / "smollm2-135m-instruct" and (target / "model.safetensors").exists()
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and len(converted) == 1
+    assert err[0].startswith("rlnotes: converting SmolLM2-135M-Instruct") and str(target) in err[0]
+    assert "once" in err[0] and "later loads take about a second" in err[0]
+    assert err[1].startswith("rlnotes: converted in ")
+    assert models.smollm2_dir() == target and capsys.readouterr().err == "" and len(converted) == 1

@@ -136,18 +136,34 @@ def test_ema_is_bias_corrected():
     assert ema([1.0, 5.0], 0.0) == [1.0, 5.0]
 
 
+def test_several_runs_without_out_go_beside_the_first_and_the_command_says_where(tmp_path, capsys):
+    day = tmp_path / "outputs" / "2026-12-03"
+    a = _run(day, "12-00-00-grpo", [{"step": 1, "reward/mean": 0.5}], ["algo=grpo"])
+    b = _run(tmp_path / "elsewhere", "12-05-00-rloo", [{"step": 1, "reward/mean": 0.25}], ["algo=rloo"])
+    assert main(["plot", str(a), str(b)]) == 0
+    out = day / "plot-12-00-00-grpo+12-05-00-rloo"
+    assert (out / "reward.png").read_bytes().startswith(PNG) and (out / "summary.md").is_file()
+    assert f"no --out given: figures and table written to {out}" in capsys.readouterr().out
+    assert not (a / "reward.png").exists()  # the first run's own dir is left as it was
+
+
+def test_members_of_one_sweep_without_out_go_into_the_sweep(sweep, capsys):
+    assert main(["plot", str(sweep / "1"), str(sweep / "0")]) == 0
+    assert (sweep / "reward.png").read_bytes().startswith(PNG)
+    assert f"written to {sweep}" in capsys.readouterr().out
+
+
 def test_plot_errors_are_one_line(tmp_path, monkeypatch, capsys):
     (tmp_path / "empty").mkdir()
     run = _run(tmp_path, "run", [{"step": 1, "reward/mean": 0.5}])
     assert main(["plot", str(tmp_path / "missing")]) == 2
     assert main(["plot", str(tmp_path / "empty")]) == 2
-    assert main(["plot", str(run), str(run)]) == 2
     assert main(["plot", str(run), "--smooth", "1.5"]) == 2
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
     assert main(["plot", str(run)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 5 and all(line.startswith("rlnotes: error: ") for line in err)
+    assert len(err) == 4 and all(line.startswith("rlnotes: error: ") for line in err)
     assert "missing is not a directory" in err[0] and "has no metrics.jsonl and no run dirs" in err[1]
-    assert "pass --out DIR" in err[2] and "--smooth 1.5 must be in [0, 1)" in err[3]
-    assert err[4] == "rlnotes: error: rlnotes plot needs matplotlib; install it with: pip install 'rlnotes[plot]'"
+    assert "--smooth 1.5 must be in [0, 1)" in err[2]
+    assert err[3] == "rlnotes: error: rlnotes plot needs matplotlib; install it with: pip install 'rlnotes[plot]'"

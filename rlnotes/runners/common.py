@@ -27,7 +27,7 @@ from rlnotes.evaluate import write as write_eval
 from rlnotes.diagnostics import batch_arithmetic, describe_batches
 from rlnotes.logger import MetricsLogger, NullLogger, passed_multiple
 from rlnotes.tracking import open_sinks
-from rlnotes.models import configure_backends, mixed_precision, resolve_device
+from rlnotes.models import configure_backends, mixed_precision, resolve_device, usual_modes
 from rlnotes.notes import kl_penalty, masked_mean
 from rlnotes.notes.tis import truncated_is_weights
 from rlnotes.notes.reinforce import terminal_rewards
@@ -107,7 +107,7 @@ def setup(cfg, run_dir: Path, console: Console, resume_from: Optional[Path] = No
     torch.manual_seed(cfg.seed)
     device = distributed.init(resolve_device(cfg.hardware.device))
     configure_backends(cfg.hardware, device)
-    from rlnotes.config import ALGO_SCHEMAS
+    from rlnotes.config import ALGO_SCHEMAS, preset_name
 
     rewards = Rewards(cfg.reward, console) if ALGO_SCHEMAS[cfg.algo.name].samples else None
     with distributed.main_first():  # caches (a converted model, a downloaded dataset) are written once
@@ -130,7 +130,7 @@ def setup(cfg, run_dir: Path, console: Console, resume_from: Optional[Path] = No
     if main:
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     n_params = sum(p.numel() for p in params)
-    console.print(f"[bold]rlnotes[/] {cfg.algo.name} on {cfg.model.name_or_path} "
+    console.print(f"[bold]rlnotes[/] {preset_name(cfg.algo)} on {cfg.model.name_or_path} "
                   f"({n_params:,} trainable parameters, {'LoRA' if policy.uses_lora else 'full'}) -> {run_dir}")
     if distributed.active():
         world = distributed.world_size()
@@ -385,6 +385,7 @@ def finish(ctx: Context, interrupted: bool = False) -> Path:
         checkpoint.save_policy(ctx.policy, out, state)
         for name, head in ctx.heads.items():
             save_file({k: v.contiguous() for k, v in head.state_dict().items()}, str(out / f"{name}.safetensors"))
+        usual_modes(out)
     return out
 
 

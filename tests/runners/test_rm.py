@@ -68,7 +68,7 @@ def test_reward_model_needs_a_path():
 
 def test_micro_batches_give_the_same_step(tmp_path):
     _, whole = run(tmp_path / "a", "trainer.steps=2", "trainer.batch_size=6")
-    _, split = run(tmp_path / "b", "trainer.steps=2", "trainer.batch_size=6", "trainer.micro_batch_size=4")
+    _, split = run(tmp_path / "b", "trainer.steps=2", "trainer.batch_size=6", "trainer.micro_batch_size=3")
     for a, b in zip(whole, split):
         for key in ("loss", "optim/grad_norm", "rm/accuracy", "rm/margin"):
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), key
