@@ -308,9 +308,37 @@ def test_empty_missing_and_unknown_files(tmp_path):
     txt = tmp_path / "t.txt"
     txt.write_text("hello")
     assert "unknown format '.txt'; use one of .jsonl, .json, .parquet, .csv" in error(read, file_cfg(str(txt)))
-    broken = tmp_path / "broken.jsonl"
-    broken.write_text('{"prompt": "a"}\n{"prompt": \n')
-    assert error(read, file_cfg(str(broken))).startswith(f"data.path={broken} could not be read as json")
+    broken = tmp_path / "broken.parquet"
+    broken.write_text('{"prompt": "a"}\n')
+    assert error(read, file_cfg(str(broken))).startswith(f"data.path={broken} could not be read as parquet")
+
+
+@pytest.mark.parametrize("name, text, where", [
+    ("broken.jsonl", '{"prompt": "a"}\n\n{"prompt": \n', "line 3, column 12: not valid JSON (Expecting value)"),
+    ("list.jsonl", '{"prompt": "a"}\n["a"]\n', "line 2: expected one JSON object per line"),
+    ("doc.json", '[{"prompt": "a"},\n {"prompt" "b"}]', "line 2, column 12: not valid JSON (Expecting ':' delimiter)"),
+    ("lines.json", '{"prompt": "a"}\n{"prompt": "b",}\n', "line 2, column 16: not valid JSON"),
+])
+def test_a_bad_json_line_is_named_by_file_and_line(tmp_path, name, text, where):
+    path = tmp_path / name
+    path.write_text(text)
+    assert error(read, file_cfg(str(path))).startswith(f"{path} {where}")
+
+
+def test_a_bad_json_line_is_reported_once_by_the_command(tmp_path, capfd):
+    """The `datasets` library logs its own parse error (twice: its handler and Hydra's); the one line
+    rlnotes prints is the only one."""
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"prompt": "a", "letter": "a"}\n{"prompt": "b"\n')
+    from rlnotes.cli import main
+
+    with pytest.raises(SystemExit) as stop:  # the train job exits 1 after its one error line
+        main(["train", f"data.path={path}", "reward=letters", "logging.progress=false",
+              f"hydra.run.dir={tmp_path / 'run'}"])
+    assert stop.value.code == 1
+    err = capfd.readouterr().err
+    assert f"rlnotes: error: {path} line 2, column 15: not valid JSON" in err
+    assert err.count("line 2") == 1 and "Failed to load JSON" not in err, err
 
 
 def test_reward_columns_come_from_the_signature():
