@@ -254,7 +254,7 @@ def _eval(argv: List[str]) -> int:
     from rlnotes.evaluate import run, with_run_settings
     from rlnotes.rewards import RewardFailure
 
-    console = Console(stderr=True)
+    console = Console(stderr=True, soft_wrap=True)  # an error is one line, however narrow the screen
     cfg = _loader(args.config_dir).load_configuration("config", args.overrides, _run_mode())
     with open_dict(cfg):
         del cfg["hydra"]
