@@ -5,9 +5,11 @@ Accepted shapes (after `data.columns` renames the source's columns to ours):
   prompt                          plain text, or a conversation: a list of {role, content} messages
   prompt + completion             SFT; the completion text, or a list with one assistant message
   messages                        SFT conversations: the last assistant turn is the completion
+  text                            SFT language modeling: the whole text is the completion (empty prompt)
   prompt + chosen + rejected      preference pairs (DPO, RM), each answer text or one assistant message
   chosen + rejected (no prompt)   the implicit-prompt form: two conversations that share every turn
-                                  but their last (assistant) one, which holds the answers
+                                  but their last (assistant) one, which holds the answers, or two
+                                  texts whose common beginning is the prompt (TRL's extract_prompt)
 Every other column travels with its row: reward functions get it as a keyword argument.
 
 Errors name the source, the row (1-based, in the source's order; a CSV's header is not a row) and
