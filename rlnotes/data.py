@@ -230,8 +230,9 @@ def check_data_config(cfg) -> None:
             raise ConfigError(f"algo={cfg.algo.name} scores held-out rows now and then: set data.eval_size to 1 or "
                               "more (or null) or give data.eval_path (a hub dataset: data.eval_split)")
         if cfg.trainer.eval_every:
-            raise ConfigError(f"trainer.eval_every={cfg.trainer.eval_every} evaluates held-out rows and data.eval_size=0 "
-                              "holds out none; set data.eval_size to 1 or more (or null) or give data.eval_path")
+            raise ConfigError(f"trainer.eval_every={cfg.trainer.eval_every} evaluates held-out rows and "
+                              "data.eval_size=0 holds out none; set data.eval_size to 1 or more (or null) or give "
+                              "data.eval_path")
 
 
 class PromptSampler:

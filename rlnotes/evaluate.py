@@ -45,7 +45,8 @@ def eval_rows(cfg, tokenizer, limit: Optional[int], console=None) -> List[dict]:
     from rlnotes.datasets import fit_and_split, load_checked
 
     if not cfg.eval.data:
-        return fit_and_split(load_checked(cfg, generating="evaluation"), cfg, tokenizer, limit, console, evaluating=True)[1]
+        data = load_checked(cfg, generating="evaluation")
+        return fit_and_split(data, cfg, tokenizer, limit, console, evaluating=True)[1]
     from omegaconf import open_dict
 
     other = cfg.copy()

@@ -562,7 +562,7 @@ def test_dpo_and_sft_train_on_conversational_files(tmp_path):
     assert train(cfg, tmp_path / "sft", Console(quiet=True))["loss"] > 0
 
 
-# --------------------------------------------------------------------------------------------- every format, every command
+# ------------------------------------------------------------------------------ every format, every command
 
 USER = lambda text: [{"role": "user", "content": text}]  # noqa: E731
 SAID = lambda text: [{"role": "assistant", "content": text}]  # noqa: E731
