@@ -88,6 +88,9 @@ class Data:
         if self.eval is not None:
             return self.train.rows, self.eval.rows
         n, k = len(self.train.rows), self.held_out(evaluates)
+        if evaluates and k == 0 and self.eval_size is None:
+            raise ConfigError(f"{self.train.source} has {n} row, too few to hold one out for evaluation; give "
+                              "data.eval_path (an eval file)")
         if k >= n:
             raise ConfigError(f"{self.train.source} has {n} rows and data.eval_size={k} would hold out all of them; "
                               f"lower data.eval_size (e.g. data.eval_size={n // 10}) or give data.eval_path")

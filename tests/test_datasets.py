@@ -475,6 +475,13 @@ def test_a_small_file_trains_by_default_and_says_what_it_held_out(tmp_path, over
     assert f"data: {path}: {train} train rows, {held} eval rows ({note}" in out.getvalue()
 
 
+def test_a_one_row_file_cannot_hold_out_rows_to_evaluate(tmp_path):
+    path = write(tmp_path / "one.jsonl", [{"prompt": "Q", "chosen": "a", "rejected": "b"}])
+    cfg = compose("algo=dpo", f"data.path={path}", "trainer.batch_size=1")
+    assert error(fit_and_split, load_checked(cfg), cfg, tiny_tokenizer(), None) == (
+        f"{path} has 1 row, too few to hold one out for evaluation; give data.eval_path (an eval file)")
+
+
 def test_built_in_tasks_keep_their_200_eval_rows():
     """data.eval_size null is 200 for a built-in task: the same rows as before it could be null."""
     cfg = compose("data=arith", "data.digits=2", "data.train_size=50")
