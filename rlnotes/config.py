@@ -284,6 +284,7 @@ class DataConfig:
     # local dataset folder.
     name: str = "auto"
     # file: the training file; the format comes from the extension (.jsonl, .json, .parquet, .csv).
+    # Given without data=file, it means data=file.
     path: Optional[str] = None
     # hub: the dataset's subset (configuration) name, e.g. "main"; null = its default.
     subset: Optional[str] = None
@@ -312,7 +313,9 @@ class DataConfig:
     # Number of eval prompts. arith holds them out of training when the problem space is at
     # least 4x larger (two or more digits); small spaces (one digit, letters) are in-distribution.
     # file and hub without eval_path/eval_split: rows held out at random (with `seed`).
-    eval_size: int = 200
+    # null: 200 for a built-in task; for a file or hub dataset none when the run does not evaluate
+    # (TRL's default), else 10% of its rows (at most 200), said at the start of the run.
+    eval_size: Optional[int] = None
     # Seed of the task generator and of the held-out rows (held fixed across run seeds so runs
     # see the same data).
     seed: int = 1234
@@ -556,8 +559,9 @@ DEFAULT_TASKS: Dict[str, str] = {"grpo": "letters", "reinforce": "letters", "ppo
 
 def resolve_auto(cfg) -> None:
     """Fill in data=auto and reward=auto with the algorithm's task and that task's reward."""
-    from rlnotes.data import TASK_REWARDS
+    from rlnotes.data import TASK_REWARDS, file_from_path
 
+    file_from_path(cfg.data)  # data.path=FILE alone means data=file
     task = cfg.data.source == "task"   # a file or hub dataset has no reward of its own
     if task and cfg.data.name == "auto":
         cfg.data.name = DEFAULT_TASKS[cfg.algo.name]

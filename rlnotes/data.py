@@ -29,6 +29,15 @@ def _check_ops(ops: str) -> Dict[str, Callable[[int, int], int]]:
     return {op: _OPS[op] for op in ops}
 
 
+# The eval rows of a built-in task when data.eval_size is null.
+TASK_EVAL_SIZE = 200
+
+
+def task_eval_size(cfg) -> int:
+    """A built-in task's eval rows: data.eval_size, null meaning TASK_EVAL_SIZE."""
+    return TASK_EVAL_SIZE if cfg.eval_size is None else cfg.eval_size
+
+
 def _split(space: List[Row], train_size: int, eval_size: int, seed: int) -> Split:
     """Held-out eval rows first; train rows are drawn from what is left when the problem space is
     large enough (at least 4x the eval set), otherwise from the whole space (in-distribution)."""
@@ -71,7 +80,7 @@ def _arith(cfg, digits: int, train_size: int) -> Split:
         problems.sort()
     space = [{"prompt": f"What is {a}{op}{b}? {cfg.instruction}".strip(), "answer": str(ops[op](a, b))}
              for a, op, b in problems]
-    return _split(space, train_size, cfg.eval_size, cfg.seed)
+    return _split(space, train_size, task_eval_size(cfg), cfg.seed)
 
 
 def letters(cfg) -> Split:
@@ -79,7 +88,7 @@ def letters(cfg) -> Split:
     space = [{"prompt": f"Write the letter {c}{suffix}", "letter": c}
              for c in cfg.letters for suffix in (":", "!", " please:", " many times:", ".")]
     rng = random.Random(cfg.seed)
-    eval_rows = [rng.choice(space) for _ in range(cfg.eval_size)]
+    eval_rows = [rng.choice(space) for _ in range(task_eval_size(cfg))]
     train_rows = [rng.choice(space) for _ in range(cfg.train_size)]
     return train_rows, eval_rows
 
@@ -131,7 +140,7 @@ def countdown(cfg) -> Split:
     ops = "".join(op for op in _OPS if op in _check_ops(cfg.ops))
     rng = random.Random(cfg.seed)
     hi = 10**cfg.digits - 1
-    wanted = cfg.eval_size + cfg.train_size
+    wanted = task_eval_size(cfg) + cfg.train_size
     rows: Dict[str, Row] = {}
     misses = 0
     while len(rows) < wanted and misses < 2000:  # 2000 draws in a row with nothing new: the space is spent
@@ -149,7 +158,7 @@ def countdown(cfg) -> Split:
 
         raise ConfigError(f"data.train_size + data.eval_size = {wanted} is more than the {len(space)} distinct "
                           "countdown problems found; lower them or raise data.digits")
-    return space[cfg.eval_size:], space[:cfg.eval_size]
+    return space[task_eval_size(cfg):], space[:task_eval_size(cfg)]
 
 
 TASKS: Dict[str, Callable] = {"arith": arith, "letters": letters, "countdown": countdown, "arith_pairs": arith_pairs,
@@ -173,6 +182,13 @@ def load_task(cfg) -> Split:
     return read(cfg).split()
 
 
+def file_from_path(d) -> None:
+    """data.path given without data=file: the default data (data=auto) becomes that file; a task or
+    hub dataset chosen by name is left for check_data_config to refuse."""
+    if d.path and d.source == "task" and d.name == "auto":
+        d.source, d.name = "file", "file"
+
+
 def system_prompt(cfg) -> Optional[str]:
     """The system message of prompts that have no system turn: data.system_prompt (it belongs to
     the data), else model.system_prompt (a default for the model), else none."""
@@ -193,6 +209,10 @@ def check_data_config(cfg) -> None:
                               f"{cfg.trainer.batch_size}; raise data.train_size or lower trainer.batch_size")
     if d.source == "hub" and d.name in ("auto", ""):  # "auto" is the schema's default, not a dataset
         raise ConfigError("data=hub needs the dataset: data.name=org/set (or a local dataset folder)")
+    if d.path and d.source != "file":
+        option, what = (d.name, "a built-in task") if d.source == "task" else ("hub", "a hub dataset (data.name)")
+        raise ConfigError(f"data.path={d.path} is a file to read, but data={option} reads {what}; drop data={option} "
+                          "(a path alone means data=file) or drop data.path")
     if d.source == "file" and not d.path:
         raise ConfigError("data=file needs the file to read: data.path=FILE (.jsonl, .json, .parquet or .csv)")
     if d.source != "hub" and d.eval_split is not None:
@@ -202,12 +222,17 @@ def check_data_config(cfg) -> None:
         raise ConfigError("data.eval_path is for data=file and data=hub; a built-in task makes its own eval rows")
     if d.max_prompt_len is not None and d.max_prompt_len < 1:
         raise ConfigError(f"data.max_prompt_len={d.max_prompt_len} must be at least 1 (tokens), or null for none")
-    if d.eval_size < 0:
-        raise ConfigError(f"data.eval_size={d.eval_size} must be 0 or more")
+    if d.eval_size is not None and d.eval_size < 0:
+        raise ConfigError(f"data.eval_size={d.eval_size} must be 0 or more (or null: the default)")
     held_out = d.eval_path is not None or d.eval_split is not None
-    if not ALGO_SCHEMAS[cfg.algo.name].samples and d.eval_size < 1 and not held_out:
-        raise ConfigError(f"algo={cfg.algo.name} scores held-out rows now and then: set data.eval_size to 1 or more "
-                          "or give data.eval_path (a hub dataset: data.eval_split)")
+    if d.eval_size == 0 and not held_out:
+        if not ALGO_SCHEMAS[cfg.algo.name].samples:
+            raise ConfigError(f"algo={cfg.algo.name} scores held-out rows now and then: set data.eval_size to 1 or "
+                              "more (or null) or give data.eval_path (a hub dataset: data.eval_split)")
+        if cfg.trainer.eval_every:
+            raise ConfigError(f"trainer.eval_every={cfg.trainer.eval_every} evaluates held-out rows and "
+                              "data.eval_size=0 holds out none; set data.eval_size to 1 or more (or null) or give "
+                              "data.eval_path")
 
 
 class PromptSampler:

@@ -5,9 +5,11 @@ Accepted shapes (after `data.columns` renames the source's columns to ours):
   prompt                          plain text, or a conversation: a list of {role, content} messages
   prompt + completion             SFT; the completion text, or a list with one assistant message
   messages                        SFT conversations: the last assistant turn is the completion
+  text                            SFT language modeling: the whole text is the completion (empty prompt)
   prompt + chosen + rejected      preference pairs (DPO, RM), each answer text or one assistant message
   chosen + rejected (no prompt)   the implicit-prompt form: two conversations that share every turn
-                                  but their last (assistant) one, which holds the answers
+                                  but their last (assistant) one, which holds the answers, or two
+                                  texts whose common beginning is the prompt (TRL's extract_prompt)
 Every other column travels with its row: reward functions get it as a keyword argument.
 
 Errors name the source, the row (1-based, in the source's order; a CSV's header is not a row) and
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import logging
 import os
 import random
 import socket
@@ -41,6 +44,8 @@ ALGO_COLUMNS: Dict[str, Tuple[str, ...]] = {"dpo": ("prompt", "chosen", "rejecte
                                             "sft": ("prompt", "completion")}
 ANSWER_COLUMNS = ("completion", "chosen", "rejected")
 ROLES = ("system", "user", "assistant", "tool")
+# The most rows a file or hub dataset holds out for evaluation by default (default_held_out).
+DEFAULT_EVAL_ROWS = 200
 # Seconds to wait for the hub before reading only the local cache.
 HUB_PROBE_TIMEOUT = 3.0
 
@@ -63,18 +68,30 @@ class Table:
 
 @dataclass
 class Data:
-    """Train rows, and eval rows of their own or `eval_size` train rows to hold out with `seed`."""
+    """Train rows, and eval rows of their own or `eval_size` train rows to hold out with `seed`
+    (null: `default_held_out`)."""
 
     train: Table
     eval: Optional[Table]
-    eval_size: int
+    eval_size: Optional[int]
     seed: int
 
-    def split(self) -> Split:
+    def held_out(self, evaluates: bool) -> int:
+        """Train rows to hold out: data.eval_size, or by default none when nothing evaluates them."""
+        if self.eval is not None:
+            return 0
+        if self.eval_size is not None:
+            return self.eval_size
+        return default_held_out(len(self.train.rows)) if evaluates else 0
+
+    def split(self, evaluates: bool = True) -> Split:
         """(train rows, eval rows); held-out rows keep their order, and the rest train."""
         if self.eval is not None:
             return self.train.rows, self.eval.rows
-        n, k = len(self.train.rows), self.eval_size
+        n, k = len(self.train.rows), self.held_out(evaluates)
+        if evaluates and k == 0 and self.eval_size is None:
+            raise ConfigError(f"{self.train.source} has {n} row, too few to hold one out for evaluation; give "
+                              "data.eval_path (an eval file)")
         if k >= n:
             raise ConfigError(f"{self.train.source} has {n} rows and data.eval_size={k} would hold out all of them; "
                               f"lower data.eval_size (e.g. data.eval_size={n // 10}) or give data.eval_path")
@@ -83,6 +100,18 @@ class Data:
         held = set(order[:k])
         return ([r for i, r in enumerate(self.train.rows) if i not in held],
                 [self.train.rows[i] for i in sorted(held)])
+
+
+def default_held_out(n: int) -> int:
+    """Rows a file or hub dataset of n rows without an eval split holds out when the run evaluates
+    and data.eval_size is null: 10%, at least 1 (of 2 or more rows) and at most 200."""
+    return min(DEFAULT_EVAL_ROWS, max(n // 10, 1 if n >= 2 else 0))
+
+
+def evaluates(cfg) -> bool:
+    """Whether a training run scores held-out rows: dpo, sft and rm now and then (algo.eval_every),
+    the algorithms that sample with trainer.eval_every."""
+    return not ALGO_SCHEMAS[cfg.algo.name].samples or bool(cfg.trainer.eval_every)
 
 
 # ------------------------------------------------------------------------------------ reading
@@ -106,11 +135,52 @@ def read_file(path: str, key: str = "data.path") -> List[Row]:
         raise ConfigError(f"{key}={path}: unknown format {file.suffix!r}; use one of {', '.join(FORMATS)}")
     if file.stat().st_size == 0:
         raise ConfigError(f"{path} has no rows")
+    datasets = _datasets()
     try:
-        rows = _datasets().load_dataset(builder, data_files=str(file), split="train").to_list()
+        with _quiet():
+            rows = datasets.load_dataset(builder, data_files=str(file), split="train").to_list()
     except Exception as e:  # noqa: BLE001 - any parse error of the library becomes one line
-        raise ConfigError(f"{key}={path} could not be read as {builder}: {_first_line(e)}") from None
+        bad = _bad_json(file) if builder == "json" else None
+        raise ConfigError(bad or f"{key}={path} could not be read as {builder}: {_first_line(e)}") from None
     return rows
+
+
+@contextmanager
+def _quiet() -> Iterator[None]:
+    """The `datasets` library's own error log off for one call: its failure becomes our one line
+    (it would print the same error twice, once through its handler and once through Hydra's)."""
+    library = logging.getLogger("datasets")
+    level = library.level
+    library.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        library.setLevel(level)
+
+
+def _bad_json(file: Path) -> Optional[str]:
+    """Where a .json or .jsonl file stops being JSON: its line (and column) and what is wrong, or None
+    when every line parses (the library failed for another reason). A .json file may be one document
+    or JSON Lines."""
+    text = file.read_text(encoding="utf-8", errors="replace")
+    if file.suffix.lower() == ".json":
+        try:
+            json.loads(text)
+            return None
+        except json.JSONDecodeError as e:
+            if e.msg != "Extra data":  # not JSON Lines either: the document's own error
+                return f"{file} line {e.lineno}, column {e.colno}: not valid JSON ({e.msg}); fix the file"
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            value = json.loads(line)
+        except json.JSONDecodeError as e:
+            return f"{file} line {number}, column {e.colno}: not valid JSON ({e.msg}); fix or remove the line"
+        if not isinstance(value, dict):
+            return (f"{file} line {number}: expected one JSON object per line ({{\"prompt\": ...}}), "
+                    f"got {_describe(value)}")
+    return None
 
 
 def hub_reachable(timeout: float = HUB_PROBE_TIMEOUT) -> bool:
@@ -151,7 +221,7 @@ def read_hub(name: str, split: str, subset: Optional[str] = None, key: str = "da
     datasets = _datasets()
     online = Path(name).expanduser().is_dir() or hub_reachable()
     try:
-        with nullcontext() if online else offline():
+        with nullcontext() if online else offline(), _quiet():
             return datasets.load_dataset(name, subset, split=split).to_list()
     except ValueError as e:  # an unknown split or subset
         raise ConfigError(f"{key}={split} (data.name={name}, data.subset={subset}): {_first_line(e)}") from None
@@ -256,6 +326,18 @@ def answer_text(value, where: str) -> str:
     raise ConfigError(f"{where}: expected text or one assistant message, got {_describe(value)}")
 
 
+def split_texts(chosen: str, rejected: str) -> Tuple[str, str, str]:
+    """(prompt, chosen, rejected) of two texts with an implicit prompt, as TRL's extract_prompt
+    splits them: the prompt is their longest common beginning, less a last space, which goes with
+    the answers ("The sky is" + " blue.")."""
+    n = 0
+    while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
+        n += 1
+    if n and chosen[n - 1] == " ":
+        n -= 1
+    return chosen[:n], chosen[n:], rejected[n:]
+
+
 def split_conversation(value, where: str) -> Tuple[List[Dict[str, str]], str]:
     """(prompt messages, reply) of a conversation whose last turn is the assistant's reply."""
     messages = check_messages(value, where)
@@ -283,12 +365,21 @@ def normalise_row(row: Row, table: Table, i: int) -> Row:
         else:  # a conversation still waiting for its reply: a prompt for the algorithms that sample
             row["prompt"] = messages
     elif "prompt" not in row and "chosen" in row and "rejected" in row:
-        prompt, row["chosen"] = split_conversation(row["chosen"], where("chosen"))
-        other, row["rejected"] = split_conversation(row["rejected"], where("rejected"))
-        if prompt != other:
-            raise ConfigError(f"{table.source} row {table.numbers[i]}: chosen and rejected must share every turn "
-                              "but the last (the implicit prompt), or give a prompt column")
-        row["prompt"] = prompt
+        if isinstance(row["chosen"], str) and isinstance(row["rejected"], str):
+            row["prompt"], row["chosen"], row["rejected"] = split_texts(row["chosen"], row["rejected"])
+            if not row["prompt"]:
+                raise ConfigError(f"{table.source} row {table.numbers[i]}: chosen and rejected texts share no "
+                                  "beginning (the implicit prompt); give a prompt column")
+        else:
+            prompt, row["chosen"] = split_conversation(row["chosen"], where("chosen"))
+            other, row["rejected"] = split_conversation(row["rejected"], where("rejected"))
+            if prompt != other:
+                raise ConfigError(f"{table.source} row {table.numbers[i]}: chosen and rejected must share every "
+                                  "turn but the last (the implicit prompt), or give a prompt column")
+            row["prompt"] = prompt
+    elif "prompt" not in row and "completion" not in row and isinstance(row.get("text"), str):
+        row["prompt"], row["completion"] = "", row.pop("text")  # language modeling: the whole text is the target
+        return row
     if "prompt" in row:
         row["prompt"] = check_prompt(row["prompt"], where("prompt"))
     for column in ANSWER_COLUMNS:
@@ -299,7 +390,7 @@ def normalise_row(row: Row, table: Table, i: int) -> Row:
 
 def apply_template(row: Row, template: Optional[str], where: str) -> Row:
     """data.prompt_template on a plain-text prompt: template.format(**row)."""
-    if template is None or "prompt" not in row:
+    if template is None or not row.get("prompt"):  # no prompt, or a plain-text row's empty one
         return row
     if not isinstance(row["prompt"], str):
         raise ConfigError(f"{where}: data.prompt_template applies to plain-text prompts and this one is a "
@@ -363,14 +454,30 @@ def require(table: Table, needs: Dict[str, str]) -> None:
                 raise ConfigError(f"{table.where(i, column)}: missing, which {who} needs")
 
 
-def load_checked(cfg, reward_fns: Sequence = ()) -> Data:
-    """The run's rows, read and checked for what cfg.algo and the reward functions need: a
-    mistake in the data fails here, before the model loads."""
+def require_prompts(table: Table, who: str) -> None:
+    """Every row has a prompt to sample from: a plain-text row ({"text": ...}) has none."""
+    for i, row in enumerate(table.rows):
+        if row["prompt"] == "":
+            raise ConfigError(f"{table.source} row {table.numbers[i]}: a {{\"text\": ...}} row (language modeling, "
+                              f"for algo=sft) has no prompt to sample completions of, which {who} does; give a "
+                              "prompt column (or messages)")
+
+
+def load_checked(cfg, reward_fns: Sequence = (), generating: Optional[str] = None) -> Data:
+    """The run's rows, read and checked for what cfg.algo and the reward functions need, and for
+    prompts to sample from when something generates (`generating` names it; None: the algorithm,
+    when it samples, or trainer.eval_every): a mistake in the data fails here, before the model loads."""
     data = read(cfg.data)
     needs = needed_columns(cfg.algo.name, reward_fns)
+    if generating is None and ALGO_SCHEMAS[cfg.algo.name].samples:
+        generating = f"algo={cfg.algo.name}"
+    elif generating is None and cfg.trainer.eval_every:
+        generating = "trainer.eval_every"
     for table in (data.train, data.eval):
         if table is not None:
             require(table, needs)
+            if generating:
+                require_prompts(table, generating)
     return data
 
 
@@ -460,9 +567,11 @@ def _check_fits(table: Table, i: int, row: Row, size: int, limit: int, cfg, samp
                           "long prompts")
 
 
-def fit_and_split(data: Data, cfg, tokenizer, limit: Optional[int], console=None) -> Split:
+def fit_and_split(data: Data, cfg, tokenizer, limit: Optional[int], console=None,
+                  evaluating: Optional[bool] = None) -> Split:
     """(train rows, eval rows) that fit the model: prompts measured with the run's chat settings,
-    long ones handled by data.overlong (the counts shown on `console`), then the eval rows held out."""
+    long ones handled by data.overlong (the counts shown on `console`), then the eval rows held out
+    (`evaluating`: whether they will be scored; None: whether the training run `cfg` scores them)."""
     lengths = PromptLengths(tokenizer, cfg.model.chat_template, system_prompt(cfg))
     notes = []
     train, dropped, cut = fit_table(data.train, cfg, lengths, limit)
@@ -471,15 +580,27 @@ def fit_and_split(data: Data, cfg, tokenizer, limit: Optional[int], console=None
     if eval_table is not None:
         eval_table, dropped, cut = fit_table(eval_table, cfg, lengths, limit)
         notes += _fit_note("eval", len(data.eval.rows), dropped, cut, cfg.data)
-    train_rows, eval_rows = replace(data, train=train, eval=eval_table).split()
+    evaluating = evaluates(cfg) if evaluating is None else evaluating
+    train_rows, eval_rows = replace(data, train=train, eval=eval_table).split(evaluating)
     if len(train_rows) < cfg.trainer.batch_size:
         raise ConfigError(f"{data.train.source} gives {len(train_rows)} training rows, fewer than "
                           f"trainer.batch_size={cfg.trainer.batch_size}; lower trainer.batch_size or data.eval_size")
     if console is not None:
-        held = "" if data.eval is not None else f" (held out with data.seed={data.seed})"
-        console.print(f"data: {data.train.source}: {len(train_rows)} train rows, {len(eval_rows)} eval rows{held}"
-                      + "".join(f"; {n}" for n in notes))
+        console.print(f"data: {data.train.source}: {len(train_rows)} train rows, {len(eval_rows)} eval rows"
+                      f"{_held_out_note(data, len(eval_rows))}" + "".join(f"; {n}" for n in notes), highlight=False)
     return train_rows, eval_rows
+
+
+def _held_out_note(data: Data, held: int) -> str:
+    """How the eval rows came about, for the start-of-run line: a default is said, with how to change it."""
+    if data.eval is not None:
+        return ""
+    if data.eval_size is not None:
+        return f" (held out with data.seed={data.seed})"
+    if held == 0:
+        return " (by default none are held out when the run does not evaluate; data.eval_size=N or data.eval_path=FILE)"
+    return (f" (held out by default, 10% of the rows, with data.seed={data.seed}; data.eval_size=N or "
+            "data.eval_path=FILE to choose)")
 
 
 def _fit_note(split: str, total: int, dropped: int, cut: int, d) -> List[str]:

@@ -45,13 +45,14 @@ def eval_rows(cfg, tokenizer, limit: Optional[int], console=None) -> List[dict]:
     from rlnotes.datasets import fit_and_split, load_checked
 
     if not cfg.eval.data:
-        return fit_and_split(load_checked(cfg), cfg, tokenizer, limit, console)[1]
+        data = load_checked(cfg, generating="evaluation")
+        return fit_and_split(data, cfg, tokenizer, limit, console, evaluating=True)[1]
     from omegaconf import open_dict
 
     other = cfg.copy()
     with open_dict(other):
         other.data = eval_data(cfg)
-    rows = fit_and_split(load_checked(other), other, tokenizer, limit)[1]
+    rows = fit_and_split(load_checked(other, generating="evaluation"), other, tokenizer, limit, evaluating=True)[1]
     if console is not None:
         console.print(f"eval: {len(rows)} rows of data + eval.data {OmegaConf.to_container(cfg.eval.data)}")
     return rows
@@ -129,10 +130,16 @@ def write(evaluation: Evaluation, out_dir: Path, step: int, samples_name: Option
             f.write(json.dumps(s) + "\n")
 
 
+# What `rlnotes eval` takes from the run that trained eval.policy: its model (chat template and
+# system prompt included), data (file, columns, template), rollout settings and reward functions,
+# and the eval split and checker its trainer.eval_every used.
+RUN_SETTINGS = ("model", "data", "rollout", "reward", "eval.data", "eval.reward")
+
+
 def with_run_settings(cfg, overrides: List[str]):
-    """`cfg` with the model, data and rollout settings of the run that trained eval.policy: for each
-    of those groups that the command line does not choose itself (`data=...`), the run's values with
-    the command line's dotted overrides (`data.digits=2`) on top."""
+    """`cfg` with the RUN_SETTINGS of the run that trained eval.policy: for each that the command line
+    does not choose itself (`data=...`, `eval.reward=...`), the run's values with the command line's
+    dotted overrides (`data.digits=2`) on top."""
     if not cfg.eval.policy:
         return cfg
     from rlnotes.config import saved_run_config
@@ -145,14 +152,15 @@ def with_run_settings(cfg, overrides: List[str]):
 
     parsed = OverridesParser.create().parse_overrides(overrides)
     with open_dict(cfg):
-        for group in ("model", "data", "rollout"):
-            if group not in trained or any(o.key_or_group == group for o in parsed):
+        for group in RUN_SETTINGS:
+            theirs = OmegaConf.select(trained, group, default=None)
+            if theirs is None or any(o.key_or_group == group for o in parsed):
                 continue
-            merged = OmegaConf.merge(cfg[group], trained[group])
+            merged = OmegaConf.merge(OmegaConf.select(cfg, group), theirs) if OmegaConf.is_config(theirs) else theirs
             for o in parsed:
                 if o.key_or_group.startswith(group + "."):
                     OmegaConf.update(merged, o.key_or_group[len(group) + 1:], o.value(), merge=True)
-            cfg[group] = merged
+            OmegaConf.update(cfg, group, merged, merge=False)
     return cfg
 
 

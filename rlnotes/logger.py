@@ -92,6 +92,13 @@ def shorten(text: str, width: int) -> str:
     return text[:head] + "…" + text[len(text) - (width - 1 - head):]
 
 
+def readable(value) -> str:
+    """A prompt or completion as text: itself, or a conversation's turns as "role: content" lines."""
+    if isinstance(value, str):
+        return value
+    return "\n".join(f"{m['role']}: {m['content']}" for m in value)
+
+
 def pick(n: int, k: int) -> List[int]:
     """k indices spread evenly over n (a batch lists a prompt's G completions together, so evenly
     spaced picks show different prompts)."""
@@ -111,8 +118,8 @@ def samples_table(step: int, samples: Mapping[str, Sequence], k: int, width: int
         table.add_column(column, overflow="fold", max_width=width // 5)
     for i in pick(len(samples["completions"]), k):
         prompt, completion = samples["prompts"][i], samples["completions"][i]
-        table.add_row(shorten(prompt, width * 2 // 5), shorten(completion, width * 3 // 5), fmt(samples["rewards"][i]),
-                      *[shorten(str(values[i]), width // 5) for values in extra.values()])
+        table.add_row(shorten(readable(prompt), width * 2 // 5), shorten(readable(completion), width * 3 // 5),
+                      fmt(samples["rewards"][i]), *[shorten(str(values[i]), width // 5) for values in extra.values()])
     return table
 
 

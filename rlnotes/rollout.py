@@ -41,11 +41,18 @@ def render_plain(prompt: Prompt, system_prompt: Optional[str] = None) -> str:
 def encode_prompts(tokenizer, prompts: Sequence[Prompt], chat_template: bool = True,
                    system_prompt: Optional[str] = None) -> List[List[int]]:
     """Token ids of each prompt (text or messages): through the chat template with the generation
-    prompt when the tokenizer has one and `chat_template` is on, else as `render_plain` text."""
-    if chat_template and tokenizer.chat_template:
-        return [list(tokenizer.apply_chat_template(as_messages(p, system_prompt), add_generation_prompt=True,
-                                                   tokenize=True, return_dict=True)["input_ids"]) for p in prompts]
-    return [tokenizer(render_plain(p, system_prompt), add_special_tokens=False)["input_ids"] for p in prompts]
+    prompt when the tokenizer has one and `chat_template` is on, else as `render_plain` text. The
+    empty prompt of a plain-text row ({"text": ...}, trained on whole) is the start of a text: the
+    tokenizer's BOS (else its EOS, which ends the text before), no template."""
+    def encode(prompt: Prompt) -> List[int]:
+        if prompt == "":
+            return [tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id]
+        if chat_template and tokenizer.chat_template:
+            return list(tokenizer.apply_chat_template(as_messages(prompt, system_prompt), add_generation_prompt=True,
+                                                      tokenize=True, return_dict=True)["input_ids"])
+        return tokenizer(render_plain(prompt, system_prompt), add_special_tokens=False)["input_ids"]
+
+    return [encode(p) for p in prompts]
 
 
 def left_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -308,9 +308,37 @@ def test_empty_missing_and_unknown_files(tmp_path):
     txt = tmp_path / "t.txt"
     txt.write_text("hello")
     assert "unknown format '.txt'; use one of .jsonl, .json, .parquet, .csv" in error(read, file_cfg(str(txt)))
-    broken = tmp_path / "broken.jsonl"
-    broken.write_text('{"prompt": "a"}\n{"prompt": \n')
-    assert error(read, file_cfg(str(broken))).startswith(f"data.path={broken} could not be read as json")
+    broken = tmp_path / "broken.parquet"
+    broken.write_text('{"prompt": "a"}\n')
+    assert error(read, file_cfg(str(broken))).startswith(f"data.path={broken} could not be read as parquet")
+
+
+@pytest.mark.parametrize("name, text, where", [
+    ("broken.jsonl", '{"prompt": "a"}\n\n{"prompt": \n', "line 3, column 12: not valid JSON (Expecting value)"),
+    ("list.jsonl", '{"prompt": "a"}\n["a"]\n', "line 2: expected one JSON object per line"),
+    ("doc.json", '[{"prompt": "a"},\n {"prompt" "b"}]', "line 2, column 12: not valid JSON (Expecting ':' delimiter)"),
+    ("lines.json", '{"prompt": "a"}\n{"prompt": "b",}\n', "line 2, column 16: not valid JSON"),
+])
+def test_a_bad_json_line_is_named_by_file_and_line(tmp_path, name, text, where):
+    path = tmp_path / name
+    path.write_text(text)
+    assert error(read, file_cfg(str(path))).startswith(f"{path} {where}")
+
+
+def test_a_bad_json_line_is_reported_once_by_the_command(tmp_path, capfd):
+    """The `datasets` library logs its own parse error (twice: its handler and Hydra's); the one line
+    rlnotes prints is the only one."""
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"prompt": "a", "letter": "a"}\n{"prompt": "b"\n')
+    from rlnotes.cli import main
+
+    with pytest.raises(SystemExit) as stop:  # the train job exits 1 after its one error line
+        main(["train", f"data.path={path}", "reward=letters", "logging.progress=false",
+              f"hydra.run.dir={tmp_path / 'run'}"])
+    assert stop.value.code == 1
+    err = capfd.readouterr().err
+    assert f"rlnotes: error: {path} line 2, column 15: not valid JSON" in err
+    assert err.count("line 2") == 1 and "Failed to load JSON" not in err, err
 
 
 def test_reward_columns_come_from_the_signature():
@@ -336,6 +364,11 @@ def test_reward_columns_come_from_the_signature():
     (("data.max_prompt_len=0",), "data.max_prompt_len=0 must be at least 1"),
     (("algo=sft", "data.eval_size=0"), "algo=sft scores held-out rows"),
     (("data.name=nope",), "data.name='nope' is not valid"),
+    (("data=arith", "data.path=x.jsonl"), "data.path=x.jsonl is a file to read, but data=arith reads a built-in "
+                                          "task; drop data=arith (a path alone means data=file) or drop data.path"),
+    (("data=hub", "data.name=org/set", "data.path=x.jsonl"), "but data=hub reads a hub dataset (data.name)"),
+    (("data.path=x.jsonl", "data.eval_size=0", "trainer.eval_every=5"),
+     "trainer.eval_every=5 evaluates held-out rows and data.eval_size=0 holds out none"),
 ])
 def test_data_settings_are_checked_before_anything_loads(overrides, message):
     from rlnotes.cli import UsageError
@@ -418,6 +451,74 @@ def test_too_few_rows_for_a_batch_or_for_the_eval_size(tmp_path):
     assert "would hold out all of them" in error(load_task, file_cfg(path, **RENAME, eval_size=10))
 
 
+def test_a_path_alone_means_a_file():
+    cfg = compose("data.path=mine.jsonl", "reward=letters")
+    assert (cfg.data.source, cfg.data.name, cfg.data.path) == ("file", "file", "mine.jsonl")
+    assert compose("algo=dpo", "data.path=mine.jsonl").data.source == "file"
+
+
+@pytest.mark.parametrize("overrides, train, held, note", [
+    ((), 64, 0, "by default none are held out when the run does not evaluate"),
+    (("trainer.eval_every=10",), 58, 6, "held out by default, 10% of the rows"),
+    (("algo=dpo",), 58, 6, "held out by default, 10% of the rows"),
+    (("data.eval_size=10",), 54, 10, "held out with data.seed=1234"),
+])
+def test_a_small_file_trains_by_default_and_says_what_it_held_out(tmp_path, overrides, train, held, note):
+    """TRL holds out nothing unless asked: a file without an eval split holds out rows only for a run
+    that scores them (10%: 6 of 64), and the start of the run says which it did."""
+    rows = [{"prompt": f"Q{i}", "chosen": "a", "rejected": "b", "letter": "a"} for i in range(64)]
+    path = write(tmp_path / "small.jsonl", rows)
+    cfg = compose(f"data.path={path}", "reward=letters", *overrides)
+    out = StringIO()
+    train_rows, eval_rows = fit_and_split(load_checked(cfg), cfg, tiny_tokenizer(), None, Console(file=out, width=300))
+    assert (len(train_rows), len(eval_rows)) == (train, held)
+    assert f"data: {path}: {train} train rows, {held} eval rows ({note}" in out.getvalue()
+
+
+def test_a_one_row_file_cannot_hold_out_rows_to_evaluate(tmp_path):
+    path = write(tmp_path / "one.jsonl", [{"prompt": "Q", "chosen": "a", "rejected": "b"}])
+    cfg = compose("algo=dpo", f"data.path={path}", "trainer.batch_size=1")
+    assert error(fit_and_split, load_checked(cfg), cfg, tiny_tokenizer(), None) == (
+        f"{path} has 1 row, too few to hold one out for evaluation; give data.eval_path (an eval file)")
+
+
+def test_built_in_tasks_keep_their_200_eval_rows():
+    """data.eval_size null is 200 for a built-in task: the same rows as before it could be null."""
+    cfg = compose("data=arith", "data.digits=2", "data.train_size=50")
+    assert cfg.data.eval_size is None
+    train, eval_rows = load_task(cfg.data)
+    assert len(eval_rows) == 200 and (train, eval_rows) == load_task(compose(
+        "data=arith", "data.digits=2", "data.train_size=50", "data.eval_size=200").data)
+
+
+def test_text_pairs_with_an_implicit_prompt_split_as_trl_splits_them(tmp_path):
+    path = write(tmp_path / "p.jsonl", [{"chosen": "The sky is blue.", "rejected": "The sky is green."}])
+    assert load_task(file_cfg(path, eval_size=0))[0] == [{"prompt": "The sky is", "chosen": " blue.",
+                                                          "rejected": " green."}]
+    path = write(tmp_path / "p.jsonl", [{"chosen": "The sky is blue.", "rejected": "The sky is green."},
+                                        {"chosen": "ab", "rejected": "cd"}])
+    assert error(read, file_cfg(path)) == (f"{path} row 2: chosen and rejected texts share no beginning (the implicit "
+                                           "prompt); give a prompt column")
+
+
+def test_a_text_row_is_trained_on_whole_after_a_start_token(tmp_path):
+    """{"text": ...} (language modeling, SFT): every token of the text is a completion token, after the
+    tokenizer's BOS; it has no prompt to sample from."""
+    from rlnotes.offline import encode
+
+    path = write(tmp_path / "lm.jsonl", [{"text": "abc"}, {"text": "de"}])
+    rows = load_task(file_cfg(path, eval_size=0))[0]
+    assert rows == [{"prompt": "", "completion": "abc"}, {"prompt": "", "completion": "de"}]
+    tokenizer = tiny_tokenizer()
+    seqs = encode(tokenizer, [r["prompt"] for r in rows], [r["completion"] for r in rows], "cpu")
+    text_ids = tokenizer("abc", add_special_tokens=False)["input_ids"]
+    assert seqs.input_ids[0].tolist() == [tokenizer.bos_token_id, *text_ids, tokenizer.eos_token_id]
+    assert seqs.completion_mask[0].tolist() == [1.0] * (len(text_ids) + 1)
+    cfg = compose("algo=grpo", f"data.path={path}", "reward=letters")
+    assert error(load_checked, cfg).startswith(f"{path} row 1: a {{\"text\": ...}} row (language modeling, for "
+                                               "algo=sft) has no prompt to sample completions of, which algo=grpo does")
+
+
 def test_built_in_tasks_pass_through_fitting_unchanged():
     cfg = compose("data=arith", "data.train_size=50", "data.eval_size=10")
     assert fit_and_split(load_checked(cfg), cfg, tiny_tokenizer(), 512) == load_task(cfg.data)
@@ -466,3 +567,75 @@ def test_dpo_and_sft_train_on_conversational_files(tmp_path):
     cfg = compose("algo=sft", "data=file", f"data.path={chats}", "data.eval_size=2", "trainer.batch_size=2",
                   "trainer.steps=2", "logging.progress=false")
     assert train(cfg, tmp_path / "sft", Console(quiet=True))["loss"] > 0
+
+
+# ------------------------------------------------------------------------------ every format, every command
+
+USER = lambda text: [{"role": "user", "content": text}]  # noqa: E731
+SAID = lambda text: [{"role": "assistant", "content": text}]  # noqa: E731
+SAMPLERS = ("grpo", "rloo", "reinforce", "ppo", "dapo", "dr_grpo")
+# (algo, the TRL format, one row of it (i numbers the row), whether its rows have prompts to generate from)
+FORMATS = [(algo, "conversational prompt", lambda i: {"prompt": USER(f"Write the letter a, {i}"), "letter": "a"}, True)
+           for algo in SAMPLERS] + [
+    ("dpo", "conversational preference", lambda i: {"prompt": USER(f"Say a, {i}"), "chosen": SAID("aaaa"),
+                                                    "rejected": SAID("bbbb"), "letter": "a"}, True),
+    ("rm", "conversational implicit-prompt preference", lambda i: {"chosen": USER(f"Say a, {i}") + SAID("aaaa"),
+                                                                   "rejected": USER(f"Say a, {i}") + SAID("bb"),
+                                                                   "letter": "a"}, True),
+    ("sft", "conversational language modeling (messages)", lambda i: {"messages": USER(f"Say a, {i}") + SAID("aaaa"),
+                                                                      "letter": "a"}, True),
+    ("sft", "conversational prompt-completion", lambda i: {"prompt": USER(f"Say a, {i}"), "completion": SAID("aaaa"),
+                                                           "letter": "a"}, True),
+    ("rloo", "standard prompt", lambda i: {"prompt": f"Write the letter a, {i}:", "letter": "a"}, True),
+    ("dpo", "standard implicit-prompt preference", lambda i: {"chosen": f"Say a, {i}: aaaa",
+                                                              "rejected": f"Say a, {i}: bbbb", "letter": "a"}, True),
+    ("rm", "standard preference", lambda i: {"prompt": f"Say a, {i}:", "chosen": " aaaa", "rejected": " bbbb",
+                                             "letter": "a"}, True),
+    ("sft", "standard prompt-completion", lambda i: {"prompt": f"Say a, {i}:", "completion": " aaaa",
+                                                     "letter": "a"}, True),
+    ("sft", "standard language modeling (text)", lambda i: {"text": f"Say a, {i}: aaaa"}, False),
+]
+
+
+@pytest.mark.parametrize("algo, form, row, generates", FORMATS, ids=[f"{a}-{f}" for a, f, _, _ in FORMATS])
+def test_every_algorithm_runs_every_command_on_a_users_64_row_file(tmp_path, capsys, algo, form, row, generates):
+    """A user's 64-row JSONL, as they write it, through `rlnotes train` (default eval rows, the samples
+    table, trainer.eval_every, a checkpoint every step), `rlnotes eval` of the run (its data and
+    reward), `rlnotes plot` and `rlnotes export`."""
+    from rlnotes.cli import main
+
+    path = tmp_path / "mine.jsonl"
+    path.write_text("".join(json.dumps(row(i)) + "\n" for i in range(64)))
+    run = tmp_path / "run"
+    evaluation = ["trainer.eval_every=2", "eval.size=4"] if generates else []
+    extra = {"ppo": ["algo.minibatch_size=8"], "sft": [], "dpo": [], "rm": []}.get(algo, [])
+    code = main(["train", f"algo={algo}", f"data.path={path}", "reward=letters", "trainer.steps=2",
+                 "trainer.batch_size=4", "trainer.save_every=1", "logging.samples_every=1", "logging.progress=false",
+                 "algo.eval_every=1" if algo in ("dpo", "rm", "sft") else "algo.group_size=2", *evaluation, *extra,
+                 f"hydra.run.dir={run}"])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    offline = algo in ("dpo", "rm", "sft")
+    held = 6 if offline or generates else 0  # by default a file holds out 10% only when the run evaluates
+    assert f"{64 - held} train rows, {held} eval rows" in err
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps[-1] >= 2 and (run / "final").is_dir()
+    assert (run / "checkpoints").is_dir() and any((run / "checkpoints").iterdir())
+    if algo in SAMPLERS:
+        assert "samples at step " in err
+        shown = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
+        assert shown[0]["prompt"] == row(0)["prompt"] or shown[0]["prompt"] in [row(i)["prompt"] for i in range(64)]
+        if form.startswith("conversational"):
+            assert "user: Write the letter a" in err  # the conversation shown as its turns
+    if generates:
+        assert (run / "eval" / "step_000002.jsonl").is_file()
+        assert main(["eval", f"eval.policy={run}/final", "eval.size=4"]) == 0  # the run's file and reward
+        samples = [json.loads(line) for line in (run / "eval" / "final" / "samples.jsonl").read_text().splitlines()]
+        assert len(samples) == 4 and all(s["letter"] == "a" for s in samples)
+    else:
+        assert main(["eval", f"eval.policy={run}/final"]) == 1
+        assert "has no prompt to sample completions of, which evaluation does" in capsys.readouterr().err
+    assert main(["plot", str(run), "--out", str(tmp_path / "figures")]) == 0
+    assert list((tmp_path / "figures").glob("*.png"))
+    assert main(["export", f"{run}/final", str(tmp_path / "exported")]) == 0
+    assert (tmp_path / "exported" / "config.json").is_file()

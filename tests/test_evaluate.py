@@ -131,3 +131,32 @@ def test_eval_command_refuses_a_checker_argument_no_column_fills_before_the_mode
     assert main(["eval", "eval.reward=evalneeds.accuracy"]) == 1
     err = capsys.readouterr().err
     assert "no column 'solution', which reward accuracy needs; its columns: letter, prompt" in err
+
+
+def test_eval_command_uses_the_runs_file_reward_and_system_prompt(tmp_path, monkeypatch, capsys):
+    """A run on a user's file with their own reward: `rlnotes eval eval.policy=RUN/final` scores with
+    that reward, on that file's rows, with that system prompt, and the command line still wins."""
+    (tmp_path / "evalmod_run_reward.py").write_text(
+        "def quarter(prompts, completions, **kwargs):\n    return [0.25] * len(completions)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    path = tmp_path / "mine.jsonl"
+    path.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"Say a {i}"}], "letter": "a"}) + "\n"
+                            for i in range(20)))
+    run_dir = tmp_path / "run"
+    assert main(["train", f"data.path={path}", "reward=custom", "reward.target=evalmod_run_reward.quarter",
+                 "data.system_prompt=Be brief.", "trainer.steps=1", "trainer.batch_size=4", "logging.progress=false",
+                 f"hydra.run.dir={run_dir}"]) == 0
+    out = tmp_path / "ev"
+    assert main(["eval", f"eval.policy={run_dir}/final", f"eval.out={out}"]) == 0, capsys.readouterr().err
+    assert json.loads((out / "eval.jsonl").read_text())["eval/reward"] == pytest.approx(0.25)
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 2 and all(s["prompt"][0]["content"].startswith("Say a") for s in samples)  # 10% of 20
+    from omegaconf import OmegaConf
+
+    used = OmegaConf.load(out / "config.yaml")
+    assert used.data.system_prompt == "Be brief." and used.reward.target == "evalmod_run_reward.quarter"
+    assert main(["eval", f"eval.policy={run_dir}/final", f"eval.out={tmp_path / 'ev2'}", "eval.reward=letter_share",
+                 "data.system_prompt=null"]) == 0
+    used = OmegaConf.load(tmp_path / "ev2" / "config.yaml")
+    assert used.data.system_prompt is None and used.eval.reward == "letter_share"
+    sys.modules.pop("evalmod_run_reward", None)

@@ -127,6 +127,18 @@ def test_samples_table_every_samples_every_steps(tmp_path):
     assert saved[0]["completion"] == "x" * 200  # the file keeps the whole text
 
 
+def test_samples_table_shows_a_conversation_as_its_turns_and_the_file_keeps_the_messages(tmp_path):
+    console = capture(width=160)
+    logger = MetricsLogger(tmp_path, 1, console, progress=False, samples_every=1, samples_shown=1, print_every=100)
+    prompt = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Write the letter a"}]
+    logger.observe(1, {}, {"prompts": [prompt], "completions": [[{"role": "assistant", "content": "aaa"}]],
+                           "rewards": [1.0]})
+    logger.close()
+    assert "system: Be brief.⏎user: Write the letter a" in text(console) and "assistant: aaa" in text(console)
+    saved = json.loads((tmp_path / "samples.jsonl").read_text())
+    assert saved["prompt"] == prompt and saved["completion"] == [{"role": "assistant", "content": "aaa"}]
+
+
 def test_a_resumed_run_keeps_its_schedules_and_speed(tmp_path):
     """Resumed at step 50: no samples table or plain line for having crossed 20 and 40 before, and
     the speed counts this process's steps only."""
