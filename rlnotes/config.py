@@ -20,6 +20,15 @@ class ConfigError(ValueError):
     """A config value that cannot work; its message is one line that says what to do."""
 
 
+class Interrupted(KeyboardInterrupt):
+    """A run stopped by a signal (rlnotes.checkpoint.StopSignals); the command exits with 128 +
+    `signum`, as a shell reports a process the signal ended: 130 for SIGINT, 143 for SIGTERM."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = int(signum)
+
+
 # ---------------------------------------------------------------------------------------------
 # algo: one schema per algorithm, stored as algo_<name>_schema (no group, so they are not
 # `algo=` choices) and pulled in by conf/algo/<name>.yaml.
