@@ -523,8 +523,8 @@ def resume_command(run_dir: Path) -> str:
     if HydraConfig.initialized():
         hydra = HydraConfig.get()
         for source in hydra.runtime.config_sources:
-            if source.provider == "command-line" and source.path.startswith("file://"):
-                words += ["--config-dir", source.path[len("file://"):]]
+            if source.provider == "command-line" and source.schema == "file":  # --config-dir
+                words += ["--config-dir", source.path]
         if hydra.job.config_name != "config":
             words += ["--config-name", hydra.job.config_name]
         overrides = [o for o in hydra.overrides.task if not o.startswith("trainer.resume=")]

@@ -169,12 +169,15 @@ def test_a_stop_before_the_first_step_during_setup_and_in_the_updates_prints_the
     def no_model(*args, **kwargs):
         raise KeyboardInterrupt
 
+    conf = tmp_path / "conf"  # a user's config dir goes into the command too
+    conf.mkdir()
     with monkeypatch.context() as patch:
         patch.setattr(policy.Policy, "from_config", no_model)
-        assert main(["train", "trainer.steps=2", f"hydra.run.dir={tmp_path / 'a'}", "logging.progress=false"]) == 130
+        assert main(["train", "--config-dir", str(conf), "trainer.steps=2", f"hydra.run.dir={tmp_path / 'a'}",
+                     "logging.progress=false"]) == 130
     err = capsys.readouterr().err
-    assert f"resume with:\n  rlnotes train trainer.steps=2 logging.progress=false trainer.resume=auto " \
-           f"hydra.run.dir={tmp_path / 'a'}" in err, err
+    assert f"resume with:\n  rlnotes train --config-dir {conf} trainer.steps=2 logging.progress=false " \
+           f"trainer.resume=auto hydra.run.dir={tmp_path / 'a'}" in err, err
 
     real, calls = ppo.optimizer_step, []
 
@@ -217,7 +220,7 @@ def test_a_full_disk_is_one_line_that_keeps_the_earlier_checkpoints(tmp_path, mo
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if line.startswith("rlnotes: error:")]
     assert lines == [f"rlnotes: error: no space left on device while saving checkpoint step_000004 to "
-                     f"{run_dir / 'checkpoints'}; the previous checkpoints are kept (step_000002): free space "
+                     f"{run_dir / 'checkpoints'}; the previous checkpoints are kept (the latest: step_000002): free space "
                      f"and resume with: rlnotes train trainer.steps=6 trainer.save_every=2 trainer.batch_size=4 "
                      f"logging.progress=false trainer.resume=auto hydra.run.dir={run_dir}"], err
     assert "Traceback" not in err

@@ -395,9 +395,9 @@ def save_checkpoint(ctx: Context, boundary: checkpoint.Boundary) -> Optional[Pat
         if e.errno != errno.ENOSPC:
             raise
         target = checkpoint.checkpoint_dir(ctx.run_dir, boundary.step)
-        kept = [p.name for p in checkpoint.checkpoints(ctx.run_dir)]
+        kept = checkpoint.checkpoints(ctx.run_dir)
         raise TrainingError(f"no space left on device while saving checkpoint {target.name} to {target.parent}; "
-                            + (f"the previous checkpoints are kept ({', '.join(kept)})" if kept else
+                            + (f"the previous checkpoints are kept (the latest: {kept[-1].name})" if kept else
                                "there is no earlier checkpoint") + ": free space and resume with: "
                             + checkpoint.resume_command(ctx.run_dir)) from None
 
