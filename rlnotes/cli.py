@@ -219,7 +219,6 @@ def _train(argv: List[str]) -> int:
     def train_job(cfg) -> Optional[float]:
         from hydra.core.hydra_config import HydraConfig
         from rich.console import Console
-
         from rich.markup import escape
 
         from rlnotes import distributed

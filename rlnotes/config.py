@@ -547,8 +547,8 @@ RANGES: Dict[str, tuple] = {
     "trainer.micro_batch_size": (">= 1", "completions per forward/backward pass; null = all at once"),
     "trainer.log_every": (">= 1", "steps per metrics row"),
     "trainer.eval_every": (">= 1", "steps between evaluations; null = never"),
-    "optim.lr": ("(0, 1]", "AdamW's step size, roughly how far each weight moves per step; fine-tuning uses "
-                           "1e-6 to 1e-2"),
+    "optim.lr": ("(0, 1]", "AdamW's step size, about how far each weight moves per step: above 1 the "
+                           "weights are overwritten by noise"),
     "optim.weight_decay": (">= 0", "AdamW's decoupled weight decay"),
     "optim.beta1": ("[0, 1)", "AdamW's decay rate of the gradient's running mean"),
     "optim.beta2": ("[0, 1)", "AdamW's decay rate of the squared gradient's running mean"),
