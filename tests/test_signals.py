@@ -67,7 +67,7 @@ def test_two_ctrl_c_50_ms_apart_still_save_and_the_printed_command_resumes(tmp_p
     proc.send_signal(signal.SIGINT)  # while the (1 s) save runs: it says so, and does not abandon it
     code, err = finish(proc)
     assert code == 130, err
-    assert "saving the checkpoint of step" in err and "press Ctrl-C again to abandon it" in err, err
+    assert "SIGINT: saving " in err and "before stopping; press Ctrl-C again to abandon it" in err, err
     assert "Traceback" not in err
     (saved,) = checkpoint.checkpoints(run_dir)
     step = checkpoint.read_manifest(saved)["step"]
