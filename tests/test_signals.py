@@ -33,10 +33,23 @@ def rows(run_dir):
     return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
 
 
-def start(tmp_path, *args, delay=1.0):
-    env = dict(os.environ, OMP_NUM_THREADS="1", SAVE_DELAY=str(delay), SAVE_MARK=str(tmp_path / "saving"))
-    return subprocess.Popen([sys.executable, str(WORKER), "train", *args], env=env, cwd=tmp_path,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+@pytest.fixture
+def start(tmp_path):
+    """start(*args, delay=s): `rlnotes train ARGS` in a subprocess whose saves take `delay` s more;
+    one still running when the test ends (it failed) is killed."""
+    procs = []
+
+    def spawn(*args, delay=1.0):
+        env = dict(os.environ, OMP_NUM_THREADS="1", SAVE_DELAY=str(delay), SAVE_MARK=str(tmp_path / "saving"))
+        procs.append(subprocess.Popen([sys.executable, str(WORKER), "train", *args], env=env, cwd=tmp_path,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        return procs[-1]
+
+    yield spawn
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
 
 
 def wait_for(condition, proc, timeout=120):
@@ -58,9 +71,9 @@ def resume_line(err):
     return lines[lines.index("resume with:") + 1].strip()
 
 
-def test_two_ctrl_c_50_ms_apart_still_save_and_the_printed_command_resumes(tmp_path):
+def test_two_ctrl_c_50_ms_apart_still_save_and_the_printed_command_resumes(tmp_path, start):
     run_dir = tmp_path / "run"
-    proc = start(tmp_path, *ENDLESS, f"hydra.run.dir={run_dir}")
+    proc = start(*ENDLESS, f"hydra.run.dir={run_dir}")
     wait_for(lambda: len(rows(run_dir)) >= 2, proc)
     proc.send_signal(signal.SIGINT)  # in a step: its checkpoint is the last completed step's
     time.sleep(0.05)
@@ -80,9 +93,9 @@ def test_two_ctrl_c_50_ms_apart_still_save_and_the_printed_command_resumes(tmp_p
     assert [r["step"] for r in rows(run_dir)] == list(range(1, step + 2))
 
 
-def test_a_third_ctrl_c_abandons_the_save_and_leaves_nothing_half_written(tmp_path):
+def test_a_third_ctrl_c_abandons_the_save_and_leaves_nothing_half_written(tmp_path, start):
     run_dir = tmp_path / "run"
-    proc = start(tmp_path, *ENDLESS, f"hydra.run.dir={run_dir}", delay=30)
+    proc = start(*ENDLESS, f"hydra.run.dir={run_dir}", delay=30)
     wait_for(lambda: len(rows(run_dir)) >= 1, proc)
     proc.send_signal(signal.SIGINT)
     wait_for(lambda: (tmp_path / "saving").exists(), proc)
@@ -96,9 +109,9 @@ def test_a_third_ctrl_c_abandons_the_save_and_leaves_nothing_half_written(tmp_pa
     assert list((run_dir / "checkpoints").iterdir()) == []  # the temporary dir is gone too
 
 
-def test_sigterm_in_a_sweep_member_saves_exits_143_and_names_that_member(tmp_path):
+def test_sigterm_in_a_sweep_member_saves_exits_143_and_names_that_member(tmp_path, start):
     sweep = tmp_path / "sweep"
-    proc = start(tmp_path, "-m", "seed=1,2", *ENDLESS, f"hydra.sweep.dir={sweep}", delay=0)
+    proc = start("-m", "seed=1,2", *ENDLESS, f"hydra.sweep.dir={sweep}", delay=0)
     wait_for(lambda: len(rows(sweep / "0")) >= 1, proc)
     proc.send_signal(signal.SIGTERM)
     code, err = finish(proc)
