@@ -23,12 +23,14 @@ writes it (FSDP gathers the weights and optimizer shards to it first) and every 
 from __future__ import annotations
 
 import copy
+import errno
 import json
 import os
 import random
 import shutil
 import signal
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
@@ -37,7 +39,7 @@ import torch
 from omegaconf import OmegaConf
 from safetensors.torch import load_file, save_file
 
-from rlnotes.config import ConfigError
+from rlnotes.config import ConfigError, Interrupted
 
 CHECKPOINTS = "checkpoints"
 MANIFEST = "manifest.json"
@@ -197,14 +199,37 @@ def save(ctx, boundary: Boundary, keep_last: Optional[int], shards: Optional[Sha
     tmp = root / f".{final.name}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)  # left by a save that died
     tmp.mkdir()
-    write(ctx, boundary, tmp, shards)
-    _fsync_tree(tmp)
+    try:
+        write(ctx, boundary, tmp, shards)
+        _fsync_tree(tmp)
+    except BaseException as e:  # a failed or abandoned save leaves nothing half-written behind
+        full = out_of_space(e, root)
+        shutil.rmtree(tmp, ignore_errors=True)
+        if full and not (isinstance(e, OSError) and e.errno == errno.ENOSPC):
+            raise OSError(errno.ENOSPC, f"No space left on device ({e})") from e
+        raise
     if final.exists():  # an incomplete dir of that name (no manifest): never a checkpoint
         shutil.rmtree(final)
     os.replace(tmp, final)
     _fsync_dir(root)
     prune(ctx.run_dir, keep_last)
     return final
+
+
+def out_of_space(error: BaseException, where: Path) -> bool:
+    """Whether a failed write ran out of disk space: ENOSPC itself (Python's own writes), the OS
+    error in the message (safetensors says "No space left on device (os error 28)"), or, for
+    torch.save's bare "unexpected pos", less than 1 MiB left where it wrote."""
+    if isinstance(error, OSError) and error.errno == errno.ENOSPC:
+        return True
+    if not isinstance(error, Exception):
+        return False
+    if "No space left on device" in str(error) or "os error 28" in str(error):
+        return True
+    try:
+        return shutil.disk_usage(where).free < 2**20
+    except OSError:
+        return False
 
 
 def prune(run_dir: Path, keep_last: Optional[int]) -> List[Path]:
@@ -409,20 +434,30 @@ def load(ctx, path: Path, manifest: Dict[str, object]) -> None:
 
 
 class StopSignals:
-    """SIGINT (Ctrl-C) and SIGTERM while training.
+    """SIGINT (Ctrl-C) and SIGTERM while training, and while the stop saves.
 
-    A signal raises KeyboardInterrupt at once when no optimizer update has run since the last
+    A signal raises Interrupted at once when no optimizer update has run since the last
     completed step (`ctx.updating` is off): that step's checkpoint is then exact, and the partial
     step is simply redone on resume. During a step's updates (PPO's minibatches, GRPO's mu passes)
     the step is finished first and `check` stops after it; a second signal stops at once.
     With several processes every first signal waits for the end of the step, and `check` stops
     every rank after the same step when any of them got one (a rank stopping alone would leave the
-    others waiting in a collective). Handlers are installed only in the main thread (Python
-    delivers signals nowhere else).
+    others waiting in a collective).
+
+    A save (`saving`: a checkpoint, or the policy to interrupted/) is never cut short by the signal
+    that stopped the run nor by the next one: the first signal after the stop began (or during a
+    save) says what is being saved and that one more abandons it; only that one more does (its
+    temporary dir is removed, the previous checkpoints stay). So Ctrl-C pressed twice in quick
+    succession still saves, and a third press abandons the save. Handlers are installed only in
+    the main thread (Python delivers signals nowhere else).
     """
 
     def __init__(self, ctx):
         self.ctx, self.signum, self._previous = ctx, None, {}
+        self.stopping = False  # Interrupted was raised: the run is on its way out
+        self.writing: Optional[str] = None  # what is being saved now
+        self.warned = False  # the user was told that one more signal abandons the save
+        self.abandoned = False  # and sent it: a save was abandoned
 
     def __enter__(self) -> "StopSignals":
         if threading.current_thread() is threading.main_thread():
@@ -434,22 +469,48 @@ class StopSignals:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
 
+    @contextmanager
+    def saving(self, what: str):
+        """Mark the block as writing `what` (for the message a signal gets meanwhile)."""
+        self.writing = what
+        try:
+            yield
+        finally:
+            self.writing = None
+
+    def _say(self, text: str) -> None:
+        from rich.markup import escape
+
+        self.ctx.console.print(f"[yellow]{escape(text)}[/]", soft_wrap=True, highlight=False)
+
     def _handle(self, signum, frame) -> None:
         from rlnotes import distributed
 
-        first, self.signum = self.signum is None, signum
-        if first and (self.ctx.updating or distributed.active()):
-            self.ctx.console.print(f"[yellow]{signal.Signals(signum).name}: stopping once this step is done "
-                                   "(send it again to stop now, without a checkpoint of this step)[/]")
+        first, self.signum = self.signum is None, self.signum or signum
+        again = "press Ctrl-C again" if signum == signal.SIGINT else f"send {signal.Signals(signum).name} again"
+        if self.stopping or self.writing:
+            if self.writing and self.warned:
+                self.abandoned, self.stopping = True, True
+                raise Interrupted(self.signum)
+            if not self.warned:
+                self.warned = True
+                self._say(f"{signal.Signals(signum).name}: saving {self.writing or 'a checkpoint'} before stopping; "
+                          f"{again} to abandon it (the previous checkpoints are kept)")
             return
-        raise KeyboardInterrupt
+        if first and (self.ctx.updating or distributed.active()):
+            self._say(f"{signal.Signals(signum).name}: stopping once this step is done ({again} to stop now, "
+                      "without a checkpoint of this step)")
+            return
+        self.stopping = True
+        raise Interrupted(self.signum)
 
     def check(self) -> None:
         """Stop now if a signal came during the step just finished (to any rank)."""
         from rlnotes import distributed
 
         if distributed.any_rank(self.signum is not None):
-            raise KeyboardInterrupt
+            self.stopping = True
+            raise Interrupted(self.signum or signal.SIGINT)
 
     @property
     def name(self) -> str:
@@ -457,13 +518,20 @@ class StopSignals:
 
 
 def resume_command(run_dir: Path) -> str:
-    """The command line that continues this run: its own overrides plus resume and run dir."""
+    """The command line that continues this run: its --config-dir, --config-name and overrides
+    (a multirun member's own), then trainer.resume=auto and its run dir."""
     import shlex
 
     from hydra.core.hydra_config import HydraConfig
 
-    overrides = ["..."]
+    words, overrides = ["rlnotes", "train"], ["..."]
     if HydraConfig.initialized():
-        overrides = [o for o in HydraConfig.get().overrides.task if not o.startswith("trainer.resume=")]
-    words = ["rlnotes", "train", *overrides, "trainer.resume=auto", f"hydra.run.dir={run_dir}"]
+        hydra = HydraConfig.get()
+        for source in hydra.runtime.config_sources:
+            if source.provider == "command-line" and source.schema == "file":  # --config-dir
+                words += ["--config-dir", source.path]
+        if hydra.job.config_name != "config":
+            words += ["--config-name", hydra.job.config_name]
+        overrides = [o for o in hydra.overrides.task if not o.startswith("trainer.resume=")]
+    words += [*overrides, "trainer.resume=auto", f"hydra.run.dir={run_dir}"]
     return " ".join(w if w == "..." else shlex.quote(w) for w in words)

