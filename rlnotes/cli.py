@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from datetime import datetime
 from pathlib import Path
 from typing import List, Optional
 
@@ -169,21 +170,75 @@ def stamp_dirs(pattern: str, now) -> str:
     return re.sub(r"\$\{now:([^}]*)\}", lambda m: now.strftime(m.group(1)), pattern)
 
 
-def _rank_overrides(cfg) -> List[str]:
+def pin_dirs(jobs: list, now) -> List[str]:
+    """Overrides that fix hydra.run.dir and hydra.sweep.dir at `now` (each ${now:...} read once),
+    and the same pins in the composed `jobs`: the run dir check, Hydra and every rank of a
+    torchrun then name one dir. None when the dirs do not read the clock."""
+    from omegaconf import OmegaConf, read_write
+
+    dirs = OmegaConf.to_container(jobs[0].hydra, resolve=False)
+    pinned = {key: stamp_dirs(dirs[key]["dir"], now) for key in ("run", "sweep")}
+    for cfg in jobs:
+        with read_write(cfg.hydra):
+            cfg.hydra.run.dir, cfg.hydra.sweep.dir = pinned["run"], pinned["sweep"]
+    quoted = lambda path: "'" + path.replace("'", "\\'") + "'"  # noqa: E731 - spaces, = and : too
+    return [f"hydra.{key}.dir={quoted(pinned[key])}" for key in pinned if pinned[key] != dirs[key]["dir"]]
+
+
+def run_dirs(jobs: list, multirun: bool) -> List[Path]:
+    """The dir each job will write, as Hydra resolves it (RUN_DIR, or SWEEP_DIR/SUBDIR of job number i)."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.core.utils import setup_globals
+    from omegaconf import OmegaConf, open_dict, read_write
+
+    setup_globals()  # the resolvers Hydra registers for its own start (hydra:, now:)
+    previous, out = HydraConfig.instance().cfg, []
+    try:
+        for num, cfg in enumerate(jobs):
+            with read_write(cfg.hydra), open_dict(cfg.hydra):
+                cfg.hydra.job.num = num
+            HydraConfig.instance().set_config(cfg)
+            keys = ("hydra.sweep.dir", "hydra.sweep.subdir") if multirun else ("hydra.run.dir",)
+            out.append(Path(*[str(OmegaConf.select(cfg, key)) for key in keys]))
+    finally:
+        HydraConfig.instance().cfg = previous
+    return out
+
+
+def claim_run_dirs(jobs: list, multirun: bool, now) -> List[str]:
+    """Refuse, before Hydra writes its .hydra/ files into a run dir, a command that would
+    overwrite a run there or that another process is running in (checkpoint.check_run_dir,
+    checkpoint.own); a single run takes its dir's lock now and keeps it, a sweep's members each
+    take theirs when they start. Returns overrides: a command that resumes runs in their dirs
+    records itself in .hydra/resumed_<time>/, leaving the .hydra/ files of the command that
+    started them (even if the resume is refused later)."""
+    from rlnotes import checkpoint
+    from rlnotes.config import ConfigError
+
+    held = []
+    try:
+        for cfg, run_dir in zip(jobs, run_dirs(jobs, multirun)):
+            checkpoint.check_run_dir(run_dir, cfg.trainer.resume, cfg.trainer.steps)
+            if multirun:
+                checkpoint.check_owner(run_dir)
+            else:
+                checkpoint.own(run_dir)
+            held.append(bool(checkpoint.run_files(run_dir)))
+    except ConfigError as e:
+        raise UsageError(str(e)) from None
+    return [f"hydra.output_subdir='.hydra/resumed_{now:%Y-%m-%d_%H-%M-%S}'"] if all(held) else []
+
+
+def _rank_overrides(jobs: list) -> List[str]:
     """Overrides for a process torchrun started. Hydra names run and sweep dirs by the clock, which
     can read another second on each rank: every rank takes rank 0's time, so all write to one dir;
     ranks other than 0 leave Hydra's own files (.hydra/, the job log, the sweep summary) to it.
     Joins the process group first (once per process; it serves every job of a sweep)."""
-    from omegaconf import OmegaConf
-
     from rlnotes import distributed
     from rlnotes.models import resolve_device
 
-    distributed.init(resolve_device(cfg.hardware.device))
-    now = distributed.agreed_now()
-    dirs = OmegaConf.to_container(cfg.hydra, resolve=False)
-    quoted = lambda path: "'" + stamp_dirs(path, now).replace("'", "\\'") + "'"  # noqa: E731 - spaces, = and : too
-    extra = [f"hydra.run.dir={quoted(dirs['run']['dir'])}", f"hydra.sweep.dir={quoted(dirs['sweep']['dir'])}"]
+    distributed.init(resolve_device(jobs[0].hardware.device))
+    extra = pin_dirs(jobs, distributed.agreed_now())
     if not distributed.is_main():
         extra += ["hydra.output_subdir=null", "hydra/job_logging=disabled", "hydra/hydra_logging=disabled",
                   "~hydra.callbacks.sweep_summary"]
@@ -202,11 +257,15 @@ def _train(argv: List[str]) -> int:
             from rlnotes.config import ConfigError
 
             try:
-                argv = [*argv, *_rank_overrides(jobs[0])]
+                argv = [*argv, *_rank_overrides(jobs)]
             except ConfigError as e:
                 raise UsageError(str(e)) from None
         elif nproc > 1:
             return _launch(nproc, argv)
+        else:
+            argv = [*argv, *pin_dirs(jobs, datetime.now())]
+        if os.environ.get("RANK", "0") == "0":  # under torchrun rank 0 owns the run dir
+            argv = [*argv, *claim_run_dirs(jobs, args.multirun, datetime.now())]
 
     import hydra
 

@@ -400,16 +400,23 @@ def start_point(cfg, run_dir: Path, console: Console) -> Optional[Path]:
 def _start_point(cfg, run_dir: Path, console: Console) -> Optional[Path]:
     from rich.markup import escape
 
-    path = checkpoint.locate(cfg.trainer.resume, run_dir)
+    checkpoint.own(run_dir)  # the only process in this dir until train ends (the CLI may have taken it already)
+    checkpoint.check_run_dir(run_dir, cfg.trainer.resume, cfg.trainer.steps)
+    notes: List[str] = []
+    path = checkpoint.locate(cfg.trainer.resume, run_dir, notes)
     if path is None:
         if cfg.trainer.resume == "auto":
             console.print(f"trainer.resume=auto: no checkpoint in {escape(str(run_dir / checkpoint.CHECKPOINTS))}; "
                           "starting at step 0 (to resume a run, pass its dir: hydra.run.dir=RUN_DIR)", highlight=False)
-            checkpoint.carry_logs(None, run_dir, -1)  # rows of an attempt that saved nothing
+            notes += checkpoint.carry_logs(None, run_dir, -1)  # rows of an attempt that saved nothing
+        for note in notes:
+            console.print(f"[yellow]{escape(note)}[/]", highlight=False)
         return None
     step = checkpoint.read_manifest(path)["step"]
     changed = checkpoint.check_config(path, cfg)
-    checkpoint.carry_logs(path.parent.parent, run_dir, step)
+    notes += checkpoint.carry_logs(path.parent.parent, run_dir, step)
+    for note in notes:
+        console.print(f"[yellow]{escape(note)}[/]", highlight=False)
     dropped = checkpoint.drop_later(run_dir, step)
     console.print(f"resuming from {escape(str(path))} at step {step}"
                   + (f"; later checkpoints dropped: {', '.join(p.name for p in dropped)}" if dropped else ""),
@@ -455,6 +462,15 @@ def stopped(ctx: Context, boundary: checkpoint.Boundary, cause: str) -> None:
 
 
 def train(cfg, run_dir: Path, console: Console) -> Dict[str, float]:
+    """`_train` as the owner of `run_dir` (start_point takes its lock on rank 0; see checkpoint.own),
+    which it gives up when the run ends, however it ends."""
+    try:
+        return _train(cfg, run_dir, console)
+    finally:
+        checkpoint.release(run_dir)
+
+
+def _train(cfg, run_dir: Path, console: Console) -> Dict[str, float]:
     """Run `cfg.algo.name`'s train_step until `trainer.steps` optimizer steps; save the policy.
 
     A checkpoint every trainer.save_every steps and at the end; trainer.resume starts from one.
