@@ -139,12 +139,14 @@ def is_checkpoint(path: Path) -> bool:
     return (path / MANIFEST).is_file()
 
 
-def checkpoints(run_dir: Path) -> List[Path]:
-    """The complete checkpoints of a run, oldest first (temporary dirs start with a dot and are skipped)."""
+def checkpoints(run_dir: Path, complete: bool = True) -> List[Path]:
+    """The complete checkpoints of a run, oldest first (temporary dirs start with a dot and are
+    skipped); complete=False adds step dirs without a manifest, which only damage leaves (a save
+    renames its dir into place whole)."""
     root = Path(run_dir) / CHECKPOINTS
     if not root.is_dir():
         return []
-    found = [p for p in root.glob("step_*") if p.name[5:].isdigit() and is_checkpoint(p)]
+    found = [p for p in root.glob("step_*") if p.name[5:].isdigit() and (is_checkpoint(p) or not complete)]
     return sorted(found, key=step_of)
 
 
@@ -211,23 +213,31 @@ def save(ctx, boundary: Boundary, keep_last: Optional[int], shards: Optional[Sha
     moved since) atomically, then prune to the `keep_last` newest. A complete checkpoint of the
     same step is the same state and is kept as it is. `shards`: the state FSDP gathered."""
     final = checkpoint_dir(ctx.run_dir, boundary.step)
-    if is_checkpoint(final):
-        return final
-    root = final.parent
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = root / f".{final.name}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)  # left by a save that died
-    tmp.mkdir()
-    write(ctx, boundary, tmp, shards)
-    _fsync_tree(tmp)
-    if final.exists():  # a dir of that name without a manifest (lost after the save): not deleted
-        set_aside(final)
-    os.replace(tmp, final)
-    _fsync_dir(root)
+    if not is_checkpoint(final):  # else a run resumed from its last checkpoint: still prune (a kill may have come first)
+        tmp = final.parent / f".{final.name}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a save that died
+        tmp.mkdir(parents=True)
+        write(ctx, boundary, tmp, shards)
+        if final.exists():  # a dir of that name without a manifest (lost after the save): not deleted
+            set_aside(final)
+        publish(tmp, final)
     for path, problem in prune(ctx.run_dir, keep_last)[1]:
         ctx.console.print(f"[yellow]checkpoint {path.name} is damaged ({problem}); set aside, not counted in "
                           "trainer.keep_last[/]", highlight=False)
     return final
+
+
+def publish(tmp: Path, final: Path) -> None:
+    """Flush the complete dir `tmp` and rename it to `final`, replacing an older `final`: a process
+    that dies leaves the old dir or the new one whole (between the two renames, as .NAME.old)."""
+    _fsync_tree(tmp)
+    old = final.with_name(f".{final.name}.old")
+    if final.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+    os.replace(tmp, final)
+    _fsync_dir(final.parent)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def prune(run_dir: Path, keep_last: Optional[int]) -> Tuple[List[Path], List[Tuple[Path, str]]]:
@@ -377,7 +387,7 @@ def locate(resume: Optional[str], run_dir: Path, notes: Optional[List[str]] = No
             raise ConfigError(f"trainer.resume={resume} is damaged ({problem}); give an earlier checkpoint, or "
                               "trainer.resume=auto with its run dir to take the newest one that verifies")
         return path
-    found, logged, damaged = checkpoints(path), logged_steps(path), []
+    found, logged, damaged = checkpoints(path, complete=False), logged_steps(path), []
     good = None
     for candidate in reversed(found):
         problem = verify(candidate, logged)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import random
+import shutil
 import time
 import warnings
 from contextlib import contextmanager
@@ -374,9 +375,12 @@ def finish(ctx: Context, interrupted: bool = False) -> Path:
     out = ctx.run_dir / ("interrupted" if interrupted else "final")
     state = distributed.full_state(ctx.policy.model)
     if distributed.is_main():
-        checkpoint.save_policy(ctx.policy, out, state)
+        tmp = out.with_name(f".{out.name}.tmp")  # renamed into place whole: a dir called final/ is a finished run's
+        shutil.rmtree(tmp, ignore_errors=True)
+        checkpoint.save_policy(ctx.policy, tmp, state)
         for name, head in ctx.heads.items():
-            save_file({k: v.contiguous() for k, v in head.state_dict().items()}, str(out / f"{name}.safetensors"))
+            save_file({k: v.contiguous() for k, v in head.state_dict().items()}, str(tmp / f"{name}.safetensors"))
+        checkpoint.publish(tmp, out)
     return out
 
 
