@@ -19,12 +19,14 @@ It is written into a hidden temporary dir that is renamed into place (os.replace
 complete, so a crash mid-save leaves the previous checkpoints as they were; `keep_last` prunes
 older ones after a save succeeds, counting only checkpoints that verify. On resume a checkpoint is
 verified (`verify`) and a damaged one is set aside (renamed damaged_step_NNNNNN) for the newest one
-that verifies; nothing is deleted in favour of a damaged checkpoint.
+that verifies; nothing is deleted in favour of a damaged checkpoint. Resuming restores every
+item, so on CPU a run stopped at step k and resumed writes the same metrics as one that never
+stopped. With several processes rank 0 writes it (FSDP gathers the weights and optimizer shards to
+it first) and every rank reads it.
 
-A run dir has one owner: the process that trains in it holds an flock on RUN_DIR/.lock (with its
-pid in the file) for the life of the run; the OS drops it when the process ends, crashes included. Resuming restores every item, so on CPU a run stopped at step k
-and resumed writes the same metrics as one that never stopped. With several processes rank 0
-writes it (FSDP gathers the weights and optimizer shards to it first) and every rank reads it.
+A run dir holds one run (`check_run_dir`) and has one owner: the process that trains in it holds
+an flock on RUN_DIR/.lock (its pid written in the file) for the life of the run; the OS drops it
+when the process ends, crashes included.
 """
 
 from __future__ import annotations
@@ -213,7 +215,7 @@ def save(ctx, boundary: Boundary, keep_last: Optional[int], shards: Optional[Sha
     moved since) atomically, then prune to the `keep_last` newest. A complete checkpoint of the
     same step is the same state and is kept as it is. `shards`: the state FSDP gathered."""
     final = checkpoint_dir(ctx.run_dir, boundary.step)
-    if not is_checkpoint(final):  # else a run resumed from its last checkpoint: still prune (a kill may have come first)
+    if not is_checkpoint(final):  # else resumed from its last checkpoint: prune anyway (a kill may have come first)
         tmp = final.parent / f".{final.name}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)  # left by a save that died
         tmp.mkdir(parents=True)

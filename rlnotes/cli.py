@@ -173,7 +173,7 @@ def stamp_dirs(pattern: str, now) -> str:
 def pin_dirs(jobs: list, now) -> List[str]:
     """Overrides that fix hydra.run.dir and hydra.sweep.dir at `now` (each ${now:...} read once),
     and the same pins in the composed `jobs`: the run dir check, Hydra and every rank of a
-    torchrun then name one dir. None when the dirs do not read the clock."""
+    torchrun then name one dir. Empty when the dirs do not read the clock."""
     from omegaconf import OmegaConf, read_write
 
     dirs = OmegaConf.to_container(jobs[0].hydra, resolve=False)
@@ -185,11 +185,14 @@ def pin_dirs(jobs: list, now) -> List[str]:
     return [f"hydra.{key}.dir={quoted(pinned[key])}" for key in pinned if pinned[key] != dirs[key]["dir"]]
 
 
-def run_dirs(jobs: list, multirun: bool) -> List[Path]:
-    """The dir each job will write, as Hydra resolves it (RUN_DIR, or SWEEP_DIR/SUBDIR of job number i)."""
+def run_dirs(jobs: list, multirun: bool) -> List[Optional[Path]]:
+    """The dir each job will write, as Hydra resolves it (RUN_DIR, or SWEEP_DIR/SUBDIR of job number
+    i); None for a dir pattern that reads what only Hydra's launcher sets (the job's own checks
+    then stand alone)."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.core.utils import setup_globals
     from omegaconf import OmegaConf, open_dict, read_write
+    from omegaconf.errors import OmegaConfBaseException
 
     setup_globals()  # the resolvers Hydra registers for its own start (hydra:, now:)
     previous, out = HydraConfig.instance().cfg, []
@@ -199,7 +202,10 @@ def run_dirs(jobs: list, multirun: bool) -> List[Path]:
                 cfg.hydra.job.num = num
             HydraConfig.instance().set_config(cfg)
             keys = ("hydra.sweep.dir", "hydra.sweep.subdir") if multirun else ("hydra.run.dir",)
-            out.append(Path(*[str(OmegaConf.select(cfg, key)) for key in keys]))
+            try:
+                out.append(Path(*[str(OmegaConf.select(cfg, key, throw_on_missing=True)) for key in keys]))
+            except OmegaConfBaseException:
+                out.append(None)
     finally:
         HydraConfig.instance().cfg = previous
     return out
@@ -218,6 +224,9 @@ def claim_run_dirs(jobs: list, multirun: bool, now) -> List[str]:
     held = []
     try:
         for cfg, run_dir in zip(jobs, run_dirs(jobs, multirun)):
+            if run_dir is None:
+                held.append(False)
+                continue
             checkpoint.check_run_dir(run_dir, cfg.trainer.resume, cfg.trainer.steps)
             if multirun:
                 checkpoint.check_owner(run_dir)

@@ -207,7 +207,8 @@ def test_the_console_script_is_refused_by_a_live_owner(tmp_path):
     line naming this pid, and not even Hydra's .hydra/ is written."""
     checkpoint.own(tmp_path)
     try:
-        command = [str(Path(sys.executable).with_name("rlnotes")), "train", "trainer.steps=1", f"hydra.run.dir={tmp_path}"]
+        command = [str(Path(sys.executable).with_name("rlnotes")), "train", "trainer.steps=1",
+                   f"hydra.run.dir={tmp_path}"]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         out = subprocess.run(command, capture_output=True, text=True, env=env, timeout=240)
     finally:
