@@ -364,8 +364,8 @@ def resolve(resume: str) -> Path:
     if found:
         return found[-1]
     if path.name.startswith("step_") or path.name.startswith(".step_"):
-        raise ConfigError(f"trainer.resume={resume} is an incomplete checkpoint (no {MANIFEST}: its save did not "
-                          "finish); give an earlier one from the same checkpoints/ dir")
+        raise ConfigError(f"trainer.resume={resume} is an incomplete checkpoint (no {MANIFEST}: it was damaged, or "
+                          "its save did not finish); give an earlier one from the same checkpoints/ dir")
     raise ConfigError(f"trainer.resume={resume} holds no checkpoint (no {MANIFEST} and no {CHECKPOINTS}/step_*); "
                       f"give a checkpoint dir (RUN_DIR/{CHECKPOINTS}/step_NNNNNN) or a run dir that has one")
 

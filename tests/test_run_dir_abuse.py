@@ -164,6 +164,17 @@ def test_training_a_finished_run_longer_keeps_what_it_wrote(runs, tmp_path, caps
     assert [p for p in after if p.startswith(".hydra/resumed_") and p.endswith("overrides.yaml")]
 
 
+def test_a_sweep_into_a_used_sweep_dir_is_refused_before_any_member_runs(tmp_path, capsys):
+    sweep = ["train", "-m", "seed=0,1", "trainer.steps=1", *SETTINGS, f"hydra.sweep.dir={tmp_path}"]
+    assert main(sweep) == 0
+    capsys.readouterr()
+    before = snapshot(tmp_path)
+    assert main(sweep) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path / '0'} already holds a run that finished at step 1" in err and len(err.splitlines()) == 1
+    assert snapshot(tmp_path) == before
+
+
 # ---------------------------------------------------------------------------------------------
 # Two processes, one run dir.
 
@@ -292,6 +303,17 @@ def test_a_run_killed_at_any_phase_resumes_to_the_same_result(runs, tmp_path, ph
         assert all(after.get(k, "pruned") in (before[k], "pruned") for k in before if k.startswith(name))
     assert [p.name for p in checkpoint.checkpoints(run_dir)] == ["step_000004", "step_000006"]
     assert (run_dir / "final" / "adapter_model.safetensors").is_file()
+
+
+def test_a_run_killed_again_while_resuming_still_resumes(runs, tmp_path):
+    """Killed in step 5, then killed again while its resume loads the checkpoint (after the logs
+    were cut back to step 4): the third start finishes the run as if nothing happened."""
+    run_dir = tmp_path / "run"
+    assert in_child(lambda: (_kill_in_step(5)(), run(run_dir, "trainer.steps=6"))) == -signal.SIGKILL
+    resume = ("trainer.steps=6", "trainer.resume=auto")
+    assert in_child(lambda: (_kill_on_call(checkpoint, "load", 1)(), run(run_dir, *resume))) == -signal.SIGKILL
+    assert [r["step"] for r in rows(run_dir)] == [1, 2, 3, 4]
+    assert run(run_dir, *resume) == runs["finished"]
 
 
 # ---------------------------------------------------------------------------------------------
