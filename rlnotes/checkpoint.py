@@ -223,7 +223,7 @@ def save(ctx, boundary: Boundary, keep_last: Optional[int], shards: Optional[Sha
         if final.exists():  # a dir of that name without a manifest (lost after the save): not deleted
             set_aside(final)
         publish(tmp, final)
-    for path, problem in prune(ctx.run_dir, keep_last)[1]:
+    for path, problem in prune(ctx.run_dir, keep_last, written=final)[1]:
         ctx.console.print(f"[yellow]checkpoint {path.name} is damaged ({problem}); set aside, not counted in "
                           "trainer.keep_last[/]", highlight=False)
     return final
@@ -242,15 +242,18 @@ def publish(tmp: Path, final: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def prune(run_dir: Path, keep_last: Optional[int]) -> Tuple[List[Path], List[Tuple[Path, str]]]:
+def prune(run_dir: Path, keep_last: Optional[int],
+          written: Optional[Path] = None) -> Tuple[List[Path], List[Tuple[Path, str]]]:
     """Delete all but the `keep_last` newest checkpoints that verify (null keeps all), and leftovers
     of saves that died; a damaged one met among the newest is set aside and not counted, so a good
-    checkpoint is never deleted in favour of a bad one. Returns (deleted, [(damaged, problem)])."""
+    checkpoint is never deleted in favour of a bad one. `written`: the checkpoint just saved, whose
+    files were hashed as they were written (reading them back now would only read the page cache).
+    Returns (deleted, [(damaged, problem)])."""
     removed, damaged, kept = [], [], 0
     for path in reversed(checkpoints(run_dir)) if keep_last else []:
         if kept == keep_last:
             removed.append(path)
-        elif (problem := verify(path)) is not None:
+        elif path != written and (problem := verify(path)) is not None:
             damaged.append((set_aside(path), problem))
         else:
             kept += 1
