@@ -213,12 +213,12 @@ def run_dirs(jobs: list, multirun: bool) -> List[Optional[Path]]:
 
 def claim_run_dirs(jobs: list, multirun: bool, now) -> List[str]:
     """Refuse, before Hydra writes its .hydra/ files into a run dir, a command that would
-    overwrite a run there or that another process is running in (checkpoint.check_run_dir,
-    checkpoint.own); a single run takes its dir's lock now and keeps it, a sweep's members each
+    overwrite a run there or that another process is running in (rundir.check_run_dir,
+    rundir.own); a single run takes its dir's lock now and keeps it, a sweep's members each
     take theirs when they start. Returns overrides: a command that resumes runs in their dirs
     records itself in .hydra/resumed_<time>/, leaving the .hydra/ files of the command that
     started them (even if the resume is refused later)."""
-    from rlnotes import checkpoint
+    from rlnotes import rundir
     from rlnotes.config import ConfigError
 
     held = []
@@ -227,12 +227,12 @@ def claim_run_dirs(jobs: list, multirun: bool, now) -> List[str]:
             if run_dir is None:
                 held.append(False)
                 continue
-            checkpoint.check_run_dir(run_dir, cfg.trainer.resume, cfg.trainer.steps)
+            rundir.check_run_dir(run_dir, cfg.trainer.resume, cfg.trainer.steps)
             if multirun:
-                checkpoint.check_owner(run_dir)
+                rundir.check_owner(run_dir)
             else:
-                checkpoint.own(run_dir)
-            held.append(bool(checkpoint.run_files(run_dir)))
+                rundir.own(run_dir)
+            held.append(bool(rundir.run_files(run_dir)))
     except ConfigError as e:
         raise UsageError(str(e)) from None
     return [f"hydra.output_subdir='.hydra/resumed_{now:%Y-%m-%d_%H-%M-%S}'"] if all(held) else []

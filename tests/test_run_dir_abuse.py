@@ -17,7 +17,7 @@ import pytest
 import torch
 from rich.console import Console
 
-from rlnotes import checkpoint
+from rlnotes import checkpoint, rundir
 from rlnotes.cli import main
 from rlnotes.config import ConfigError
 from rlnotes.logger import MetricsLogger
@@ -31,7 +31,7 @@ SETTINGS = ("logging.progress=false", "trainer.batch_size=4", "trainer.save_ever
 def snapshot(run_dir: Path) -> dict:
     """sha256 of every file a run wrote (the owner's .lock, which names the current owner, aside)."""
     return {str(p.relative_to(run_dir)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(Path(run_dir).rglob("*")) if p.is_file() and p.name != checkpoint.LOCK}
+            for p in sorted(Path(run_dir).rglob("*")) if p.is_file() and p.name != rundir.LOCK}
 
 
 def rows(run_dir: Path) -> list:
@@ -209,21 +209,21 @@ def test_a_second_process_is_refused_while_a_run_is_live_and_admitted_after(runs
     assert snapshot(run_dir) == before
     os.write(go[1], b"x")
     assert os.waitpid(pid, 0)[1] == 0
-    checkpoint.own(run_dir)  # free again
-    checkpoint.release(run_dir)
+    rundir.own(run_dir)  # free again
+    rundir.release(run_dir)
 
 
 def test_the_console_script_is_refused_by_a_live_owner(tmp_path):
     """The real `rlnotes train` in another process, while this one owns the run dir: exit 2, one
     line naming this pid, and not even Hydra's .hydra/ is written."""
-    checkpoint.own(tmp_path)
+    rundir.own(tmp_path)
     try:
         command = [str(Path(sys.executable).with_name("rlnotes")), "train", "trainer.steps=1",
                    f"hydra.run.dir={tmp_path}"]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         out = subprocess.run(command, capture_output=True, text=True, env=env, timeout=240)
     finally:
-        checkpoint.release(tmp_path)
+        rundir.release(tmp_path)
     assert out.returncode == 2 and out.stderr.strip().splitlines() == [
         f"rlnotes: error: {tmp_path} is in use by another rlnotes process (pid {os.getpid()}, see {tmp_path}/.lock); "
         "wait for it to end or stop it, or start this run in another dir (hydra.run.dir=NEW_DIR)"]

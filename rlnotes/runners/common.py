@@ -19,7 +19,7 @@ from omegaconf import OmegaConf
 from rich.console import Console
 from safetensors.torch import save_file
 
-from rlnotes import checkpoint, distributed
+from rlnotes import checkpoint, distributed, rundir
 from rlnotes.data import PromptSampler, Row, system_prompt
 from rlnotes.datasets import fit_and_split, load_checked, max_positions
 from rlnotes.evaluate import checker_config, evaluate
@@ -404,8 +404,8 @@ def start_point(cfg, run_dir: Path, console: Console) -> Optional[Path]:
 def _start_point(cfg, run_dir: Path, console: Console) -> Optional[Path]:
     from rich.markup import escape
 
-    checkpoint.own(run_dir)  # the only process in this dir until train ends (the CLI may have taken it already)
-    checkpoint.check_run_dir(run_dir, cfg.trainer.resume, cfg.trainer.steps)
+    rundir.own(run_dir)  # the only process in this dir until train ends (the CLI may have taken it already)
+    rundir.check_run_dir(run_dir, cfg.trainer.resume, cfg.trainer.steps)
     notes: List[str] = []
     path = checkpoint.locate(cfg.trainer.resume, run_dir, notes)
     if path is None:
@@ -466,12 +466,12 @@ def stopped(ctx: Context, boundary: checkpoint.Boundary, cause: str) -> None:
 
 
 def train(cfg, run_dir: Path, console: Console) -> Dict[str, float]:
-    """`_train` as the owner of `run_dir` (start_point takes its lock on rank 0; see checkpoint.own),
+    """`_train` as the owner of `run_dir` (start_point takes its lock on rank 0; see rundir.own),
     which it gives up when the run ends, however it ends."""
     try:
         return _train(cfg, run_dir, console)
     finally:
-        checkpoint.release(run_dir)
+        rundir.release(run_dir)
 
 
 def _train(cfg, run_dir: Path, console: Console) -> Dict[str, float]:
