@@ -164,6 +164,21 @@ def save_policy(policy, out: Path, state: Optional[Dict[str, torch.Tensor]] = No
     policy.tokenizer.save_pretrained(out)
 
 
+def save_heads(heads: Dict[str, torch.nn.Module], out: Path) -> None:
+    for name, head in heads.items():
+        save_file({k: v.contiguous() for k, v in head.state_dict().items()}, str(out / f"{name}.safetensors"))
+
+
+def save_whole(policy, heads: Dict[str, torch.nn.Module], out: Path, state=None) -> None:
+    """The policy and its heads into the dir `out` (final/, interrupted/), written aside and renamed
+    into place whole (`publish`), so that a dir of that name is always complete."""
+    tmp = out.with_name(f".{out.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)  # left by a process that died while writing it
+    save_policy(policy, tmp, state)
+    save_heads(heads, tmp)
+    publish(tmp, out)
+
+
 def _fsync_tree(path: Path) -> None:
     """Flush every file under `path` and the dir itself to disk, so a rename publishes whole files."""
     for f in path.rglob("*"):
@@ -185,8 +200,7 @@ def write(ctx, boundary: Boundary, out: Path, shards: Optional[Shards] = None) -
     """Every file of a checkpoint into the (new, empty) dir `out`; the manifest last."""
     shards = shards or Shards()
     save_policy(ctx.policy, out, shards.policy)
-    for name, head in ctx.heads.items():
-        save_file({k: v.contiguous() for k, v in head.state_dict().items()}, str(out / f"{name}.safetensors"))
+    save_heads(ctx.heads, out)
     optimizer = shards.optimizer if shards.optimizer is not None else ctx.optimizer.state_dict()
     torch.save({"optimizer": optimizer, "scheduler": ctx.scheduler.state_dict(),
                 "rng": boundary.rng, "cache": boundary.cache}, out / STATE)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 import random
-import shutil
 import time
 import warnings
 from contextlib import contextmanager
@@ -17,7 +16,6 @@ from typing import Dict, Iterator, List, Optional
 import torch
 from omegaconf import OmegaConf
 from rich.console import Console
-from safetensors.torch import save_file
 
 from rlnotes import checkpoint, distributed, rundir
 from rlnotes.data import PromptSampler, Row, system_prompt
@@ -375,12 +373,7 @@ def finish(ctx: Context, interrupted: bool = False) -> Path:
     out = ctx.run_dir / ("interrupted" if interrupted else "final")
     state = distributed.full_state(ctx.policy.model)
     if distributed.is_main():
-        tmp = out.with_name(f".{out.name}.tmp")  # renamed into place whole: a dir called final/ is a finished run's
-        shutil.rmtree(tmp, ignore_errors=True)
-        checkpoint.save_policy(ctx.policy, tmp, state)
-        for name, head in ctx.heads.items():
-            save_file({k: v.contiguous() for k, v in head.state_dict().items()}, str(tmp / f"{name}.safetensors"))
-        checkpoint.publish(tmp, out)
+        checkpoint.save_whole(ctx.policy, ctx.heads, out, state)  # a dir called final/ is a finished run's
     return out
 
 
