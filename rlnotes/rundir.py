@@ -51,8 +51,8 @@ def check_run_dir(run_dir: Path, resume: Optional[str], steps: int) -> None:
     found = run_files(run_dir)
     if not found:
         return
-    here = Path(run_dir).resolve()
-    ours = resume == "auto" or (resume is not None and here in [Path(resume).resolve(), *Path(resume).resolve().parents])
+    given = Path(resume).resolve() if resume not in (None, "auto") else None
+    ours = resume == "auto" or (given is not None and Path(run_dir).resolve() in (given, *given.parents))
     done = finished_at(run_dir)
     if not ours:
         how = (f"to train it longer, raise trainer.steps above {done}" if done is not None else "to continue it")
