@@ -26,6 +26,8 @@ from rlnotes.runners.common import train
 from tests.conftest import compose
 
 SETTINGS = ("logging.progress=false", "trainer.batch_size=4", "trainer.save_every=2")
+# Forked processes and a live run paused on a pipe: a hang fails the test instead of the suite.
+pytestmark = pytest.mark.timeout(300)
 
 
 def snapshot(run_dir: Path) -> dict:
