@@ -11,6 +11,7 @@ import argparse
 import os
 import signal
 import sys
+from datetime import datetime
 from pathlib import Path
 from typing import List, Optional
 
@@ -189,21 +190,84 @@ def sweep_dir(jobs: list) -> str:
     return pattern.replace(ALGO_CHOICE, "+".join(dict.fromkeys(job.hydra.runtime.choices.algo for job in jobs)))
 
 
-def _rank_overrides(cfg, sweep: str) -> List[str]:
+def pin_dirs(jobs: list, now) -> List[str]:
+    """Overrides that fix hydra.run.dir and hydra.sweep.dir at `now` (each ${now:...} read once),
+    and the same pins in the composed `jobs`: the run dir check, Hydra and every rank of a
+    torchrun then name one dir. Empty when the dirs do not read the clock."""
+    from omegaconf import OmegaConf, read_write
+
+    dirs = OmegaConf.to_container(jobs[0].hydra, resolve=False)
+    patterns = {"run": dirs["run"]["dir"], "sweep": sweep_dir(jobs)}
+    pinned = {key: stamp_dirs(pattern, now) for key, pattern in patterns.items()}
+    for cfg in jobs:
+        with read_write(cfg.hydra):
+            cfg.hydra.run.dir, cfg.hydra.sweep.dir = pinned["run"], pinned["sweep"]
+    return [f"hydra.{key}.dir={_quoted(pinned[key])}" for key in pinned if pinned[key] != dirs[key]["dir"]]
+
+
+def run_dirs(jobs: list, multirun: bool) -> List[Optional[Path]]:
+    """The dir each job will write, as Hydra resolves it (RUN_DIR, or SWEEP_DIR/SUBDIR of job number
+    i); None for a dir pattern that reads what only Hydra's launcher sets (the job's own checks
+    then stand alone)."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.core.utils import setup_globals
+    from omegaconf import OmegaConf, open_dict, read_write
+    from omegaconf.errors import OmegaConfBaseException
+
+    setup_globals()  # the resolvers Hydra registers for its own start (hydra:, now:)
+    previous, out = HydraConfig.instance().cfg, []
+    try:
+        for num, cfg in enumerate(jobs):
+            with read_write(cfg.hydra), open_dict(cfg.hydra):
+                cfg.hydra.job.num = num
+            HydraConfig.instance().set_config(cfg)
+            keys = ("hydra.sweep.dir", "hydra.sweep.subdir") if multirun else ("hydra.run.dir",)
+            try:
+                out.append(Path(*[str(OmegaConf.select(cfg, key, throw_on_missing=True)) for key in keys]))
+            except OmegaConfBaseException:
+                out.append(None)
+    finally:
+        HydraConfig.instance().cfg = previous
+    return out
+
+
+def claim_run_dirs(jobs: list, multirun: bool, now) -> List[str]:
+    """Refuse, before Hydra writes its .hydra/ files into a run dir, a command that would
+    overwrite a run there or that another process is running in (rundir.check_run_dir,
+    rundir.own); a single run takes its dir's lock now and keeps it, a sweep's members each
+    take theirs when they start. Returns overrides: a command that resumes runs in their dirs
+    records itself in .hydra/resumed_<time>/, leaving the .hydra/ files of the command that
+    started them (even if the resume is refused later)."""
+    from rlnotes import rundir
+    from rlnotes.config import ConfigError
+
+    held = []
+    try:
+        for cfg, run_dir in zip(jobs, run_dirs(jobs, multirun)):
+            if run_dir is None:
+                held.append(False)
+                continue
+            rundir.check_run_dir(run_dir, cfg.trainer.resume, cfg.trainer.steps)
+            if multirun:
+                rundir.check_owner(run_dir)
+            else:
+                rundir.own(run_dir)
+            held.append(bool(rundir.run_files(run_dir)))
+    except ConfigError as e:
+        raise UsageError(str(e)) from None
+    return [f"hydra.output_subdir='.hydra/resumed_{now:%Y-%m-%d_%H-%M-%S}'"] if all(held) else []
+
+
+def _rank_overrides(jobs: list) -> List[str]:
     """Overrides for a process torchrun started. Hydra names run and sweep dirs by the clock, which
     can read another second on each rank: every rank takes rank 0's time, so all write to one dir;
     ranks other than 0 leave Hydra's own files (.hydra/, the job log, the sweep summary) to it.
     Joins the process group first (once per process; it serves every job of a sweep)."""
-    from omegaconf import OmegaConf
-
     from rlnotes import distributed
     from rlnotes.models import resolve_device
 
-    distributed.init(resolve_device(cfg.hardware.device))
-    now = distributed.agreed_now()
-    dirs = OmegaConf.to_container(cfg.hydra, resolve=False)
-    extra = [f"hydra.run.dir={_quoted(stamp_dirs(dirs['run']['dir'], now))}",
-             f"hydra.sweep.dir={_quoted(stamp_dirs(sweep, now))}"]
+    distributed.init(resolve_device(jobs[0].hardware.device))
+    extra = pin_dirs(jobs, distributed.agreed_now())
     if not distributed.is_main():
         extra += ["hydra.output_subdir=null", "hydra/job_logging=disabled", "hydra/hydra_logging=disabled",
                   "~hydra.callbacks.sweep_summary"]
@@ -218,17 +282,19 @@ def _train(argv: List[str]) -> int:
     if not informational:
         jobs = check(args.overrides, args.multirun, args.config_dir)
         nproc = _processes(jobs)
-        if args.multirun:
-            argv = [*argv, f"hydra.sweep.dir={_quoted(sweep_dir(jobs))}"]
         if "WORLD_SIZE" in os.environ:  # a process torchrun started (ours or the user's)
             from rlnotes.config import ConfigError
 
             try:
-                argv = [*argv, *_rank_overrides(jobs[0], sweep_dir(jobs))]
+                argv = [*argv, *_rank_overrides(jobs)]
             except ConfigError as e:
                 raise UsageError(str(e)) from None
         elif nproc > 1:
             return _launch(nproc, argv)
+        else:
+            argv = [*argv, *pin_dirs(jobs, datetime.now())]
+        if os.environ.get("RANK", "0") == "0":  # under torchrun rank 0 owns the run dir
+            argv = [*argv, *claim_run_dirs(jobs, args.multirun, datetime.now())]
 
     import hydra
 

@@ -290,6 +290,6 @@ def test_a_checkpoint_of_another_model_or_a_reused_dir_is_refused(tmp_path):
     run(tmp_path, "trainer.steps=1")
     with pytest.raises(ConfigError, match=r"other model settings \(model.lora.r 8 -> 4\)"):
         run(tmp_path / "other", "trainer.steps=2", "model.lora.r=4", f"trainer.resume={tmp_path}")
-    with pytest.raises(ConfigError, match="already holds checkpoints of a run.*trainer.resume=auto"):
+    with pytest.raises(ConfigError, match="already holds a run that finished at step 1.*trainer.resume=auto"):
         run(tmp_path, "trainer.steps=1")
     assert not (tmp_path / "other" / "config.yaml").exists()  # refused before any model loaded

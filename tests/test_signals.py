@@ -233,9 +233,9 @@ def test_a_full_disk_is_one_line_that_keeps_the_earlier_checkpoints(tmp_path, mo
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if line.startswith("rlnotes: error:")]
     assert lines == [f"rlnotes: error: no space left on device while saving checkpoint step_000004 to "
-                     f"{run_dir / 'checkpoints'}; the previous checkpoints are kept (the latest: step_000002): free space "
-                     f"and resume with: rlnotes train trainer.steps=6 trainer.save_every=2 trainer.batch_size=4 "
-                     f"logging.progress=false trainer.resume=auto hydra.run.dir={run_dir}"], err
+                     f"{run_dir / 'checkpoints'}; the previous checkpoints are kept (the latest: step_000002): "
+                     f"free space and resume with: rlnotes train trainer.steps=6 trainer.save_every=2 "
+                     f"trainer.batch_size=4 logging.progress=false trainer.resume=auto hydra.run.dir={run_dir}"], err
     assert "Traceback" not in err
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_000002"]
 

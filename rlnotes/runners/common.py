@@ -17,9 +17,8 @@ from typing import Dict, Iterator, List, Optional
 import torch
 from omegaconf import OmegaConf
 from rich.console import Console
-from safetensors.torch import save_file
 
-from rlnotes import checkpoint, distributed
+from rlnotes import checkpoint, distributed, rundir
 from rlnotes.data import PromptSampler, Row, system_prompt
 from rlnotes.datasets import fit_and_split, load_checked, max_positions
 from rlnotes.evaluate import checker_config, evaluate
@@ -28,7 +27,7 @@ from rlnotes.evaluate import write as write_eval
 from rlnotes.diagnostics import batch_arithmetic, describe_batches
 from rlnotes.logger import MetricsLogger, NullLogger, passed_multiple
 from rlnotes.tracking import open_sinks
-from rlnotes.models import configure_backends, mixed_precision, resolve_device, usual_modes
+from rlnotes.models import configure_backends, mixed_precision, resolve_device
 from rlnotes.notes import kl_penalty, masked_mean
 from rlnotes.notes.tis import truncated_is_weights
 from rlnotes.notes.reinforce import terminal_rewards
@@ -383,10 +382,7 @@ def finish(ctx: Context, interrupted: bool = False) -> Path:
     out = ctx.run_dir / ("interrupted" if interrupted else "final")
     state = distributed.full_state(ctx.policy.model)
     if distributed.is_main():
-        checkpoint.save_policy(ctx.policy, out, state)
-        for name, head in ctx.heads.items():
-            save_file({k: v.contiguous() for k, v in head.state_dict().items()}, str(out / f"{name}.safetensors"))
-        usual_modes(out)
+        checkpoint.save_whole(ctx.policy, ctx.heads, out, state)  # a dir called final/ is a finished run's
     return out
 
 
@@ -421,16 +417,23 @@ def start_point(cfg, run_dir: Path, console: Console) -> Optional[Path]:
 def _start_point(cfg, run_dir: Path, console: Console) -> Optional[Path]:
     from rich.markup import escape
 
-    path = checkpoint.locate(cfg.trainer.resume, run_dir)
+    rundir.own(run_dir)  # the only process in this dir until train ends (the CLI may have taken it already)
+    rundir.check_run_dir(run_dir, cfg.trainer.resume, cfg.trainer.steps)
+    notes: List[str] = []
+    path = checkpoint.locate(cfg.trainer.resume, run_dir, notes)
     if path is None:
         if cfg.trainer.resume == "auto":
             console.print(f"trainer.resume=auto: no checkpoint in {escape(str(run_dir / checkpoint.CHECKPOINTS))}; "
                           "starting at step 0 (to resume a run, pass its dir: hydra.run.dir=RUN_DIR)", highlight=False)
-            checkpoint.carry_logs(None, run_dir, -1)  # rows of an attempt that saved nothing
+            notes += checkpoint.carry_logs(None, run_dir, -1)  # rows of an attempt that saved nothing
+        for note in notes:
+            console.print(f"[yellow]{escape(note)}[/]", highlight=False)
         return None
     step = checkpoint.read_manifest(path)["step"]
     changed = checkpoint.check_config(path, cfg)
-    checkpoint.carry_logs(path.parent.parent, run_dir, step)
+    notes += checkpoint.carry_logs(path.parent.parent, run_dir, step)
+    for note in notes:
+        console.print(f"[yellow]{escape(note)}[/]", highlight=False)
     dropped = checkpoint.drop_later(run_dir, step)
     console.print(f"resuming from {escape(str(path))} at step {step}"
                   + (f"; later checkpoints dropped: {', '.join(p.name for p in dropped)}" if dropped else ""),
@@ -488,6 +491,15 @@ def stopped(ctx: Context, boundary: checkpoint.Boundary, stop: checkpoint.StopSi
 
 
 def train(cfg, run_dir: Path, console: Console) -> Dict[str, float]:
+    """`_train` as the owner of `run_dir` (start_point takes its lock on rank 0; see rundir.own),
+    which it gives up when the run ends, however it ends."""
+    try:
+        return _train(cfg, run_dir, console)
+    finally:
+        rundir.release(run_dir)
+
+
+def _train(cfg, run_dir: Path, console: Console) -> Dict[str, float]:
     """Run `cfg.algo.name`'s train_step until `trainer.steps` optimizer steps; save the policy.
 
     A checkpoint every trainer.save_every steps and at the end; trainer.resume starts from one.

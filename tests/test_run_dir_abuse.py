@@ -1,0 +1,461 @@
+"""A run dir abused as a careful user (or a cluster) might: reused, shared by two processes, killed
+at each phase of a run, its checkpoints corrupted, truncated or deleted file by file, a manifest
+that lies about its step, a torn metrics line. Each test hashes what the earlier run wrote and
+checks that nothing of it is lost or silently changed: a command that would overwrite it is
+refused in one line, and a damaged checkpoint is named and set aside, never deleted or used."""
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from rich.console import Console
+
+from rlnotes import checkpoint, rundir
+from rlnotes.cli import main
+from rlnotes.config import ConfigError
+from rlnotes.logger import MetricsLogger
+from rlnotes.runners import grpo
+from rlnotes.runners.common import train
+from tests.conftest import compose
+
+SETTINGS = ("logging.progress=false", "trainer.batch_size=4", "trainer.save_every=2")
+# Forked processes and a live run paused on a pipe: a hang fails the test instead of the suite.
+pytestmark = pytest.mark.timeout(300)
+
+
+def snapshot(run_dir: Path) -> dict:
+    """sha256 of every file a run wrote (the owner's .lock, which names the current owner, aside)."""
+    return {str(p.relative_to(run_dir)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(Path(run_dir).rglob("*")) if p.is_file() and p.name != rundir.LOCK}
+
+
+def rows(run_dir: Path) -> list:
+    """metrics.jsonl's rows without wall-clock keys, which differ between any two runs."""
+    return [{k: v for k, v in json.loads(line).items() if not k.startswith(("time/", "perf/"))}
+            for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def run(run_dir: Path, *overrides: str, console: Console = None) -> list:
+    train(compose(*SETTINGS, *overrides), run_dir, console or Console(quiet=True))
+    return rows(run_dir)
+
+
+def cli(capsys, run_dir: Path, *overrides: str) -> tuple:
+    """`rlnotes train` in this process: (exit code, stderr)."""
+    try:
+        code = main(["train", *SETTINGS, f"hydra.run.dir={run_dir}", *overrides])
+    except SystemExit as e:  # an error inside the job
+        code = e.code
+    return code, capsys.readouterr().err
+
+
+def in_child(fn) -> int:
+    """fn() in a forked copy of this process (a real second process, without the cost of imports):
+    its exit code, or minus the signal that ended it."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            fn()
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+
+
+def kill_self(*_, **__):
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """A finished 6-step run, and one stopped (Ctrl-C) after its step-4 checkpoint, before final/."""
+    root = tmp_path_factory.mktemp("runs")
+    assert main(["train", *SETTINGS, "trainer.steps=6", f"hydra.run.dir={root / 'finished'}"]) == 0
+    finished = rows(root / "finished")
+    real, calls = grpo.train_step, []
+
+    def stop_in_step_5(ctx):
+        calls.append(1)
+        if len(calls) == 5:
+            raise KeyboardInterrupt
+        return real(ctx)
+
+    grpo.train_step = stop_in_step_5
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run(root / "stopped", "trainer.steps=6")
+    finally:
+        grpo.train_step = real
+    assert [p.name for p in checkpoint.checkpoints(root / "stopped")] == ["step_000002", "step_000004"]
+    return {"root": root, "finished": finished}
+
+
+def copy_of(runs, name: str, tmp_path: Path) -> Path:
+    out = tmp_path / name
+    shutil.copytree(runs["root"] / name, out)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Reusing a run dir: refused before Hydra writes anything, unless the user asked to resume.
+
+
+def _no_checkpoints(d):
+    shutil.rmtree(d / "checkpoints")
+
+
+def _no_final(d):
+    shutil.rmtree(d / "final")
+
+
+def _killed_before_first_checkpoint(d):
+    shutil.rmtree(d / "checkpoints")
+    shutil.rmtree(d / "final")
+
+
+@pytest.mark.parametrize("source, change, overrides, message", [
+    ("finished", None, (), "already holds a run that finished at step 6.*raise trainer.steps above 6 with "
+                           "trainer.resume=auto"),
+    ("finished", None, ("trainer.resume=auto",), "holds a run that finished at step 6, and trainer.steps=6 asks for "
+                                                 "no more; to train it longer, raise trainer.steps above 6"),
+    ("finished", _no_checkpoints, ("trainer.resume=auto",), "holds a finished run .* with no checkpoint to continue"),
+    ("finished", _no_checkpoints, (), "already holds a run that finished at step 6"),
+    ("finished", _no_final, (), "already holds a run \\(config.yaml, metrics.jsonl, checkpoints\\)"),
+    ("finished", _killed_before_first_checkpoint, (), "already holds a run \\(config.yaml, metrics.jsonl\\)"),
+    ("stopped", None, (), "already holds a run .*continue it with trainer.resume=auto"),
+    ("stopped", None, ("trainer.resume={other}",), "already holds a run"),
+    ("finished", None, ("trainer.resume={own}/checkpoints/step_000006",), "finished at step 6.*raise trainer.steps "
+                                                                          "above 6"),
+])
+def test_a_command_that_would_overwrite_a_run_is_refused_before_anything_changes(runs, tmp_path, capsys, source,
+                                                                                  change, overrides, message):
+    """Before: resume=auto into a finished run without checkpoints truncated its metrics.jsonl and
+    overwrote final/; a new run appended its rows after the old ones; a refused command still
+    rewrote .hydra/overrides.yaml. Now every such command stops in one line and no file changes."""
+    run_dir, other = copy_of(runs, source, tmp_path), runs["root"] / "stopped"
+    if change:
+        change(run_dir)
+    before = snapshot(run_dir)
+    overrides = [o.format(other=other, own=run_dir) for o in overrides]
+    code, err = cli(capsys, run_dir, "trainer.steps=6", *overrides)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and err.startswith("rlnotes: error:"), err
+    assert __import__("re").search(message, err), err
+    assert snapshot(run_dir) == before
+
+
+def test_training_a_finished_run_longer_keeps_what_it_wrote(runs, tmp_path, capsys):
+    """resume=auto with more steps is asked for: the run goes on; its rows, its first command's
+    .hydra/ files and its checkpoints stay as they were (keep_last prunes the old ones only after
+    newer ones are saved; final/ is the longer run's policy)."""
+    run_dir = copy_of(runs, "finished", tmp_path)
+    before = snapshot(run_dir)
+    code, err = cli(capsys, run_dir, "trainer.steps=8", "trainer.resume=auto")
+    assert code == 0, err
+    assert rows(run_dir)[:6] == runs["finished"] and [r["step"] for r in rows(run_dir)] == list(range(1, 9))
+    after = snapshot(run_dir)
+    assert all(after[k] == before[k] for k in before if k.startswith(".hydra/"))
+    assert [p for p in after if p.startswith(".hydra/resumed_") and p.endswith("overrides.yaml")]
+
+
+def test_a_sweep_into_a_used_sweep_dir_is_refused_before_any_member_runs(tmp_path, capsys):
+    sweep = ["train", "-m", "seed=0,1", "trainer.steps=1", *SETTINGS, f"hydra.sweep.dir={tmp_path}"]
+    assert main(sweep) == 0
+    capsys.readouterr()
+    before = snapshot(tmp_path)
+    assert main(sweep) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path / '0'} already holds a run that finished at step 1" in err and len(err.splitlines()) == 1
+    assert snapshot(tmp_path) == before
+
+
+# ---------------------------------------------------------------------------------------------
+# Two processes, one run dir.
+
+
+def test_a_second_process_is_refused_while_a_run_is_live_and_admitted_after(runs, tmp_path, capsys):
+    """A real run in a forked process, paused in its 3rd step: a second resume=auto into its dir
+    is refused with the owner's pid, and rewrites none of its files (.hydra/ included); once the
+    owner has finished, its lock is gone."""
+    run_dir = tmp_path / "live"
+    started, go = os.pipe(), os.pipe()
+    real, calls = grpo.train_step, []
+
+    def paused_in_step_3(ctx):
+        calls.append(1)
+        if len(calls) == 3:
+            os.write(started[1], b"x")
+            os.read(go[0], 1)
+        return real(ctx)
+
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            grpo.train_step = paused_in_step_3
+            code = main(["train", *SETTINGS, "trainer.steps=4", f"hydra.run.dir={run_dir}"])
+        finally:
+            os._exit(code)
+    assert os.read(started[0], 1) == b"x"
+    before = snapshot(run_dir)
+    code, err = cli(capsys, run_dir, "trainer.steps=4", "trainer.resume=auto")
+    assert code == 2 and f"is in use by another rlnotes process (pid {pid}" in err and len(err.splitlines()) == 1
+    assert snapshot(run_dir) == before
+    os.write(go[1], b"x")
+    assert os.waitpid(pid, 0)[1] == 0
+    rundir.own(run_dir)  # free again
+    rundir.release(run_dir)
+
+
+def test_the_console_script_is_refused_by_a_live_owner(tmp_path):
+    """The real `rlnotes train` in another process, while this one owns the run dir: exit 2, one
+    line naming this pid, and not even Hydra's .hydra/ is written."""
+    rundir.own(tmp_path)
+    try:
+        command = [str(Path(sys.executable).with_name("rlnotes")), "train", "trainer.steps=1",
+                   f"hydra.run.dir={tmp_path}"]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        out = subprocess.run(command, capture_output=True, text=True, env=env, timeout=240)
+    finally:
+        rundir.release(tmp_path)
+    assert out.returncode == 2 and out.stderr.strip().splitlines() == [
+        f"rlnotes: error: {tmp_path} is in use by another rlnotes process (pid {os.getpid()}, see {tmp_path}/.lock); "
+        "wait for it to end or stop it, or start this run in another dir (hydra.run.dir=NEW_DIR)"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock"]
+
+
+# ---------------------------------------------------------------------------------------------
+# SIGKILL at each phase of a run, then resume=auto.
+
+
+def _kill_in_step(n):
+    def patch():
+        real, calls = grpo.train_step, []
+
+        def step(ctx):
+            calls.append(1)
+            if len(calls) == n:
+                kill_self()
+            return real(ctx)
+        grpo.train_step = step
+    return patch
+
+
+def _kill_mid_row(n):
+    def patch():
+        real = MetricsLogger.log
+
+        def log(self, step, metrics):
+            if step == n:
+                self.file.write(json.dumps({"step": step, **metrics})[:25])
+                self.file.flush()
+                kill_self()
+            return real(self, step, metrics)
+        MetricsLogger.log = log
+    return patch
+
+
+def _kill_on_call(module, name, n, when=lambda *a: True):
+    def patch():
+        real, calls = getattr(module, name), []
+
+        def wrapped(*args, **kwargs):
+            if when(*args):
+                calls.append(1)
+                if len(calls) == n:
+                    kill_self()
+            return real(*args, **kwargs)
+        setattr(module, name, wrapped)
+    return patch
+
+
+PHASES = {
+    "before the first step": _kill_in_step(1),
+    "in the middle of step 3": _kill_in_step(3),
+    "writing step 3's metrics row": _kill_mid_row(3),
+    "writing step 4's checkpoint": _kill_on_call(checkpoint.torch, "save", 2),
+    "after step 4's checkpoint is in place, before pruning": _kill_on_call(checkpoint, "prune", 2),
+    "after step 6's checkpoint, before pruning (keep_last deletes step 2)": _kill_on_call(checkpoint, "prune", 3),
+    "writing final/": _kill_on_call(checkpoint, "save_policy", 1, lambda policy, out, *a: "final" in out.name),
+}
+
+
+@pytest.mark.parametrize("phase", PHASES)
+def test_a_run_killed_at_any_phase_resumes_to_the_same_result(runs, tmp_path, phase):
+    """SIGKILL (no handler runs, no file is closed) at each phase of a real run in a forked
+    process: its lock dies with it, resume=auto finishes the run to the same metrics as one never
+    killed, and what the killed run had completed (rows, checkpoints) is unchanged until the
+    resumed run itself moves past it."""
+    run_dir = tmp_path / "run"
+    assert in_child(lambda: (PHASES[phase](), run(run_dir, "trainer.steps=6"))) == -signal.SIGKILL
+    before = snapshot(run_dir)
+    kept = checkpoint.checkpoints(run_dir)
+    assert run(run_dir, "trainer.steps=6", "trainer.resume=auto") == runs["finished"]
+    after = snapshot(run_dir)
+    for path in kept:
+        name = str(path.relative_to(run_dir))
+        assert all(after.get(k, "pruned") in (before[k], "pruned") for k in before if k.startswith(name))
+    assert [p.name for p in checkpoint.checkpoints(run_dir)] == ["step_000004", "step_000006"]
+    assert (run_dir / "final" / "adapter_model.safetensors").is_file()
+
+
+def test_a_run_killed_again_while_resuming_still_resumes(runs, tmp_path):
+    """Killed in step 5, then killed again while its resume loads the checkpoint (after the logs
+    were cut back to step 4): the third start finishes the run as if nothing happened."""
+    run_dir = tmp_path / "run"
+    assert in_child(lambda: (_kill_in_step(5)(), run(run_dir, "trainer.steps=6"))) == -signal.SIGKILL
+    resume = ("trainer.steps=6", "trainer.resume=auto")
+    assert in_child(lambda: (_kill_on_call(checkpoint, "load", 1)(), run(run_dir, *resume))) == -signal.SIGKILL
+    assert [r["step"] for r in rows(run_dir)] == [1, 2, 3, 4]
+    assert run(run_dir, *resume) == runs["finished"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Damaged checkpoints: named, set aside, and the newest good one resumed.
+
+
+def _flip(f: Path):
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    f.write_bytes(bytes(data))
+
+
+def _truncate(f: Path):
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+
+
+DAMAGE = {"flipped byte": _flip, "truncated": _truncate, "deleted": Path.unlink}
+FILES = ("adapter_model.safetensors", "adapter_config.json", "trainer_state.pt", "config.yaml", "tokenizer.json",
+         "manifest.json")
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+@pytest.mark.parametrize("name", FILES)
+def test_a_damaged_file_in_the_latest_checkpoint_is_named_and_set_aside(runs, tmp_path, name, damage):
+    run_dir = copy_of(runs, "stopped", tmp_path)
+    latest = run_dir / "checkpoints" / "step_000004"
+    DAMAGE[damage](latest / name)
+    before = snapshot(latest)
+    notes = []
+    assert checkpoint.locate("auto", run_dir, notes) == run_dir / "checkpoints" / "step_000002"
+    assert len(notes) == 1 and "step_000004 is damaged" in notes[0] and "set aside as damaged_step_000004" in notes[0]
+    assert name in notes[0] or (name == "manifest.json" and "manifest" in notes[0]), notes
+    assert snapshot(run_dir / "checkpoints" / "damaged_step_000004") == before  # kept as it was, for a look
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_resume_falls_back_to_the_newest_good_checkpoint_and_finishes_the_same(runs, tmp_path, damage):
+    run_dir = copy_of(runs, "stopped", tmp_path)
+    DAMAGE[damage](run_dir / "checkpoints" / "step_000004" / "trainer_state.pt")
+    console = Console(width=400)
+    with console.capture() as out:
+        assert run(run_dir, "trainer.steps=6", "trainer.resume=auto", console=console) == runs["finished"]
+    assert "step_000004 is damaged (trainer_state.pt" in out.get()
+    assert [p.name for p in checkpoint.checkpoints(run_dir)] == ["step_000004", "step_000006"]
+    assert (run_dir / "checkpoints" / "damaged_step_000004").is_dir()
+
+
+@pytest.mark.parametrize("claim", ["in its own dir", "in a dir renamed to match"])
+def test_a_manifest_claiming_step_999_is_caught(runs, tmp_path, claim):
+    """Before: accepted; the run logged negative steps and pruned the good checkpoint."""
+    run_dir = copy_of(runs, "stopped", tmp_path)
+    latest = run_dir / "checkpoints" / "step_000004"
+    manifest = json.loads((latest / "manifest.json").read_text())
+    (latest / "manifest.json").write_text(json.dumps({**manifest, "step": 999}))
+    if claim != "in its own dir":
+        latest = latest.rename(latest.with_name("step_000999"))
+    problem = checkpoint.verify(latest, checkpoint.logged_steps(run_dir))
+    assert problem == ("manifest.json says step 999 but the dir is step_000004" if claim == "in its own dir"
+                       else "manifest.json says step 999, past its run's trainer.steps=6")
+    assert run(run_dir, "trainer.steps=6", "trainer.resume=auto") == runs["finished"]
+    assert (run_dir / "checkpoints" / f"damaged_{latest.name}").is_dir()
+
+
+def test_a_checkpoint_ahead_of_the_metrics_is_not_trusted(runs, tmp_path):
+    """metrics.jsonl lost its last rows (steps 4 and 5): step 4's checkpoint was saved after a row
+    that is gone, so resume takes step 2, where log and checkpoint agree."""
+    run_dir = copy_of(runs, "stopped", tmp_path)
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (run_dir / "metrics.jsonl").write_text("".join(lines[:3]))
+    assert "saved after metrics.jsonl's row of step 4" in checkpoint.verify(
+        run_dir / "checkpoints" / "step_000004", checkpoint.logged_steps(run_dir))
+    assert run(run_dir, "trainer.steps=6", "trainer.resume=auto") == runs["finished"]
+
+
+def test_every_checkpoint_damaged_is_one_line_and_changes_nothing(runs, tmp_path):
+    run_dir = copy_of(runs, "stopped", tmp_path)
+    for path in checkpoint.checkpoints(run_dir):
+        (path / "adapter_model.safetensors").unlink()
+    before = snapshot(run_dir)
+    with pytest.raises(ConfigError, match="no checkpoint in .* verifies \\(checkpoint .*step_000004 is damaged "
+                                          "\\(adapter_model.safetensors is missing\\)\\)"):
+        run(run_dir, "trainer.steps=6", "trainer.resume=auto")
+    assert snapshot(run_dir) == before
+
+
+def test_a_deleted_adapter_is_reported_as_missing_not_as_a_lora_setting(runs, tmp_path):
+    """Before: 'it was saved by a run with model.lora=null: resume with model.lora=null'."""
+    run_dir = copy_of(runs, "stopped", tmp_path)
+    path = run_dir / "checkpoints" / "step_000004"
+    (path / "adapter_model.safetensors").unlink()
+    with pytest.raises(ConfigError, match="step_000004 is damaged \\(adapter_model.safetensors is missing\\); give an "
+                                          "earlier checkpoint"):
+        run(tmp_path / "new", "trainer.steps=6", f"trainer.resume={path}")
+    with pytest.raises(ConfigError, match="is missing its LoRA adapter"):  # even unverified, the cause is right
+        checkpoint.load_policy(type("P", (), {"uses_lora": True, "model": torch.nn.Linear(1, 1)})(), path)
+
+
+def test_keep_last_never_deletes_a_good_checkpoint_for_a_damaged_one(runs, tmp_path):
+    run_dir = copy_of(runs, "finished", tmp_path)
+    _flip(run_dir / "checkpoints" / "step_000006" / "adapter_model.safetensors")
+    removed, damaged = checkpoint.prune(run_dir, 1)
+    assert removed == [] and [p.name for p, _ in damaged] == ["damaged_step_000006"]
+    assert [p.name for p in checkpoint.checkpoints(run_dir)] == ["step_000004"]
+
+
+def test_a_format_1_checkpoint_without_checksums_still_resumes(runs, tmp_path):
+    """Checkpoints written before sizes and checksums: what they hold is checked, and they load."""
+    run_dir = copy_of(runs, "stopped", tmp_path)
+    for path in checkpoint.checkpoints(run_dir):
+        manifest = json.loads((path / "manifest.json").read_text())
+        del manifest["files"], manifest["logged"]
+        (path / "manifest.json").write_text(json.dumps({**manifest, "format": 1}))
+    (run_dir / "checkpoints" / "step_000004" / "adapter_model.safetensors").unlink()
+    notes = []
+    assert checkpoint.locate("auto", run_dir, notes).name == "step_000002"
+    assert "adapter_model.safetensors is missing" in notes[0]
+    assert run(run_dir, "trainer.steps=6", "trainer.resume=auto") == runs["finished"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Torn step logs.
+
+
+@pytest.mark.parametrize("log", checkpoint.STEP_LOGS)
+def test_a_torn_last_line_is_dropped_with_a_note(runs, tmp_path, log):
+    """Before: a JSONDecodeError blocked the resume."""
+    run_dir = copy_of(runs, "stopped", tmp_path)
+    with (run_dir / log).open("a") as f:
+        f.write('{"step": 5, "reward/me')
+    console = Console(width=400)
+    with console.capture() as out:
+        assert run(run_dir, "trainer.steps=6", "trainer.resume=auto", console=console) == runs["finished"]
+    assert f"{log}: its last line is torn" in out.get()
+
+
+def test_a_broken_line_inside_a_log_is_an_error_not_dropped(runs, tmp_path):
+    run_dir = copy_of(runs, "stopped", tmp_path)
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (run_dir / "metrics.jsonl").write_text("".join([lines[0], "garbage\n", *lines[1:]]))
+    before = snapshot(run_dir)
+    with pytest.raises(ConfigError, match="metrics.jsonl line 2 is not a row of a step log"):
+        run(run_dir, "trainer.steps=6", "trainer.resume=auto")
+    assert snapshot(run_dir) == before
