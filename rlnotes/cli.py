@@ -274,6 +274,16 @@ def _rank_overrides(jobs: list) -> List[str]:
     return extra
 
 
+def _resume_hint(console, run_dir: Path) -> None:
+    """How to go on from a run that stopped on an error, when it has a checkpoint to go on from."""
+    from rich.markup import escape
+
+    from rlnotes.checkpoint import checkpoints, resume_command
+
+    if checkpoints(run_dir):
+        console.print(f"[yellow]after a fix, resume with:[/]\n  {escape(resume_command(run_dir))}", highlight=False)
+
+
 def _train(argv: List[str]) -> int:
     from hydra._internal.utils import get_args_parser
 
@@ -312,7 +322,7 @@ def _train(argv: List[str]) -> int:
         from rlnotes.checkpoint import resume_command
         from rlnotes.config import ConfigError, resolve_auto
         from rlnotes.rewards import RewardFailure
-        from rlnotes.runners.common import TrainingError, train
+        from rlnotes.runners.common import SaveFailed, TrainingError, train
 
         # A message is one line, however narrow the screen; with several processes rank 0 speaks.
         console = Console(stderr=True, soft_wrap=True, quiet=not distributed.is_main())
@@ -322,7 +332,12 @@ def _train(argv: List[str]) -> int:
             metrics = train(cfg, run_dir, console)
         except (TrainingError, ConfigError, RewardFailure) as e:
             console.print(f"[red]rlnotes: error:[/] {escape(str(e))}")
+            if not isinstance(e, (ConfigError, SaveFailed)):  # a setting is fixed anew; SaveFailed says how
+                _resume_hint(console, run_dir)
             sys.exit(1)
+        except Exception:  # a bug: Hydra shows the traceback after this line
+            _resume_hint(console, run_dir)
+            raise
         except KeyboardInterrupt:  # however it stopped (loading, a step, a save, a sweep member): how to go on
             console.print(f"[yellow]resume with:[/]\n  {escape(resume_command(run_dir))}", highlight=False)
             raise

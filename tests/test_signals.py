@@ -248,3 +248,53 @@ def test_a_full_disk_is_one_line_that_keeps_the_earlier_checkpoints(tmp_path, mo
 ])
 def test_out_of_space_is_recognised_in_each_form(tmp_path, error, full):
     assert checkpoint.out_of_space(error, tmp_path) == full
+
+
+# ---------------------------------------------------------------------------------------------
+# A run stopped by an error keeps the steps it finished
+
+
+def test_a_reward_that_breaks_mid_run_keeps_the_finished_steps_and_says_how_to_resume(tmp_path, monkeypatch,
+                                                                                        capsys):
+    """A reward function that fails on every sample from step 4 stops the run in one line; the
+    checkpoint of step 3 is saved (save_every is far away) and the printed command resumes it."""
+    module = tmp_path / "breaks_at_four.py"
+    module.write_text("def score(completions, trainer_state, **kwargs):\n"
+                      "    if trainer_state.global_step == 3:\n"
+                      "        raise RuntimeError('the grader is down')\n"
+                      "    return [0.5] * len(completions)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    run_dir = tmp_path / "run"
+    args = ["train", "reward=custom", "reward.target=breaks_at_four.score", "trainer.steps=6",
+            "trainer.save_every=100", "trainer.batch_size=4", "logging.progress=false", f"hydra.run.dir={run_dir}"]
+    with pytest.raises(SystemExit) as exit_:
+        main(args)
+    assert exit_.value.code == 1
+    err = capsys.readouterr().err
+    assert "rlnotes: error: reward function 'score' gave no finite number" in err, err
+    assert f"the checkpoint of that step is in {run_dir / 'checkpoints' / 'step_000003'}" in err
+    assert [p.name for p in checkpoint.checkpoints(run_dir)] == ["step_000003"]
+    assert [r["step"] for r in rows(run_dir)] == [1, 2, 3]
+    command = resume_line(err.replace("after a fix, resume with:", "resume with:"))
+    assert command.endswith(f"trainer.resume=auto hydra.run.dir={run_dir}") and "reward.target=" in command
+
+
+def test_a_bug_mid_run_keeps_the_finished_steps(tmp_path, monkeypatch):
+    """An unexpected exception before a step's update (here from sampling in step 3) still leaves
+    the checkpoint of the last completed step, whole and verified."""
+    from rlnotes.runners import grpo
+
+    real = grpo.sample_and_score
+
+    def sample_and_score(ctx, *args, **kwargs):
+        if ctx.step == 2:
+            raise AttributeError("a bug")
+        return real(ctx, *args, **kwargs)
+
+    monkeypatch.setattr(grpo, "sample_and_score", sample_and_score)
+    run_dir = tmp_path / "run"
+    cfg = compose("trainer.steps=5", "trainer.batch_size=4", "logging.progress=false")
+    with pytest.raises(AttributeError, match="a bug"):
+        train(cfg, run_dir, Console(file=io.StringIO()))
+    assert [p.name for p in checkpoint.checkpoints(run_dir)] == ["step_000002"]
+    assert checkpoint.verify(checkpoint.checkpoints(run_dir)[0]) is None

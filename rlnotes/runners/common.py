@@ -40,6 +40,10 @@ class TrainingError(RuntimeError):
     """A run that cannot go on; its message says what to try."""
 
 
+class SaveFailed(TrainingError):
+    """A checkpoint could not be written (a full disk); the message says how to resume."""
+
+
 @dataclass
 class Context:
     cfg: object
@@ -401,7 +405,7 @@ def save_checkpoint(ctx: Context, boundary: checkpoint.Boundary) -> Optional[Pat
             raise
         target = checkpoint.checkpoint_dir(ctx.run_dir, boundary.step)
         kept = checkpoint.checkpoints(ctx.run_dir)
-        raise TrainingError(f"no space left on device while saving checkpoint {target.name} to {target.parent}; "
+        raise SaveFailed(f"no space left on device while saving checkpoint {target.name} to {target.parent}; "
                             + (f"the previous checkpoints are kept (the latest: {kept[-1].name})" if kept else
                                "there is no earlier checkpoint") + ": free space and resume with: "
                             + checkpoint.resume_command(ctx.run_dir)) from None
@@ -490,6 +494,22 @@ def stopped(ctx: Context, boundary: checkpoint.Boundary, stop: checkpoint.StopSi
     say(f"{stop.name}: the checkpoint of step {boundary.step} was abandoned; {_latest_checkpoint(ctx.run_dir)}")
 
 
+def rescue(ctx: Context, boundary: checkpoint.Boundary, error: Exception) -> None:
+    """After an error that stops the run (a reward function failing on every sample, non-finite
+    losses, a bug): the checkpoint of the last completed step, so that the steps done are not lost,
+    when no update has moved the weights since it (else the last saved checkpoint stands). With
+    several processes only the failing rank knows, and a save needs them all: nothing is saved."""
+    ctx.logger.close()
+    if ctx.updating or boundary.step == 0 or distributed.active() or isinstance(error, SaveFailed):
+        return
+    try:
+        path = save_checkpoint(ctx, boundary)
+    except Exception:  # noqa: BLE001 - the first error is the one to report
+        return
+    ctx.console.print(f"[yellow]{type(error).__name__} after step {boundary.step}: the checkpoint of that step is "
+                      f"in {path}[/]", soft_wrap=True, highlight=False)
+
+
 def train(cfg, run_dir: Path, console: Console) -> Dict[str, float]:
     """`_train` as the owner of `run_dir` (start_point takes its lock on rank 0; see rundir.own),
     which it gives up when the run ends, however it ends."""
@@ -549,6 +569,9 @@ def _train(cfg, run_dir: Path, console: Console) -> Dict[str, float]:
                 save_checkpoint(ctx, boundary)
         except KeyboardInterrupt:
             stopped(ctx, boundary, stop)
+            raise
+        except Exception as error:
+            rescue(ctx, boundary, error)
             raise
         except BaseException:
             ctx.logger.close()
