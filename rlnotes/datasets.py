@@ -457,7 +457,7 @@ def require(table: Table, needs: Dict[str, str]) -> None:
 def require_prompts(table: Table, who: str) -> None:
     """Every row has a prompt to sample from: a plain-text row ({"text": ...}) has none."""
     for i, row in enumerate(table.rows):
-        if row["prompt"] == "":
+        if row.get("prompt") == "":
             raise ConfigError(f"{table.source} row {table.numbers[i]}: a {{\"text\": ...}} row (language modeling, "
                               f"for algo=sft) has no prompt to sample completions of, which {who} does; give a "
                               "prompt column (or messages)")
@@ -475,9 +475,9 @@ def load_checked(cfg, reward_fns: Sequence = (), generating: Optional[str] = Non
         generating = "trainer.eval_every"
     for table in (data.train, data.eval):
         if table is not None:
-            require(table, needs)
-            if generating:
+            if generating:  # first: a file without prompts is the wrong file, whatever its columns
                 require_prompts(table, generating)
+            require(table, needs)
     return data
 
 

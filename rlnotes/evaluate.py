@@ -180,7 +180,8 @@ def run(cfg, console) -> tuple[Evaluation, Path]:
     scorer.state = TrainerState(max_steps=cfg.trainer.steps)   # a reward may divide by max_steps
     from rlnotes.datasets import load_checked
 
-    load_checked(OmegaConf.merge(cfg, {"data": eval_data(cfg)}), scorer.fns)  # a column a checker needs: fail now
+    # Rows to sample from, and the columns a checker needs: a mistake fails now, before the model loads.
+    load_checked(OmegaConf.merge(cfg, {"data": eval_data(cfg)}), scorer.fns, generating="evaluation")
     if cfg.eval.policy:
         path = Path(cfg.eval.policy)
         if not path.is_dir():

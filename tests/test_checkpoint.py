@@ -240,7 +240,7 @@ def test_a_crash_mid_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
 
     def dies_on_second_save(obj, f, *a, **k):
         saves.append(1)
-        if len(saves) == 2:
+        if len(saves) >= 2:  # and every save after it: the run's own retry of step 4 (common.rescue) too
             raise OSError("disk full")
         return real_save(obj, f, *a, **k)
 
