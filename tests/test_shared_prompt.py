@@ -10,6 +10,7 @@ from omegaconf import OmegaConf
 
 from rlnotes.config import ModelConfig
 from rlnotes.critic import logprobs_and_values, values
+from rlnotes.models import smollm2_shaped
 from rlnotes.policy import Policy, head_logprobs, position_ids, prompt_groups, sequence_logprobs
 from rlnotes.rollout import left_pad
 
@@ -26,20 +27,14 @@ def tiny_policy(lora=True):
     return policy.model
 
 
-def smollm2_shaped(layers=2):
+def lora_smollm2_shaped(layers=2):
     """SmolLM2-135M's configuration (GQA 9 / 3 heads, d=576, tied embeddings, its vocabulary) with
     a few layers and random weights, LoRA r16 on q/k/v/o."""
     from peft import LoraConfig, get_peft_model
-    from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=layers,
-                         num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
-                         rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True, pad_token_id=2,
-                         bos_token_id=1, eos_token_id=2)
-    torch.manual_seed(0)
-    model = get_peft_model(LlamaForCausalLM(config), LoraConfig(r=16, lora_alpha=32, task_type="CAUSAL_LM",
-                                                                target_modules=["q_proj", "k_proj", "v_proj",
-                                                                                "o_proj"]))
+    lora = LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                      task_type="CAUSAL_LM")
+    model = get_peft_model(smollm2_shaped(layers), lora)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_B" in name:
@@ -144,14 +139,14 @@ def test_one_token_completions_need_no_completion_pass():
 
 
 def test_smollm2_shaped_model_with_lora_equals_the_plain_pass():
-    model = smollm2_shaped()
+    model = lora_smollm2_shaped()
     model.train()
     ids, attn, mask = group_batch(model.config.vocab_size, prompt_lengths=(9, 23, 4), group=3, max_completion=6)
     check_equivalent(model, ids, attn, mask)
 
 
 def test_reference_pass_with_the_adapter_off_is_shared_too():
-    model = smollm2_shaped()
+    model = lora_smollm2_shaped()
     ids, attn, mask = group_batch(model.config.vocab_size, prompt_lengths=(9, 23), group=2, max_completion=5)
     with model.disable_adapter(), torch.no_grad():
         expected, _ = plain_logprobs(model, ids, attn, mask.shape[1])
@@ -208,3 +203,31 @@ def test_autocast_runs_the_shared_pass():
     assert logp.dtype == torch.float32
     torch.testing.assert_close(logp, plain, atol=0.1, rtol=0.05)
     logp.sum().backward()
+
+
+@pytest.mark.parametrize("algo", ["grpo", "ppo"])
+def test_trainer_shared_prompt_switch_changes_no_metric(tmp_path, monkeypatch, algo):
+    """trainer.shared_prompt=false forwards every row whole; the metrics of a run stay the same."""
+    import json
+
+    import rlnotes.policy
+    from rich.console import Console
+
+    from rlnotes.runners.common import train
+    from tests.conftest import compose
+
+    calls = []
+    real = rlnotes.policy.prompt_groups
+    monkeypatch.setattr(rlnotes.policy, "prompt_groups", lambda *a: calls.append(1) or real(*a))
+    rows = {}
+    for share in (True, False):
+        calls.clear()
+        cfg = compose("logging.progress=false", f"algo={algo}", "trainer.steps=2", "trainer.batch_size=4",
+                      "trainer.micro_batch_size=4", f"trainer.shared_prompt={str(share).lower()}")
+        train(cfg, tmp_path / str(share), Console(quiet=True))
+        rows[share] = [json.loads(line) for line in (tmp_path / str(share) / "metrics.jsonl").read_text().splitlines()]
+        assert bool(calls) == share
+    for a, b in zip(rows[True], rows[False]):
+        assert a["reward/mean"] == b["reward/mean"]
+        for key in ("loss", "optim/grad_norm", "kl/ref", "policy/entropy"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6, nan_ok=True), key
