@@ -112,8 +112,8 @@ def sharing_batch(vocab: int, prompts: int, prompt_len: int, group: int, new_tok
 
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(int(prompt_len * 0.9), int(prompt_len * 1.1) + 1, (prompts,), generator=g)
-    p_ids, p_mask = left_pad([torch.randint(3, vocab, (int(n),), generator=g).tolist() for n in lengths
-                              for _ in range(group)], 2)
+    texts = [torch.randint(3, vocab, (int(n),), generator=g).tolist() for n in lengths]
+    p_ids, p_mask = left_pad([t for t in texts for _ in range(group)], 2)
     n = prompts * group
     c_len = torch.randint(new_tokens // 2, new_tokens + 1, (n,), generator=g)
     c_len[0] = new_tokens
@@ -141,19 +141,22 @@ def shared_prompt_ratio(threads: int, rounds: int, layers: int) -> None:
     print("shape | prompts x G x new tokens | tokens plain | tokens shared | plain s | shared s | ratio")
     for name, prompts, prompt_len, group, new_tokens in SHARING_SHAPES:
         ids, attn, mask = sharing_batch(model.config.vocab_size, prompts, prompt_len, group, new_tokens)
-        times = {True: [], False: []}
+        times, tokens = {True: [], False: []}, {True: 0, False: 0}
         for _ in range(rounds):
             for share in (False, True):
+                fed = []  # the tokens the passes really forward
+                embed = model.get_input_embeddings()
+                hook = embed.register_forward_hook(lambda m, args, out: fed.append(args[0].numel()))
                 start = time.perf_counter()
                 logp = sequence_logprobs(model, ids, attn, mask.shape[1], share_prompts=share)
                 (logp * mask).sum().backward()
                 times[share].append(time.perf_counter() - start)
+                hook.remove()
+                tokens[share] = sum(fed)
                 model.zero_grad(set_to_none=True)
         plain, shared = statistics.median(times[False]), statistics.median(times[True])
-        width = ids.shape[1] - mask.shape[1]
-        print(f"{name} | {prompts} x {group} x {new_tokens} (prompts ~{prompt_len}) | {ids.numel()} | "
-              f"{prompts * width + ids.shape[0] * (mask.shape[1] - 1)} | {plain:.2f} | {shared:.2f} | "
-              f"{plain / shared:.2f}x", flush=True)
+        print(f"{name} | {prompts} x {group} x {new_tokens} (prompts ~{prompt_len}) | {tokens[False]} | "
+              f"{tokens[True]} | {plain:.2f} | {shared:.2f} | {plain / shared:.2f}x", flush=True)
 
 
 def main() -> None:
@@ -162,7 +165,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=0, help="steps per model (default: 12 tiny, 4 SmolLM2)")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     parser.add_argument("--shared-prompt", action="store_true",
-                        help="instead: time the policy pass with and without prompt sharing (random SmolLM2-shaped model)")
+                        help="instead: time the policy pass with and without prompt sharing "
+                             "(a random SmolLM2-shaped model)")
     parser.add_argument("--threads", type=int, default=2, help="--shared-prompt: torch threads")
     parser.add_argument("--rounds", type=int, default=3, help="--shared-prompt: alternating rounds")
     parser.add_argument("--layers", type=int, default=30, help="--shared-prompt: layers of the model (SmolLM2: 30)")
