@@ -3,6 +3,10 @@
 Policy = base model + LoRA adapter; reference = the same base with the adapter disabled, so
 there is one copy of the weights. Without LoRA (`model.lora=null`) every weight trains and a
 frozen copy serves as the reference.
+
+Log-probs: rows that share a prompt forward it once (completion_states), and the LM head turns
+hidden states into log-probs a chunk at a time (head_logprobs), so full-vocabulary logits of the
+whole batch never exist at once.
 """
 
 from __future__ import annotations
