@@ -354,6 +354,10 @@ class TrainerConfig:
     batch_size: int = 8
     # Completions per forward/backward pass; null = all at once. Changes memory, not the math.
     micro_batch_size: Optional[int] = None
+    # Rows that share a prompt (a prompt's G completions, a DPO pair) forward it once in the training,
+    # old-policy, reference and value passes: P + G*R tokens instead of G*(P+R), with the same
+    # log-probs, values and gradients (to float rounding). false = every row forwards its own prompt.
+    shared_prompt: bool = True
     # Log a metrics row every N steps (each row averages nothing: it is that step).
     log_every: int = 1
     # Evaluate the policy on the task's eval split (see `eval`) every N optimizer steps, before the

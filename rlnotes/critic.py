@@ -12,10 +12,9 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
 from rlnotes.notes import masked_mean
-from rlnotes.policy import forward, token_logprobs
+from rlnotes.policy import completion_states, head_logprobs
 
 
 def value_head(hidden_size: int, device: torch.device) -> torch.nn.Linear:
@@ -26,39 +25,28 @@ def value_head(hidden_size: int, device: torch.device) -> torch.nn.Linear:
     return head
 
 
-def token_entropy(logits: torch.Tensor, temperature: float = 1.0, chunk: int = 8) -> torch.Tensor:
-    """H(pi(. | s_t)) = -sum_a pi(a) log pi(a) per position, logits [B, T, V] -> [B, T]."""
-    out = []
-    for lg in logits.split(chunk):
-        logp = F.log_softmax(lg.float() / temperature, dim=-1)
-        out.append(-(logp.exp() * logp).sum(-1))
-    return torch.cat(out)
-
-
-def _values(head: torch.nn.Module, out, n_completion: int) -> torch.Tensor:
-    # hidden_states[-1] is after the final norm: the LM head's input.
-    hidden = out.hidden_states[-1][:, -(n_completion + 1):-1]
-    return head(hidden.to(head.weight.dtype)).squeeze(-1)
-
-
 def logprobs_and_values(model, head, input_ids, attention_mask, n_completion: int, temperature: float = 1.0,
-                        entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-    """(log pi [B, n], V(s_t) [B, n], entropy [B, n] or None) from ONE forward pass.
+                        entropy: bool = False, share_prompts: bool = True
+                        ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """(log pi [B, n], V(s_t) [B, n], entropy H(pi(. | s_t)) [B, n] or None) from ONE forward pass.
 
-    Rows are [left-padded prompt | completion], as for policy.sequence_logprobs; only the
-    completion positions reach the LM head. The exact entropy needs a full softmax per token,
-    so it is computed only when asked for.
+    Rows are [left-padded prompt | completion], as for policy.sequence_logprobs (rows with the
+    same prompt share its pass when share_prompts); only the completion positions reach the LM
+    head. The exact entropy needs a full softmax per token, so it is computed only when asked for.
     """
-    out = forward(model, input_ids, attention_mask, n_completion + 1, hidden_states=True)
-    logits = out.logits[:, :-1]
-    logp = token_logprobs(logits, input_ids[:, -n_completion:], temperature)
-    ent = token_entropy(logits, temperature) if entropy else None
-    return logp, _values(head, out, n_completion), ent
+    hidden = completion_states(model, input_ids, attention_mask, n_completion, share_prompts)
+    logp, ent = head_logprobs(hidden, model.get_output_embeddings(), input_ids[:, -n_completion:], temperature,
+                              entropy)
+    return logp, _values(head, hidden), ent
 
 
-def values(model, head, input_ids, attention_mask, n_completion: int) -> torch.Tensor:
-    """V(s_t) [B, n] alone: the LM head sees one position only."""
-    return _values(head, forward(model, input_ids, attention_mask, 1, hidden_states=True), n_completion)
+def values(model, head, input_ids, attention_mask, n_completion: int, share_prompts: bool = True) -> torch.Tensor:
+    """V(s_t) [B, n] alone: no position reaches the LM head."""
+    return _values(head, completion_states(model, input_ids, attention_mask, n_completion, share_prompts))
+
+
+def _values(head: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    return head(hidden.to(head.weight.dtype)).squeeze(-1)
 
 
 def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

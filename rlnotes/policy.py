@@ -3,6 +3,10 @@
 Policy = base model + LoRA adapter; reference = the same base with the adapter disabled, so
 there is one copy of the weights. Without LoRA (`model.lora=null`) every weight trains and a
 frozen copy serves as the reference.
+
+Log-probs: rows that share a prompt forward it once (completion_states), and the LM head turns
+hidden states into log-probs a chunk at a time (head_logprobs), so full-vocabulary logits of the
+whole batch never exist at once.
 """
 
 from __future__ import annotations
@@ -14,22 +18,90 @@ from typing import Iterator, Optional
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from rlnotes.models import load_base, usual_modes
 
 
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0,
-                   chunk: int = 8) -> torch.Tensor:
-    """log softmax(logits / T)[token] for logits [B,T,V] and tokens [B,T] -> [B,T] (float32).
+# Logits of at most this many floats exist at once in head_logprobs (64 MB in float32): 341 positions
+# of a 49k vocabulary, every position of a small one.
+LOGIT_CHUNK = 2**24
 
-    A few rows at a time, so only a chunk's [rows,T,V] log-softmax exists at once; the fused
-    log_softmax kernel and its backward are 2-3x faster here than logit - logsumexp(logit).
+
+class _FrozenHeadLogprobs(torch.autograd.Function):
+    """log pi(token) (and the entropy) from hidden states through a frozen LM head, chunk by chunk.
+
+    d log pi(a) / dh = (W[a] - pi @ W) / T and dH / dh = -(pi * (log pi + H)) @ W / T are computed in the
+    forward pass, while each chunk's logits exist, so only these [M, d] tensors wait for the backward
+    pass: never the [M, V] logits or their softmax. The backward pass scales them by the incoming
+    gradients; the matmul it would have done moved to the forward pass, so the work is the same.
     """
-    out = []
-    for lg, tk in zip(logits.split(chunk), tokens.split(chunk)):
-        lg = lg.float() if temperature == 1.0 else lg.float() / temperature
-        out.append(F.log_softmax(lg, dim=-1).gather(-1, tk.unsqueeze(-1)).squeeze(-1))
-    return torch.cat(out)
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, tokens, temperature: float, chunk: int, entropy: bool):
+        grads = ctx.needs_input_grad[0]
+        logp = hidden.new_empty(hidden.shape[0], dtype=torch.float32)
+        ent = torch.empty_like(logp) if entropy else None
+        d_logp = torch.empty_like(hidden) if grads else None
+        d_ent = torch.empty_like(hidden) if grads and entropy else None
+        for start in range(0, hidden.shape[0], chunk):
+            rows = slice(start, start + chunk)
+            z = F.linear(hidden[rows], weight, bias).float() / temperature
+            log_pi = F.log_softmax(z, dim=-1)
+            del z
+            tok = tokens[rows]
+            logp[rows] = log_pi.gather(-1, tok[:, None]).squeeze(-1)
+            pi = log_pi.exp() if grads or entropy else None
+            if entropy:
+                ent[rows] = -(pi * log_pi).sum(-1)
+            if grads:
+                w = weight.float()
+                d_logp[rows] = (w[tok] - pi @ w) / temperature
+                if entropy:
+                    d_ent[rows] = -(pi * (log_pi + ent[rows, None])) @ w / temperature
+        ctx.save_for_backward(d_logp, d_ent)
+        return logp, ent
+
+    @staticmethod
+    def backward(ctx, g_logp, g_ent):
+        d_logp, d_ent = ctx.saved_tensors
+        if d_logp is None:
+            return (None,) * 7
+        grad = d_logp * g_logp[:, None].to(d_logp.dtype)
+        if d_ent is not None and g_ent is not None:
+            grad = grad + d_ent * g_ent[:, None].to(d_ent.dtype)
+        return grad, None, None, None, None, None, None
+
+
+def head_logprobs(hidden: torch.Tensor, head: torch.nn.Module, tokens: torch.Tensor, temperature: float = 1.0,
+                  entropy: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(log softmax(head(h) / T)[token] [B, n], entropy of that softmax [B, n] or None) from hidden
+    states h [B, n, d] and tokens [B, n], in float32, LOGIT_CHUNK logits at a time.
+
+    A frozen linear head (LoRA, and every no-grad pass) keeps no logits for the backward pass
+    (_FrozenHeadLogprobs); a trainable one (model.lora=null, or an adapter on the head) goes through
+    autograd chunk by chunk, keeping each chunk's log-softmax for its backward pass.
+    """
+    shape, flat, flat_tokens = tokens.shape, hidden.reshape(-1, hidden.shape[-1]), tokens.reshape(-1)
+    chunk = max(1, LOGIT_CHUNK // head.weight.shape[0])
+    frozen = not torch.is_grad_enabled() or not any(p.requires_grad for p in head.parameters())
+    if type(head) is torch.nn.Linear and frozen:
+        weight, bias = head.weight, head.bias
+        if isinstance(weight, DTensor):  # FSDP: gathered (it is the root unit's, normally whole after a forward)
+            weight = weight.full_tensor()
+            bias = bias.full_tensor() if isinstance(bias, DTensor) else bias
+        logp, ent = _FrozenHeadLogprobs.apply(flat, weight, bias, flat_tokens, temperature, chunk, entropy)
+    else:
+        parts = []
+        for h, tok in zip(flat.split(chunk), flat_tokens.split(chunk)):
+            log_pi = F.log_softmax(head(h).float() / temperature, dim=-1)
+            parts.append((log_pi.gather(-1, tok[:, None]).squeeze(-1), -(log_pi.exp() * log_pi).sum(-1)
+                          if entropy else None))
+        logp = torch.cat([p[0] for p in parts])
+        ent = torch.cat([p[1] for p in parts]) if entropy else None
+    return logp.view(shape), (ent.view(shape) if entropy else None)
 
 
 def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -45,23 +117,80 @@ def forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits
                  use_cache=False, logits_to_keep=logits_to_keep, output_hidden_states=hidden_states)
 
 
+def prompt_groups(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """Rows that share their prompt: (the first row of each distinct prompt [U], in order, and each
+    row's prompt number [B]), or None when every row has a prompt of its own. Prompts compare as
+    token ids and padding together, so any rows may share (a group, part of one, or PPO's shuffled
+    rows), and rows that share one have the same left-padded ids, positions and keys/values."""
+    key = prompt_ids.masked_fill(prompt_mask == 0, -1)
+    unique, inverse = torch.unique(key, dim=0, return_inverse=True)
+    if len(unique) == len(key):
+        return None
+    rows = torch.arange(len(key), device=key.device)
+    first = torch.full((len(unique),), len(key), device=key.device).scatter_reduce(0, inverse, rows, "amin")
+    order = first.argsort()
+    number = torch.empty_like(order)
+    number[order] = torch.arange(len(order), device=key.device)
+    return first[order], number[inverse]
+
+
+def _last_hidden(out) -> torch.Tensor:
+    return out.hidden_states[-1]  # after the final norm: the LM head's input
+
+
+def completion_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, n_completion: int,
+                      share_prompts: bool = True) -> torch.Tensor:
+    """The last layer's hidden states [B, n, d] at the positions that predict the last n tokens of
+    each [left-padded prompt | completion] row (positions P-1 .. P+n-2), after the final norm.
+
+    share_prompts: rows with the same prompt (a GRPO group) share one forward pass of it: the
+    prompt rows once, with a KV cache, then the completions against the cache copied to their
+    rows, G(P+n) -> P+Gn tokens. Gradients flow through the cache into the prompt pass. The
+    positions are those the whole row would have, so every output equals the one-pass forward's.
+    """
+    width = input_ids.shape[1] - n_completion
+    positions = position_ids(attention_mask)
+    groups = prompt_groups(input_ids[:, :width], attention_mask[:, :width]) if share_prompts and width else None
+    none = torch.empty(0, dtype=torch.long, device=input_ids.device)  # no logits: the head runs in head_logprobs
+    cache = DynamicCache(config=model.config) if groups is not None else None
+    if cache is None or any(type(layer) is not DynamicLayer for layer in cache.layers):  # e.g. sliding windows
+        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=False,
+                    logits_to_keep=none, output_hidden_states=True)
+        return _last_hidden(out)[:, width - 1:-1]
+    first, number = groups
+    prompt = model(input_ids=input_ids[first, :width], attention_mask=attention_mask[first, :width],
+                   position_ids=positions[first, :width], cache=cache, use_cache=True, logits_to_keep=none,
+                   output_hidden_states=True)
+    last = _last_hidden(prompt)[number, -1:]  # predicts each row's first completion token
+    if n_completion == 1:
+        return last
+    cache.batch_select_indices(number)  # indexing, so the rows' gradients add up in the prompt pass
+    rest = model(input_ids=input_ids[:, width:-1], attention_mask=attention_mask[:, :-1],
+                 position_ids=positions[:, width:-1], cache=cache, use_cache=True, logits_to_keep=none,
+                 output_hidden_states=True)
+    return torch.cat([last, _last_hidden(rest)], dim=1)
+
+
 def sequence_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, n_completion: int,
-                      temperature: float = 1.0) -> torch.Tensor:
+                      temperature: float = 1.0, share_prompts: bool = True) -> torch.Tensor:
     """Log-probs [B, n_completion] of the last `n_completion` tokens of each row.
 
     Rows are [left-padded prompt | completion]; position ids follow the attention mask so
     padding never shifts positions, and only the completion positions reach the LM head.
     """
-    logits = forward(model, input_ids, attention_mask, n_completion + 1).logits[:, :-1]
-    return token_logprobs(logits, input_ids[:, -n_completion:], temperature)
+    hidden = completion_states(model, input_ids, attention_mask, n_completion, share_prompts)
+    return head_logprobs(hidden, model.get_output_embeddings(), input_ids[:, -n_completion:], temperature)[0]
 
 
 class Policy:
     """A trainable policy and its fixed reference, sharing one base model when LoRA is on."""
 
-    def __init__(self, model: torch.nn.Module, tokenizer, reference: Optional[torch.nn.Module] = None):
+    def __init__(self, model: torch.nn.Module, tokenizer, reference: Optional[torch.nn.Module] = None,
+                 share_prompts: bool = True):
         self.model, self.tokenizer, self._reference = model, tokenizer, reference
         self.uses_lora = reference is None
+        # Rows with the same prompt forward it once (trainer.shared_prompt; see completion_states).
+        self.share_prompts = share_prompts
 
     @classmethod
     def from_config(cls, cfg, device: torch.device) -> "Policy":
@@ -108,12 +237,12 @@ class Policy:
         return [p for p in self.model.parameters() if p.requires_grad]
 
     def logprobs(self, input_ids, attention_mask, n_completion, temperature=1.0) -> torch.Tensor:
-        return sequence_logprobs(self.model, input_ids, attention_mask, n_completion, temperature)
+        return sequence_logprobs(self.model, input_ids, attention_mask, n_completion, temperature, self.share_prompts)
 
     @torch.no_grad()
     def ref_logprobs(self, input_ids, attention_mask, n_completion, temperature=1.0) -> torch.Tensor:
         with self.reference() as ref:
-            return sequence_logprobs(ref, input_ids, attention_mask, n_completion, temperature)
+            return sequence_logprobs(ref, input_ids, attention_mask, n_completion, temperature, self.share_prompts)
 
     def save(self, path: Path) -> None:
         """A peft adapter dir (LoRA) or a full model dir, with the tokenizer beside it."""

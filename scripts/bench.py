@@ -3,6 +3,7 @@ and the step's FLOPs against this machine's measured matmul rate.
 
     python scripts/bench.py                       # tiny and SmolLM2-135M, 8 prompts x G=4 x 32 tokens
     python scripts/bench.py --models tiny --steps 10
+    python scripts/bench.py --shared-prompt       # the policy pass with and without prompt sharing
 
 Each model runs in its own process (so peak RSS is that model's). Figures are medians over the
 steps after the first (warm-up). Run on a quiet machine; compare ratios within one run.
@@ -44,16 +45,18 @@ def matmul_gflops(threads: int, n: int = 1024, repeats: int = 10) -> float:
     return 2 * n**3 / statistics.median(times) / 1e9
 
 
-def step_flops(model, rows: list[dict], prompt_tokens: float, group: int, prompts: int, with_ref: bool) -> float:
+def step_flops(model, rows: list[dict], prompt_tokens: float, group: int, prompts: int, with_ref: bool,
+               shared_prompt: bool = True) -> float:
     """Matmul FLOPs of one GRPO step: 2 per weight per token forward, twice that backward
-    (activation gradients only: the base weights are frozen; LoRA's own are negligible)."""
+    (activation gradients only: the base weights are frozen; LoRA's own are negligible). With
+    trainer.shared_prompt the training passes forward each prompt once: P + G R tokens a group."""
     embed = model.get_input_embeddings().weight.numel()
     body = sum(p.numel() for p in model.parameters()) - embed
     if not model.config.tie_word_embeddings:
         body -= model.get_output_embeddings().weight.numel()
     head = embed  # the LM head has the embedding's shape
     comp = statistics.median(r["completion/len_mean"] for r in rows) * group * prompts
-    full = prompt_tokens * group * prompts + comp
+    full = prompt_tokens * (1 if shared_prompt else group) * prompts + comp
     generate = 2 * body * (prompt_tokens * prompts + comp) + 2 * head * comp
     forward = 2 * body * full + 2 * head * comp
     return generate + forward * (1 if with_ref else 0) + 2 * forward  # + policy fwd and bwd
@@ -89,9 +92,71 @@ def run_one(name: str, steps: int) -> dict:
     med = {k: statistics.median(r[k] for r in warm if r.get(k) is not None)
            for k in ("time/step_s", "time/generate_s", "time/reference_s", "time/policy_s", "perf/gen_tokens_per_s",
                      "completion/len_mean")}
-    flops = step_flops(base, warm, prompt_tokens, cfg.algo.group_size, cfg.trainer.batch_size, cfg.algo.beta > 0)
+    flops = step_flops(base, warm, prompt_tokens, cfg.algo.group_size, cfg.trainer.batch_size, cfg.algo.beta > 0,
+                       cfg.trainer.shared_prompt)
     return {"model": name, "threads": threads, "matmul_gflops": gflops, "step_flops": flops, **med,
             "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+
+
+# (name, prompts, prompt tokens, G, new tokens) of --shared-prompt: the bench shape and a long-prompt one
+# (fewer prompts than a real step, to keep the run short: the ratio is per group).
+SHARING_SHAPES = [("bench", 8, 45, 4, 32), ("long-prompt", 2, 200, 8, 64)]
+
+
+def sharing_batch(vocab: int, prompts: int, prompt_len: int, group: int, new_tokens: int, seed: int = 0):
+    """Random [left-padded prompt | right-padded completion] rows: prompt lengths within 10% of
+    prompt_len, completion lengths from half to all of new_tokens (one row at the full length)."""
+    import torch
+
+    from rlnotes.rollout import left_pad
+
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(int(prompt_len * 0.9), int(prompt_len * 1.1) + 1, (prompts,), generator=g)
+    texts = [torch.randint(3, vocab, (int(n),), generator=g).tolist() for n in lengths]
+    p_ids, p_mask = left_pad([t for t in texts for _ in range(group)], 2)
+    n = prompts * group
+    c_len = torch.randint(new_tokens // 2, new_tokens + 1, (n,), generator=g)
+    c_len[0] = new_tokens
+    c_mask = (torch.arange(new_tokens)[None] < c_len[:, None]).float()
+    c_ids = torch.randint(3, vocab, (n, new_tokens), generator=g).masked_fill(c_mask == 0, 2)
+    return torch.cat([p_ids, c_ids], 1), torch.cat([p_mask, c_mask.long()], 1), c_mask
+
+
+def shared_prompt_ratio(threads: int, rounds: int, layers: int) -> None:
+    """Time the policy's training pass (log-probs forward and backward, LoRA r16 on q/k/v/o) of a
+    SmolLM2-shaped random model, with and without prompt sharing, alternating; print medians and
+    their ratio per shape."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    from rlnotes.models import smollm2_shaped
+    from rlnotes.policy import sequence_logprobs
+
+    torch.set_num_threads(threads)
+    lora = LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                      task_type="CAUSAL_LM")
+    model = get_peft_model(smollm2_shaped(layers), lora).train()
+    print(f"policy pass (forward + backward), SmolLM2-shaped random model, {layers} layers, {threads} threads; "
+          f"median of {rounds} alternating rounds")
+    print("shape | prompts x G x new tokens | tokens plain | tokens shared | plain s | shared s | ratio")
+    for name, prompts, prompt_len, group, new_tokens in SHARING_SHAPES:
+        ids, attn, mask = sharing_batch(model.config.vocab_size, prompts, prompt_len, group, new_tokens)
+        times, tokens = {True: [], False: []}, {True: 0, False: 0}
+        for _ in range(rounds):
+            for share in (False, True):
+                fed = []  # the tokens the passes really forward
+                embed = model.get_input_embeddings()
+                hook = embed.register_forward_hook(lambda m, args, out: fed.append(args[0].numel()))
+                start = time.perf_counter()
+                logp = sequence_logprobs(model, ids, attn, mask.shape[1], share_prompts=share)
+                (logp * mask).sum().backward()
+                times[share].append(time.perf_counter() - start)
+                hook.remove()
+                tokens[share] = sum(fed)
+                model.zero_grad(set_to_none=True)
+        plain, shared = statistics.median(times[False]), statistics.median(times[True])
+        print(f"{name} | {prompts} x {group} x {new_tokens} (prompts ~{prompt_len}) | {tokens[False]} | "
+              f"{tokens[True]} | {plain:.2f} | {shared:.2f} | {plain / shared:.2f}x", flush=True)
 
 
 def main() -> None:
@@ -99,7 +164,16 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--steps", type=int, default=0, help="steps per model (default: 12 tiny, 4 SmolLM2)")
     parser.add_argument("--one", help=argparse.SUPPRESS)
+    parser.add_argument("--shared-prompt", action="store_true",
+                        help="instead: time the policy pass with and without prompt sharing "
+                             "(a random SmolLM2-shaped model)")
+    parser.add_argument("--threads", type=int, default=2, help="--shared-prompt: torch threads")
+    parser.add_argument("--rounds", type=int, default=3, help="--shared-prompt: alternating rounds")
+    parser.add_argument("--layers", type=int, default=30, help="--shared-prompt: layers of the model (SmolLM2: 30)")
     args = parser.parse_args()
+    if args.shared_prompt:
+        shared_prompt_ratio(args.threads, args.rounds, args.layers)
+        return
     if args.one:
         print(json.dumps(run_one(args.one, args.steps)))
         return

@@ -6,7 +6,7 @@ from omegaconf import OmegaConf
 
 from rlnotes.config import ModelConfig
 from rlnotes.models import load_base
-from rlnotes.policy import Policy, sequence_logprobs, token_logprobs
+from rlnotes.policy import Policy, head_logprobs, sequence_logprobs
 from rlnotes.rollout import left_pad
 
 
@@ -38,11 +38,11 @@ def perturb_adapter(policy):
                 p.normal_(0, 0.5)
 
 
-def test_token_logprobs_matches_log_softmax():
-    logits = torch.randn(3, 5, 11)
-    tokens = torch.randint(0, 11, (3, 5))
-    expected = torch.log_softmax(logits / 0.7, -1).gather(-1, tokens[..., None]).squeeze(-1)
-    torch.testing.assert_close(token_logprobs(logits, tokens, 0.7, chunk=2), expected)
+def test_head_logprobs_matches_log_softmax():
+    head = torch.nn.Linear(4, 11)  # trainable: the autograd path (test_shared_prompt tests the frozen one)
+    hidden, tokens = torch.randn(3, 5, 4), torch.randint(0, 11, (3, 5))
+    expected = torch.log_softmax(head(hidden) / 0.7, -1).gather(-1, tokens[..., None]).squeeze(-1)
+    torch.testing.assert_close(head_logprobs(hidden, head, tokens, 0.7)[0], expected)
 
 
 def test_fresh_adapter_is_the_reference_and_disabling_it_gives_the_base():

@@ -117,6 +117,7 @@ def setup(cfg, run_dir: Path, console: Console, resume_from: Optional[Path] = No
     with distributed.main_first():  # caches (a converted model, a downloaded dataset) are written once
         data = load_checked(cfg, rewards.fns if rewards else [])  # a data mistake fails before the model loads
         policy = Policy.from_config(cfg.model, device)
+    policy.share_prompts = cfg.trainer.shared_prompt
     if resume_from is not None:
         checkpoint.load_policy(policy, resume_from)
     if distributed.active() and cfg.hardware.strategy == "fsdp":

@@ -58,7 +58,8 @@ def minibatch_loss(ctx: Context, b, adv, returns, old_values) -> tuple[torch.Ten
     cfg, algo = ctx.cfg, ctx.cfg.algo
     w, m = b.completion_ids.shape[1], b.completion_mask
     logp, v, entropy = logprobs_and_values(ctx.policy.model, ctx.heads["value_head"], b.input_ids, b.attention_mask,
-                                           w, cfg.rollout.temperature, entropy=algo.entropy_coef > 0)
+                                           w, cfg.rollout.temperature, entropy=algo.entropy_coef > 0,
+                                           share_prompts=ctx.policy.share_prompts)
     agg = lambda x: aggregate(x, m, algo.aggregation, cfg.rollout.max_new_tokens)  # noqa: E731
     tis = tis_weights(ctx, b)  # rollout.tis_cap: tokens vLLM sampled weigh min(pi_old / pi_vllm, C)
     pg_loss = agg(ppo_clip_loss(logp, b.logprobs, adv if tis is None else adv * tis, algo.clip_eps))
@@ -92,7 +93,8 @@ def train_step(ctx: Context) -> Dict[str, float]:
     # 3. Per-token rewards: the outcome at the end, the KL penalty on every token.
     token_rewards, metrics["kl/ref"] = penalized_token_rewards(ctx, rollout, rewards, algo.beta, algo.kl_estimator)
     with ctx.timed("values"), torch.no_grad():
-        old_values = torch.cat([values(policy.model, head, input_ids[i], attention_mask[i], n) for i in chunks])
+        old_values = torch.cat([values(policy.model, head, input_ids[i], attention_mask[i], n, policy.share_prompts)
+                                for i in chunks])
 
     # 4. Generalized advantage estimation.
     adv, returns = gae(token_rewards, old_values, mask, algo.gamma, algo.lam)

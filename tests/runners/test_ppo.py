@@ -52,11 +52,13 @@ def test_the_critic_learns_a_reward_it_can_predict(tmp_path, monkeypatch):
 
 def test_one_forward_per_minibatch(tmp_path, monkeypatch):
     """Generation aside, a batch costs: 1 reference pass (beta > 0) + 1 pass for V_old +
-    one pass per minibatch and epoch, which gives both log-probs and values."""
+    one pass per minibatch and epoch, which gives both log-probs and values. With
+    trainer.shared_prompt each pass is two model calls: the distinct prompts, then the completions."""
     real = ppo.sample_and_score
-    for beta, reference_passes in ((0.05, 1), (0.0, 0)):
-        cfg = compose("logging.progress=false", "algo=ppo", *SMALL, f"algo.beta={beta}", "trainer.steps=4")
-        ctx = setup(cfg, tmp_path / str(beta), Console(quiet=True))
+    for beta, reference_passes, shared in ((0.05, 1, False), (0.0, 0, False), (0.05, 1, True)):
+        cfg = compose("logging.progress=false", "algo=ppo", *SMALL, f"algo.beta={beta}", "trainer.steps=4",
+                      f"trainer.shared_prompt={str(shared).lower()}")
+        ctx = setup(cfg, tmp_path / f"{beta}-{shared}", Console(quiet=True))
         calls = []
         ctx.policy.model.get_base_model().model.register_forward_pre_hook(lambda *_: calls.append(1))
 
@@ -68,7 +70,7 @@ def test_one_forward_per_minibatch(tmp_path, monkeypatch):
         monkeypatch.setattr(ppo, "sample_and_score", sample_then_count)
         metrics = ppo.train_step(ctx)
         minibatches = 8 * 4 // 16
-        assert len(calls) == reference_passes + 1 + 2 * minibatches
+        assert len(calls) == (reference_passes + 1 + 2 * minibatches) * (2 if shared else 1)
         assert ctx.step == metrics["policy/updates"] == 2 * minibatches
 
 

@@ -1,0 +1,233 @@
+"""Rows that share a prompt forward it once (policy.completion_states), and log-probs come from the
+hidden states chunk by chunk (policy.head_logprobs): both give the log-probs, entropies, values and
+gradients of one plain forward pass with full logits, on the tiny model and on a SmolLM2-shaped one
+(GQA, tied embeddings), with LoRA, left padding, uneven completions, partial groups and shuffled rows."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from omegaconf import OmegaConf
+
+from rlnotes.config import ModelConfig
+from rlnotes.critic import logprobs_and_values, values
+from rlnotes.models import smollm2_shaped
+from rlnotes.policy import Policy, head_logprobs, position_ids, prompt_groups, sequence_logprobs
+from rlnotes.rollout import left_pad
+
+
+def tiny_policy(lora=True):
+    cfg = OmegaConf.structured(ModelConfig(name_or_path="tiny"))
+    if not lora:
+        cfg.lora = None
+    policy = Policy.from_config(cfg, torch.device("cpu"))
+    with torch.no_grad():  # a trained-looking adapter (B = 0 would zero the gradients of A)
+        for name, p in policy.model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.3)
+    return policy.model
+
+
+def lora_smollm2_shaped(layers=2):
+    """SmolLM2-135M's configuration (GQA 9 / 3 heads, d=576, tied embeddings, its vocabulary) with
+    a few layers and random weights, LoRA r16 on q/k/v/o."""
+    from peft import LoraConfig, get_peft_model
+
+    lora = LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                      task_type="CAUSAL_LM")
+    model = get_peft_model(smollm2_shaped(layers), lora)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.02)
+    return model
+
+
+def group_batch(vocab, prompt_lengths=(5, 11, 2), group=3, max_completion=7, seed=0):
+    """Prompts of different lengths (left-padded), each repeated `group` times, with completions of
+    uneven lengths (right-padded): (input_ids, attention_mask, completion_mask)."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in prompt_lengths]
+    p_ids, p_mask = left_pad([p for p in prompts for _ in range(group)], pad_id=0)
+    rows = len(prompts) * group
+    lengths = torch.randint(1, max_completion + 1, (rows,), generator=g)
+    lengths[0] = max_completion
+    c_ids = torch.randint(3, vocab, (rows, max_completion), generator=g)
+    c_mask = (torch.arange(max_completion)[None] < lengths[:, None]).float()
+    c_ids = c_ids.masked_fill(c_mask == 0, 0)
+    return torch.cat([p_ids, c_ids], 1), torch.cat([p_mask, c_mask.long()], 1), c_mask
+
+
+def plain_logprobs(model, ids, attn, n, temperature=1.0):
+    """The textbook pass: every row whole, full logits, log_softmax."""
+    logits = model(input_ids=ids, attention_mask=attn, position_ids=position_ids(attn), use_cache=False).logits
+    log_pi = F.log_softmax(logits[:, -n - 1:-1].float() / temperature, -1)
+    return log_pi.gather(-1, ids[:, -n:, None]).squeeze(-1), -(log_pi.exp() * log_pi).sum(-1)
+
+
+def grads(model, loss):
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.autograd.grad(loss, params)
+
+
+def assert_grads_close(got, expected, rtol=1e-4):
+    for a, b in zip(got, expected):
+        assert b.norm() > 0
+        assert float((a - b).norm() / b.norm()) < rtol
+
+
+def check_equivalent(model, ids, attn, mask, temperature=1.0):
+    n = mask.shape[1]
+    weights = torch.randn(mask.shape, generator=torch.Generator().manual_seed(1)) * mask
+    expected, _ = plain_logprobs(model, ids, attn, n, temperature)
+    expected_grads = grads(model, (expected * weights).sum())
+    for share in (True, False):
+        logp = sequence_logprobs(model, ids, attn, n, temperature, share_prompts=share)
+        torch.testing.assert_close(logp, expected, atol=1e-5, rtol=1e-5)
+        assert_grads_close(grads(model, (logp * weights).sum()), expected_grads)
+
+
+def test_prompt_groups_find_rows_that_share_a_prompt_in_any_order():
+    ids = torch.tensor([[0, 5, 6], [7, 5, 6], [0, 5, 6], [0, 0, 9], [0, 0, 9]])
+    mask = (ids != 0).long()
+    first, number = prompt_groups(ids, mask)
+    assert first.tolist() == [0, 1, 3] and number.tolist() == [0, 1, 0, 2, 2]
+    # the same ids with different padding are different prompts (pad ids may be real tokens)
+    assert prompt_groups(torch.tensor([[4, 5], [4, 5]]), torch.tensor([[0, 1], [1, 1]])) is None
+
+
+def test_shared_prompt_forward_runs_each_prompt_once():
+    model = tiny_policy()
+    ids, attn, mask = group_batch(model.config.vocab_size)
+    seen = []
+    hook = model.get_input_embeddings().register_forward_hook(lambda m, args, out: seen.append(args[0].numel()))
+    try:
+        sequence_logprobs(model, ids, attn, mask.shape[1])
+        shared = sum(seen)
+        seen.clear()
+        sequence_logprobs(model, ids, attn, mask.shape[1], share_prompts=False)
+    finally:
+        hook.remove()
+    width, n = ids.shape[1] - mask.shape[1], mask.shape[1]
+    assert shared == 3 * width + 9 * (n - 1)  # P + G(R - 1) per group; the last token is only a target
+    assert sum(seen) == 9 * (width + n)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_tiny_lora_log_probs_and_gradients_equal_the_plain_pass(temperature):
+    model = tiny_policy()
+    model.train()
+    check_equivalent(model, *group_batch(model.config.vocab_size), temperature)
+
+
+def test_full_finetuning_gradients_equal_the_plain_pass():
+    model = tiny_policy(lora=False)
+    check_equivalent(model, *group_batch(model.config.vocab_size))
+
+
+def test_partial_groups_and_shuffled_rows_equal_the_plain_pass():
+    """Micro-batches that cut groups, and PPO's shuffled minibatches."""
+    model = tiny_policy()
+    ids, attn, mask = group_batch(model.config.vocab_size, group=4)
+    for rows in (torch.arange(2, 7), torch.randperm(12, generator=torch.Generator().manual_seed(3))[:7]):
+        check_equivalent(model, ids[rows], attn[rows], mask[rows])
+
+
+def test_one_token_completions_need_no_completion_pass():
+    model = tiny_policy()
+    ids, attn, mask = group_batch(model.config.vocab_size, max_completion=1)
+    check_equivalent(model, ids, attn, mask)
+
+
+def test_smollm2_shaped_model_with_lora_equals_the_plain_pass():
+    model = lora_smollm2_shaped()
+    model.train()
+    ids, attn, mask = group_batch(model.config.vocab_size, prompt_lengths=(9, 23, 4), group=3, max_completion=6)
+    check_equivalent(model, ids, attn, mask)
+
+
+def test_reference_pass_with_the_adapter_off_is_shared_too():
+    model = lora_smollm2_shaped()
+    ids, attn, mask = group_batch(model.config.vocab_size, prompt_lengths=(9, 23), group=2, max_completion=5)
+    with model.disable_adapter(), torch.no_grad():
+        expected, _ = plain_logprobs(model, ids, attn, mask.shape[1])
+        got = sequence_logprobs(model, ids, attn, mask.shape[1])
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_values_and_entropy_equal_the_plain_pass():
+    """PPO's actor-critic pass: V(s_t) from the completion pass's hidden states, the exact entropy
+    and both their gradients."""
+    model = tiny_policy()
+    head = torch.nn.Linear(model.config.hidden_size, 1)
+    ids, attn, mask = group_batch(model.config.vocab_size)
+    n = mask.shape[1]
+    out = model(input_ids=ids, attention_mask=attn, position_ids=position_ids(attn), use_cache=False,
+                output_hidden_states=True)
+    expected_v = head(out.hidden_states[-1][:, -n - 1:-1]).squeeze(-1)
+    expected_logp, expected_ent = plain_logprobs(model, ids, attn, n, 0.8)
+    params = [p for p in model.parameters() if p.requires_grad] + list(head.parameters())
+    loss = lambda logp, v, ent: ((logp - 0.3 * v ** 2 + 0.1 * ent) * mask).sum()  # noqa: E731
+    expected_grads = torch.autograd.grad(loss(expected_logp, expected_v, expected_ent), params)
+    logp, v, ent = logprobs_and_values(model, head, ids, attn, n, 0.8, entropy=True)
+    torch.testing.assert_close(logp, expected_logp, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(v, expected_v, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ent, expected_ent, atol=1e-5, rtol=1e-5)
+    assert_grads_close(torch.autograd.grad(loss(logp, v, ent), params), expected_grads)
+    with torch.no_grad():
+        torch.testing.assert_close(values(model, head, ids, attn, n), expected_v, atol=1e-5, rtol=1e-5)
+
+
+def test_head_logprobs_chunks_and_matches_log_softmax(monkeypatch):
+    import rlnotes.policy
+
+    monkeypatch.setattr(rlnotes.policy, "LOGIT_CHUNK", 2 * 11)  # two positions per chunk
+    head = torch.nn.Linear(4, 11).requires_grad_(False)
+    hidden = torch.randn(3, 5, 4, requires_grad=True)
+    tokens = torch.randint(0, 11, (3, 5))
+    log_pi = torch.log_softmax(head(hidden) / 0.7, -1)
+    expected, expected_ent = log_pi.gather(-1, tokens[..., None]).squeeze(-1), -(log_pi.exp() * log_pi).sum(-1)
+    logp, ent = head_logprobs(hidden, head, tokens, 0.7, entropy=True)
+    torch.testing.assert_close(logp, expected)
+    torch.testing.assert_close(ent, expected_ent)
+    g = torch.randn(3, 5)
+    torch.testing.assert_close(torch.autograd.grad((logp * g + ent).sum(), hidden)[0],
+                               torch.autograd.grad((expected * g + expected_ent).sum(), hidden)[0])
+
+
+def test_autocast_runs_the_shared_pass():
+    model = tiny_policy()
+    ids, attn, mask = group_batch(model.config.vocab_size)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logp = sequence_logprobs(model, ids, attn, mask.shape[1])
+        plain = sequence_logprobs(model, ids, attn, mask.shape[1], share_prompts=False)
+    assert logp.dtype == torch.float32
+    torch.testing.assert_close(logp, plain, atol=0.1, rtol=0.05)
+    logp.sum().backward()
+
+
+@pytest.mark.parametrize("algo", ["grpo", "ppo"])
+def test_trainer_shared_prompt_switch_changes_no_metric(tmp_path, monkeypatch, algo):
+    """trainer.shared_prompt=false forwards every row whole; the metrics of a run stay the same."""
+    import json
+
+    import rlnotes.policy
+    from rich.console import Console
+
+    from rlnotes.runners.common import train
+    from tests.conftest import compose
+
+    calls = []
+    real = rlnotes.policy.prompt_groups
+    monkeypatch.setattr(rlnotes.policy, "prompt_groups", lambda *a: calls.append(1) or real(*a))
+    rows = {}
+    for share in (True, False):
+        calls.clear()
+        cfg = compose("logging.progress=false", f"algo={algo}", "trainer.steps=2", "trainer.batch_size=4",
+                      "trainer.micro_batch_size=4", f"trainer.shared_prompt={str(share).lower()}")
+        train(cfg, tmp_path / str(share), Console(quiet=True))
+        rows[share] = [json.loads(line) for line in (tmp_path / str(share) / "metrics.jsonl").read_text().splitlines()]
+        assert bool(calls) == share
+    for a, b in zip(rows[True], rows[False]):
+        assert a["reward/mean"] == b["reward/mean"]
+        for key in ("loss", "optim/grad_norm", "kl/ref", "policy/entropy"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6, nan_ok=True), key
