@@ -3,7 +3,7 @@ PYTHON ?= python3
 # Tiny-model tests run many times faster on one thread; passive waiting keeps a shared CPU usable.
 TEST_ENV = OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE
 
-.PHONY: install test test-slow bench wheel-check
+.PHONY: install test test-slow bench bench-trl wheel-check
 
 # torch==2.13.0 is the CPU wheel; a GPU user installs their CUDA torch first and drops that pin.
 install:
@@ -20,3 +20,8 @@ test-slow:
 
 bench:
 	OMP_WAIT_POLICY=PASSIVE $(PYTHON) scripts/bench.py
+
+# rlnotes against TRL 1.16 side by side (pip install -e ".[bench]"); on a quiet machine: it takes
+# over an hour on 2 cores. A short one: make bench-trl BENCH_TRL_ARGS="--models tiny --rounds 1"
+bench-trl:
+	OMP_WAIT_POLICY=PASSIVE $(PYTHON) scripts/bench_trl.py $(BENCH_TRL_ARGS)
