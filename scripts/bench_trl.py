@@ -538,7 +538,8 @@ def main(argv: Optional[List[str]] = None) -> None:
                         run_dir = out / "runs" / f"{model}-{shape}-t{threads}-r{r}-{tool}"
                         run = run_one(tool, preps[model], model, shape, threads, steps[model], run_dir, args.timeout)
                         runs.append(run)
-                        med = median_or_none([s["step_s"] for s in run["steps"][args.warmup:]])
+                        med = median_or_none([s["step_s"] for s in run["steps"]
+                                              if s["step"] > args.warmup and not s.get("evaluated")])
                         print(f"round {r + 1}/{args.rounds} {model} {shape} threads={threads} {tool}: "
                               + (f"step {fmt(med)} s, peak RSS {run['peak_rss_gib']:.2f} GiB, wall "
                                  f"{run['wall_s']:.0f} s" if run["returncode"] == 0 else

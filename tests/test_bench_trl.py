@@ -119,6 +119,15 @@ def test_prompt_lengths_that_differ_are_reported():
     assert "TRL's prompts have 44.50 tokens" in bench.prompt_mismatches(preps, [run])[0]
 
 
+def test_without_trl_it_says_how_to_install_it(monkeypatch, tmp_path):
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(bench.importlib.util, "find_spec", lambda name: None if name == "trl" else find_spec(name))
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--out", str(tmp_path / "out")])
+    assert 'pip install -e ".[bench]"' in str(e.value.code)
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("shape", ["grpo", "dpo"])
 def test_a_tiny_round_of_each_tool(shape, tmp_path):
     pytest.importorskip("trl")
