@@ -36,7 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Dict, List, Optional
 
@@ -51,11 +51,13 @@ class Shape:
     new_tokens: int = 0      # GRPO: completion tokens at most
     prompt_tokens: int = 0   # prompts lengthened with worked examples to at least this many tokens; 0: the question
     max_length: int = 0      # DPO: TRL's max_length (prompt + answer); the pairs here never reach it
+    micro_batch: int = 0     # GRPO: completions per forward and backward pass, both tools; 0: all at once
 
 
 SHAPES = {
     "grpo": Shape("grpo", prompts=8, group=4, new_tokens=32),
-    "grpo-long": Shape("grpo", prompts=8, group=8, new_tokens=64, prompt_tokens=200),
+    # 64 completions of ~264 tokens at once would keep ~20 GB of activations (estimated) for backward.
+    "grpo-long": Shape("grpo", prompts=8, group=8, new_tokens=64, prompt_tokens=200, micro_batch=16),
     "dpo": Shape("dpo", prompts=8, max_length=64),
 }
 MODELS = ("tiny", "smollm2-135m")
@@ -91,6 +93,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--threads", nargs="+", type=threads_arg, default=None,
                         help="thread counts to run every model at, or 'default' (each tool's own); "
                              "default: tiny at 'default' and 1, SmolLM2 at every core")
+    parser.add_argument("--micro-batch", type=int, default=None,
+                        help="completions per forward/backward pass in every GRPO shape, 0 for all at once "
+                             "(default: all, and 16 at grpo-long)")
     parser.add_argument("--out", type=Path, default=None,
                         help="where runs, bench_trl.json and bench_trl.md go (default outputs/bench_trl/TIME)")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds one run may take (default 3600)")
@@ -99,6 +104,12 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.steps < 0 or args.warmup < 0:
         parser.error("--rounds must be >= 1, --steps and --warmup >= 0")
+    args.shape_table = {name: SHAPES[name] if SHAPES[name].algo != "grpo" or args.micro_batch is None
+                        else replace(SHAPES[name], micro_batch=args.micro_batch) for name in args.shapes}
+    for name, shape in args.shape_table.items():
+        n = shape.prompts * shape.group
+        if shape.micro_batch < 0 or (shape.micro_batch and n % shape.micro_batch):
+            parser.error(f"--micro-batch {shape.micro_batch} must divide the {n} completions of shape {name}")
     for model in args.models:
         if args.warmup >= (args.steps or DEFAULT_STEPS[model]):
             parser.error(f"--warmup {args.warmup} leaves no step of {args.steps or DEFAULT_STEPS[model]} to measure "
@@ -147,7 +158,7 @@ def make_rows(shape: Shape, n: int, chat: bool, count_tokens) -> List[dict]:
     return rows
 
 
-def prepare(model: str, out: Path, shapes: List[str], steps: int) -> dict:
+def prepare(model: str, out: Path, shapes: Dict[str, Shape], steps: int) -> dict:
     """The model dir both tools load and one prompt file per shape (a fresh batch for every step):
     {"model_dir", "data": {shape: path}, "prompt_tokens": {shape: mean prompt tokens}}."""
     from transformers import AutoTokenizer
@@ -167,8 +178,7 @@ def prepare(model: str, out: Path, shapes: List[str], steps: int) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     chat = bool(tokenizer.chat_template)
     data, lengths = {}, {}
-    for name in shapes:
-        shape = SHAPES[name]
+    for name, shape in shapes.items():
         rows = make_rows(shape, shape.prompts * steps, chat, lambda p: len(encode_prompts(tokenizer, [p], chat)[0]))
         path = out / "data" / f"{model}-{name}.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -196,6 +206,8 @@ def rlnotes_command(prep: dict, model: str, shape: Shape, data: str, threads: st
     else:
         cmd += ["model.chat_template=false"]
     if shape.algo == "grpo":
+        if shape.micro_batch:
+            cmd.append(f"trainer.micro_batch_size={shape.micro_batch}")
         cmd += ["reward=arith", f"algo.group_size={shape.group}", f"algo.beta={GRPO_BETA}",
                 f"algo.clip_eps={CLIP_EPS}", f"rollout.max_new_tokens={shape.new_tokens}",
                 f"rollout.temperature={TEMPERATURE}", "rollout.top_p=1.0", "logging.samples_every=0"]
@@ -248,10 +260,9 @@ def wait_rusage(proc: subprocess.Popen, timeout: Optional[float]) -> tuple[int, 
         time.sleep(0.1)
 
 
-def run_one(tool: str, prep: dict, model: str, shape_name: str, threads: str, steps: int, run_dir: Path,
-            timeout: Optional[float] = None) -> dict:
+def run_one(tool: str, prep: dict, model: str, shape_name: str, shape: Shape, threads: str, steps: int,
+            run_dir: Path, timeout: Optional[float] = None) -> dict:
     """One run of one tool in its own process: its per-step rows, peak RSS, wall time and exit code."""
-    shape = SHAPES[shape_name]
     data = prep["data"][shape_name]
     run_dir.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
@@ -360,9 +371,12 @@ def grpo_trainer(spec, shape: Shape, common: dict, model, tokenizer, dataset, lo
 
     module.use_adapter = timed_context(module.use_adapter, timers, "reference_s")  # only the reference pass uses it
     # The notes' GRPO: 1/|o_i| token averaging (loss_type grpo), group std scaling, k3 KL with beta > 0.
-    # TRL's batch counts completions: prompts x G of them, all generated and trained in one step.
-    config = GRPOConfig(**common, per_device_train_batch_size=shape.prompts * shape.group,
-                        gradient_accumulation_steps=1, num_generations=shape.group,
+    # TRL's batch counts completions: prompts x G of them generated for one optimizer step, trained
+    # in micro-batches by gradient accumulation (one generation batch per step, so no old-policy pass).
+    n = shape.prompts * shape.group
+    micro = shape.micro_batch or n
+    config = GRPOConfig(**common, per_device_train_batch_size=micro, gradient_accumulation_steps=n // micro,
+                        num_generations=shape.group,
                         max_completion_length=shape.new_tokens, temperature=TEMPERATURE, top_p=1.0, top_k=0,
                         beta=GRPO_BETA, epsilon=CLIP_EPS, loss_type="grpo", scale_rewards="group",
                         num_iterations=1, log_completions=False, mask_truncated_completions=False)
@@ -492,11 +506,11 @@ def environment(argv: List[str]) -> str:
                       f"command: {shlex.join(['python', 'scripts/bench_trl.py'] + argv)}"])
 
 
-def case_line(shape_name: str) -> str:
-    s = SHAPES[shape_name]
+def case_line(shape_name: str, s: Shape) -> str:
     if s.algo == "dpo":
         return f"{shape_name}: DPO, {s.prompts} pairs per step, beta {DPO_BETA}, max length {s.max_length}"
     prompt = f", prompts of about {s.prompt_tokens} tokens" if s.prompt_tokens else ""
+    prompt += f", micro-batches of {s.micro_batch} completions" if s.micro_batch else ""
     return (f"{shape_name}: GRPO, {s.prompts} prompts x G={s.group} x {s.new_tokens} new tokens{prompt}, "
             f"beta {GRPO_BETA}, temperature {TEMPERATURE}")
 
@@ -509,7 +523,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         return
     if args.worker == "prepare":
         spec = json.loads(args.spec.read_text())
-        print(json.dumps(prepare(spec["model"], Path(spec["out"]), spec["shapes"], spec["steps"])))
+        shapes = {name: Shape(**shape) for name, shape in spec["shapes"].items()}
+        print(json.dumps(prepare(spec["model"], Path(spec["out"]), shapes, spec["steps"])))
         return
     if importlib.util.find_spec("trl") is None:
         sys.exit('bench_trl: error: TRL is not installed; install the bench extra: pip install -e ".[bench]"')
@@ -521,7 +536,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     preps = {}
     for model in args.models:  # in a process of its own: this one stays small while the runs go
         spec = out / f"prepare-{model}.json"
-        spec.write_text(json.dumps({"model": model, "out": str(out), "shapes": args.shapes, "steps": steps[model]}))
+        spec.write_text(json.dumps({"model": model, "out": str(out), "steps": steps[model],
+                                    "shapes": {name: asdict(shape) for name, shape in args.shape_table.items()}}))
         done = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", "prepare", "--spec", str(spec)],
                               capture_output=True, text=True)
         if done.returncode != 0:
@@ -536,7 +552,8 @@ def main(argv: Optional[List[str]] = None) -> None:
                 for threads in args.threads or default_threads(model):
                     for tool in TOOLS:
                         run_dir = out / "runs" / f"{model}-{shape}-t{threads}-r{r}-{tool}"
-                        run = run_one(tool, preps[model], model, shape, threads, steps[model], run_dir, args.timeout)
+                        run = run_one(tool, preps[model], model, shape, args.shape_table[shape], threads,
+                                      steps[model], run_dir, args.timeout)
                         runs.append(run)
                         med = median_or_none([s["step_s"] for s in run["steps"]
                                               if s["step"] > args.warmup and not s.get("evaluated")])
@@ -549,7 +566,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     for line in prompt_mismatches(preps, runs):
         print(f"warning: {line}", flush=True)
     summary = summarize(runs, args.warmup)
-    report = "\n".join([head, "", *[case_line(s) for s in args.shapes],
+    report = "\n".join([head, "", *[case_line(n, s) for n, s in args.shape_table.items()],
                         f"{args.rounds} round(s) of {', '.join(f'{m} {n}' for m, n in steps.items())} steps per run, "
                         f"the first {args.warmup} of each left out; medians", "", tables(summary), ""])
     (out / "bench_trl.md").write_text(report)

@@ -25,11 +25,19 @@ def test_defaults_are_the_full_benchmark():
     assert bench.default_threads("tiny") == ["default", "1"]
     assert bench.default_threads("smollm2-135m") == [str(os.cpu_count())]
     assert bench.SHAPES["grpo"] == bench.Shape("grpo", prompts=8, group=4, new_tokens=32)
-    assert bench.SHAPES["grpo-long"] == bench.Shape("grpo", prompts=8, group=8, new_tokens=64, prompt_tokens=200)
+    assert bench.SHAPES["grpo-long"] == bench.Shape("grpo", prompts=8, group=8, new_tokens=64, prompt_tokens=200,
+                                                    micro_batch=16)
+    assert args.shape_table == bench.SHAPES
+
+
+def test_micro_batch_flag_sets_every_grpo_shape():
+    table = bench.parse_args(["--micro-batch", "8"]).shape_table
+    assert table["grpo"].micro_batch == table["grpo-long"].micro_batch == 8 and table["dpo"].micro_batch == 0
+    assert bench.parse_args(["--micro-batch", "0", "--shapes", "grpo-long"]).shape_table["grpo-long"].micro_batch == 0
 
 
 @pytest.mark.parametrize("argv", [["--threads", "two"], ["--threads", "0"], ["--steps", "2", "--warmup", "2"],
-                                  ["--rounds", "0"], ["--shapes", "ppo"]])
+                                  ["--rounds", "0"], ["--shapes", "ppo"], ["--micro-batch", "5"]])
 def test_bad_arguments_stop_before_any_run(argv, capsys):
     with pytest.raises(SystemExit) as e:
         bench.parse_args(argv)
@@ -101,6 +109,7 @@ def test_rlnotes_command_has_the_shape_and_threads(tmp_path):
     prep = {"model_dir": "/m", "chat": True}
     cmd = bench.rlnotes_command(prep, "smollm2-135m", bench.SHAPES["grpo-long"], "/d.jsonl", "2", 5, tmp_path)
     for arg in ("algo=grpo", "model.name_or_path=/m", "algo.group_size=8", "rollout.max_new_tokens=64",
+                "trainer.micro_batch_size=16",
                 "trainer.batch_size=8", "trainer.steps=5", "algo.beta=0.04", "hardware.threads=2",
                 "model.system_prompt=null", "model.lora.target_modules=[q_proj,k_proj,v_proj,o_proj]",
                 "data.path=/d.jsonl", f"hydra.run.dir={tmp_path}"):
@@ -131,9 +140,10 @@ def test_without_trl_it_says_how_to_install_it(monkeypatch, tmp_path):
 @pytest.mark.parametrize("shape", ["grpo", "dpo"])
 def test_a_tiny_round_of_each_tool(shape, tmp_path):
     pytest.importorskip("trl")
-    prep = bench.prepare("tiny", tmp_path, [shape], steps=2)
+    table = {shape: bench.replace(bench.SHAPES[shape], micro_batch=16) if shape == "grpo" else bench.SHAPES[shape]}
+    prep = bench.prepare("tiny", tmp_path, table, steps=2)
     for tool in bench.TOOLS:
-        run = bench.run_one(tool, prep, "tiny", shape, "1", 2, tmp_path / tool, timeout=120)
+        run = bench.run_one(tool, prep, "tiny", shape, table[shape], "1", 2, tmp_path / tool, timeout=120)
         assert run["returncode"] == 0, run.get("error")
         assert [s["step"] for s in run["steps"]] == [1, 2]
         assert all(s["step_s"] > 0 and s["reference_s"] > 0 and s["train_s"] > 0 for s in run["steps"])
