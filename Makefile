@@ -21,7 +21,7 @@ test-slow:
 bench:
 	OMP_WAIT_POLICY=PASSIVE $(PYTHON) scripts/bench.py
 
-# rlnotes against TRL 1.16 side by side (pip install -e ".[bench]"); on a quiet machine: it takes
-# over an hour on 2 cores. A short one: make bench-trl BENCH_TRL_ARGS="--models tiny --rounds 1"
+# rlnotes against TRL 1.16 side by side (pip install -e ".[bench]"); on a quiet machine: expect
+# hours on 2 cores, most of it SmolLM2 at grpo-long. Shorter: BENCH_TRL_ARGS="--models tiny --rounds 1"
 bench-trl:
 	OMP_WAIT_POLICY=PASSIVE $(PYTHON) scripts/bench_trl.py $(BENCH_TRL_ARGS)
