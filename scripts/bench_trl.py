@@ -310,15 +310,13 @@ def timed_context(factory, timers: Dict[str, float], key: str):
 
 def trl_worker(spec: dict) -> None:
     """Train with TRL's GRPOTrainer or DPOTrainer as the spec says; one JSON row per step."""
-    if spec["threads"] != "default":
-        import torch
-
-        torch.set_num_threads(int(spec["threads"]))
     import torch
     from datasets import Dataset
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
+    if spec["threads"] != "default":
+        torch.set_num_threads(int(spec["threads"]))
     shape = Shape(**spec["shape"])
     tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"], local_files_only=True)
     if tokenizer.pad_token is None:
@@ -334,15 +332,14 @@ def trl_worker(spec: dict) -> None:
         # defaults; float32 (TRL defaults to bf16), no gradient checkpointing (TRL's default; rlnotes
         # has none), nothing saved or evaluated.
         common = dict(output_dir=tmp, max_steps=spec["steps"], optim="adamw_torch", learning_rate=LR,
-                      lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8,
-                      max_grad_norm=1.0, gradient_checkpointing=False, bf16=False, fp16=False, use_cpu=True,
-                      logging_steps=1, save_strategy="no", eval_strategy="no", report_to="none", seed=SEED,
-                      disable_tqdm=True, dataloader_num_workers=0)
+                      lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, adam_beta1=0.9,
+                      adam_beta2=0.999, adam_epsilon=1e-8, max_grad_norm=1.0, gradient_checkpointing=False,
+                      bf16=False, fp16=False, use_cpu=True, logging_steps=1, save_strategy="no",
+                      eval_strategy="no", report_to="none", seed=SEED, disable_tqdm=True, dataloader_num_workers=0)
         if shape.algo == "grpo":
-            trainer = grpo_trainer(spec, shape, common, model, tokenizer, Dataset.from_list(rows), lora, timers)
+            trainer = grpo_trainer(shape, common, model, tokenizer, Dataset.from_list(rows), lora, timers)
         else:
             trainer = dpo_trainer(shape, common, model, tokenizer, Dataset.from_list(rows), lora, timers)
-        out = open(spec["out"], "w")
 
         class StepTimes(TrainerCallback):
             def on_step_begin(self, args, state, control, **kwargs):
@@ -358,12 +355,12 @@ def trl_worker(spec: dict) -> None:
                 out.write(json.dumps(row) + "\n")
                 out.flush()
 
-        trainer.add_callback(StepTimes())
-        trainer.train()
-        out.close()
+        with open(spec["out"], "w") as out:
+            trainer.add_callback(StepTimes())
+            trainer.train()
 
 
-def grpo_trainer(spec, shape: Shape, common: dict, model, tokenizer, dataset, lora, timers):
+def grpo_trainer(shape: Shape, common: dict, model, tokenizer, dataset, lora, timers):
     from trl import GRPOConfig, GRPOTrainer
     from trl.trainer import grpo_trainer as module
 
@@ -376,8 +373,8 @@ def grpo_trainer(spec, shape: Shape, common: dict, model, tokenizer, dataset, lo
     n = shape.prompts * shape.group
     micro = shape.micro_batch or n
     config = GRPOConfig(**common, per_device_train_batch_size=micro, gradient_accumulation_steps=n // micro,
-                        num_generations=shape.group,
-                        max_completion_length=shape.new_tokens, temperature=TEMPERATURE, top_p=1.0, top_k=0,
+                        num_generations=shape.group, max_completion_length=shape.new_tokens,
+                        temperature=TEMPERATURE, top_p=1.0, top_k=0,
                         beta=GRPO_BETA, epsilon=CLIP_EPS, loss_type="grpo", scale_rewards="group",
                         num_iterations=1, log_completions=False, mask_truncated_completions=False)
     trainer = GRPOTrainer(model=model, reward_funcs=number_match, args=config, train_dataset=dataset,
