@@ -13,7 +13,7 @@ ARGS ?=
 # Tiny-model tests run many times faster on one thread; passive waiting keeps a shared CPU usable.
 TEST_ENV = OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE
 
-.PHONY: install train test test-slow bench wheel-check
+.PHONY: install train test test-slow bench bench-trl wheel-check
 
 install: $(STAMP)
 
@@ -39,3 +39,9 @@ test-slow: $(STAMP)
 
 bench: $(STAMP)
 	OMP_WAIT_POLICY=PASSIVE $(VENV_PYTHON) scripts/bench.py
+
+# rlnotes against TRL 1.16 side by side (the bench extra, installed here when trl is missing); the
+# full default takes hours on 2 cores, most of it SmolLM2 at grpo-long. Shorter: BENCH_TRL_ARGS="--models tiny --rounds 1"
+bench-trl: $(STAMP)
+	$(VENV_PYTHON) -c "import trl" 2>/dev/null || $(VENV_PYTHON) -m pip install -e ".[bench]"
+	OMP_WAIT_POLICY=PASSIVE $(VENV_PYTHON) scripts/bench_trl.py $(BENCH_TRL_ARGS)

@@ -1,0 +1,153 @@
+"""scripts/bench_trl.py: its arguments, how it reads rlnotes' metrics, its medians and ratios and,
+where TRL is installed (pip extra bench), a two-step tiny run of each tool."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("bench_trl", ROOT / "scripts" / "bench_trl.py")
+bench = sys.modules["bench_trl"] = importlib.util.module_from_spec(_spec)  # dataclasses look it up
+_spec.loader.exec_module(bench)
+
+
+def test_defaults_are_the_full_benchmark():
+    args = bench.parse_args([])
+    assert args.models == ["tiny", "smollm2-135m"]
+    assert args.shapes == ["grpo", "grpo-long", "dpo"]
+    assert (args.rounds, args.steps, args.warmup, args.threads) == (3, 0, 1, None)
+    assert bench.default_threads("tiny") == ["default", "1"]
+    assert bench.default_threads("smollm2-135m") == [str(os.cpu_count())]
+    assert bench.SHAPES["grpo"] == bench.Shape("grpo", prompts=8, group=4, new_tokens=32)
+    assert bench.SHAPES["grpo-long"] == bench.Shape("grpo", prompts=8, group=8, new_tokens=64, prompt_tokens=200,
+                                                    micro_batch=16)
+    assert args.shape_table == bench.SHAPES
+
+
+def test_micro_batch_flag_sets_every_grpo_shape():
+    table = bench.parse_args(["--micro-batch", "8"]).shape_table
+    assert table["grpo"].micro_batch == table["grpo-long"].micro_batch == 8 and table["dpo"].micro_batch == 0
+    assert bench.parse_args(["--micro-batch", "0", "--shapes", "grpo-long"]).shape_table["grpo-long"].micro_batch == 0
+
+
+@pytest.mark.parametrize("argv", [["--threads", "two"], ["--threads", "0"], ["--steps", "2", "--warmup", "2"],
+                                  ["--rounds", "0"], ["--shapes", "ppo"], ["--micro-batch", "5"]])
+def test_bad_arguments_stop_before_any_run(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        bench.parse_args(argv)
+    assert e.value.code == 2
+    assert "error" in capsys.readouterr().err
+
+
+def test_rlnotes_metrics_become_steps(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    rows = [{"step": 0, "eval/dpo_margin": 0.0},  # an evaluation row without a step's times
+            {"step": 1, "time/step_s": 2.0, "time/generate_s": 1.0, "time/reference_s": 0.25, "time/policy_s": 0.7,
+             "completion/len_mean": 10.0},
+            {"step": 2, "time/step_s": 3.0, "time/reference_s": 0.5, "eval/dpo_accuracy": 1.0}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    steps = bench.rlnotes_steps(path, bench.Shape("grpo", prompts=8, group=4))
+    assert [s["step"] for s in steps] == [1, 2]
+    first, second = steps
+    assert first["train_s"] == pytest.approx(0.75)
+    assert first["completion_tokens"] == 320 and first["tokens_per_s"] == 160
+    assert first["policy_s"] == 0.7 and not first["evaluated"]
+    assert second["generate_s"] == 0.0 and second["train_s"] == 2.5 and second["completion_tokens"] is None
+    assert second["evaluated"]
+
+
+def _run(tool, step_times, tokens=None, rss=1.0, code=0, evaluated=()):
+    steps = [bench.step_row(i + 1, t, 0.1 * t, 0.2 * t, tokens, evaluated=i + 1 in evaluated)
+             for i, t in enumerate(step_times)]
+    return {"tool": tool, "model": "tiny", "shape": "grpo", "threads": "1", "returncode": code,
+            "peak_rss_gib": rss, "steps": steps}
+
+
+def test_medians_leave_out_warmup_evaluations_and_failed_runs():
+    runs = [_run("rlnotes", [50.0, 2.0, 4.0, 90.0], tokens=100.0, rss=1.0, evaluated={4}),
+            _run("trl", [50.0, 6.0, 6.0], tokens=150.0, rss=3.0),
+            _run("rlnotes", [50.0, 3.0, 3.0], tokens=100.0, rss=2.0),
+            _run("trl", [50.0, 6.0, 6.0], tokens=150.0, rss=5.0),
+            _run("trl", [0.001], code=1, rss=99.0)]
+    summary = bench.summarize(runs, warmup=1)
+    rl, trl = summary[("tiny", "grpo", "1")]["rlnotes"], summary[("tiny", "grpo", "1")]["trl"]
+    assert rl["n_steps"] == 4 and rl["step_s"] == 3.0 and rl["peak_rss_gib"] == 1.5
+    assert trl["n_steps"] == 4 and trl["step_s"] == 6.0 and trl["peak_rss_gib"] == 4.0
+    assert rl["generate_s"] == pytest.approx(0.3) and rl["train_s"] == pytest.approx(2.1)
+    r = bench.ratios(rl, trl)
+    assert r["step_s"] == pytest.approx(2.0) and r["train_s"] == pytest.approx(2.0)
+    # rlnotes 100 tokens in 3 s, TRL 150 in 6 s: rlnotes spends 0.03 s a token, TRL 0.04
+    assert r["s_per_token"] == pytest.approx((100 / 3) / (150 / 6))
+    assert r["peak_rss_gib"] == pytest.approx(4.0 / 1.5)
+    table = bench.tables(summary)
+    assert "| tiny | grpo | 1 | 2.00x | 2.00x | 2.00x | 2.00x | 1.33x | 2.67x |" in table
+    assert "| tiny | grpo | 1 | rlnotes | 4 | 3 | 0.3 | 0.6 | 2.1 | 100 | 33.3 | 1.50 |" in table
+
+
+def test_a_case_without_both_tools_is_marked_failed():
+    table = bench.tables(bench.summarize([_run("rlnotes", [1.0, 1.0]), _run("trl", [1.0, 1.0], code=1)], warmup=1))
+    assert "| tiny | grpo | 1 | failed |" in table
+
+
+def test_prompts_long_enough_and_pairs_that_differ():
+    count = len  # a character tokenizer, as the tiny model's
+    rows = bench.make_rows(bench.SHAPES["grpo-long"], 16, chat=False, count_tokens=count)
+    assert len(rows) == 16 and all(200 <= len(r["prompt"]) < 220 for r in rows)
+    assert all(r["prompt"].endswith("Answer with just the number.") and r["answer"].isdigit() for r in rows)
+    pairs = bench.make_rows(bench.SHAPES["dpo"], 8, chat=True, count_tokens=count)
+    assert all(p["prompt"][0]["role"] == "user" and p["chosen"][0]["role"] == "assistant" for p in pairs)
+    assert all(0 < abs(int(p["chosen"][0]["content"]) - int(p["rejected"][0]["content"])) <= 3 for p in pairs)
+
+
+def test_rlnotes_command_has_the_shape_and_threads(tmp_path):
+    prep = {"model_dir": "/m", "chat": True}
+    cmd = bench.rlnotes_command(prep, "smollm2-135m", bench.SHAPES["grpo-long"], "/d.jsonl", "2", 5, tmp_path)
+    for arg in ("algo=grpo", "model.name_or_path=/m", "algo.group_size=8", "rollout.max_new_tokens=64",
+                "trainer.micro_batch_size=16",
+                "trainer.batch_size=8", "trainer.steps=5", "algo.beta=0.04", "hardware.threads=2",
+                "model.system_prompt=null", "model.lora.target_modules=[q_proj,k_proj,v_proj,o_proj]",
+                "data.path=/d.jsonl", f"hydra.run.dir={tmp_path}"):
+        assert arg in cmd
+    default = bench.rlnotes_command(prep, "tiny", bench.SHAPES["dpo"], "/d.jsonl", "default", 5, tmp_path)
+    assert "algo=dpo" in default and not any(a.startswith("hardware.threads") for a in default)
+
+
+def test_prompt_lengths_that_differ_are_reported():
+    preps = {"tiny": {"prompt_tokens": {"grpo": 43.0}}}
+    run = _run("trl", [1.0, 1.0])
+    for s, n in zip(run["steps"], (42.0, 44.0)):
+        s["prompt_tokens"] = n
+    assert bench.prompt_mismatches(preps, [run]) == []
+    run["steps"][0]["prompt_tokens"] = 45.0
+    assert "TRL's prompts have 44.50 tokens" in bench.prompt_mismatches(preps, [run])[0]
+
+
+def test_without_trl_it_says_how_to_install_it(monkeypatch, tmp_path):
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(bench.importlib.util, "find_spec", lambda name: None if name == "trl" else find_spec(name))
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--out", str(tmp_path / "out")])
+    assert 'pip install -e ".[bench]"' in str(e.value.code)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("shape", ["grpo", "dpo"])
+def test_a_tiny_round_of_each_tool(shape, tmp_path):
+    pytest.importorskip("trl")
+    table = {shape: bench.replace(bench.SHAPES[shape], micro_batch=16) if shape == "grpo" else bench.SHAPES[shape]}
+    prep = bench.prepare("tiny", tmp_path, table, steps=2)
+    for tool in bench.TOOLS:
+        run = bench.run_one(tool, prep, "tiny", shape, table[shape], "1", 2, tmp_path / tool, timeout=120)
+        assert run["returncode"] == 0, run.get("error")
+        assert [s["step"] for s in run["steps"]] == [1, 2]
+        assert all(s["step_s"] > 0 and s["reference_s"] > 0 and s["train_s"] > 0 for s in run["steps"])
+        assert 0.1 < run["peak_rss_gib"] < 8
+        if shape == "grpo":
+            assert all(s["generate_s"] > 0 and 0 < s["completion_tokens"] <= 8 * 4 * 32 for s in run["steps"])
+    assert bench.prompt_mismatches({"tiny": prep}, [run]) == []
