@@ -469,6 +469,24 @@ class EvalConfig:
 
 
 @dataclass
+class SweepConfig:
+    # What a member of a sweep (`rlnotes train -m ...`) returns to its sweeper (Optuna's objective)
+    # and what the sweep summary ranks by: a metric name as in metrics.jsonl, or auto = the task's
+    # final held-out score when the run evaluates (eval/accuracy with trainer.eval_every; DPO, RM
+    # and SFT always do: eval/dpo_accuracy, eval/rm_accuracy, eval/sft_loss), else reward/mean
+    # averaged over the last `last_steps` logged steps.
+    objective: str = "auto"
+    # maximize or minimize the objective; null = its own sense (minimize losses, maximize the rest).
+    # The Optuna sweeper's hydra.sweeper.direction is set from it.
+    direction: Optional[str] = None
+    # Logged steps a training metric (not eval/*) is averaged over: one batch's mean is noisy.
+    last_steps: int = 10
+    # Seeds per configuration: N runs every configuration of the sweep with seed, seed+1, ...,
+    # seed+N-1, and the summary reports each configuration's mean and spread over them (needs -m).
+    seeds: int = 1
+
+
+@dataclass
 class TrainConfig:
     algo: Any = MISSING
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -480,6 +498,7 @@ class TrainConfig:
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    sweep: SweepConfig = field(default_factory=SweepConfig)
     # Seed of sampling, dropout and data order.
     seed: int = 0
 
@@ -501,6 +520,8 @@ DEVICES = ("cpu", "cuda", "auto")
 STRATEGIES = ("ddp", "fsdp")
 # rollout.engine: what samples completions.
 ENGINES = ("hf", "vllm")
+# sweep.direction: the sense of the objective a sweep optimizes.
+DIRECTIONS = ("maximize", "minimize")
 
 
 def planned_world_size(hardware) -> int:
@@ -670,6 +691,13 @@ def _check_checkpointing(trainer) -> None:
         resolve(trainer.resume)
 
 
+def _check_sweep(cfg) -> None:
+    if cfg.sweep.direction is not None:
+        check_choice("sweep.direction", cfg.sweep.direction, DIRECTIONS)
+    check_positive(cfg, "sweep.last_steps")
+    check_positive(cfg, "sweep.seeds")
+
+
 # Checks of one algorithm's settings beyond their types, by algo.name.
 ALGO_CHECKS = {"grpo": _check_grpo, "reinforce": _check_reinforce, "ppo": _check_ppo, "dpo": _check_dpo}
 
@@ -695,6 +723,7 @@ def validate(cfg) -> None:
                 "logging.samples_shown", "hardware.nproc"):
         check_positive(cfg, key)
     check_positive(cfg, "logging.samples_every", 0)
+    _check_sweep(cfg)
     if cfg.rollout.temperature <= 0:
         raise ConfigError(f"rollout.temperature={cfg.rollout.temperature} must be > 0 (log-probs divide by it)")
     if not 0 < cfg.rollout.top_p <= 1:
