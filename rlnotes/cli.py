@@ -273,7 +273,7 @@ def _launcher_overrides(jobs: list, overrides: List[str]) -> List[str]:
         batch = cfg.hydra.sweeper.n_jobs if "n_jobs" in cfg.hydra.sweeper else len(jobs)
         at_once = max(1, min(at_once, batch))
         threads = max(1, cores // at_once)
-        print(f"rlnotes: {at_once} members at a time (hydra/launcher=joblib), {threads} threads each on {cores} cores "
+        print(f"rlnotes: {at_once} members at a time (hydra/launcher=joblib), {threads} thread{'s' * (threads > 1)} each on {cores} cores "
               f"(hardware.threads={threads}; set it to choose)", file=sys.stderr, flush=True)
         extra.append(f"hardware.threads={threads}")
     return extra

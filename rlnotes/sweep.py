@@ -284,8 +284,6 @@ class Summary:
     columns: List[str]
     rows: List[Dict[str, object]]
     sort_by: Optional[str]
-    # Which way the sort key is better: "max" or "min" (None: unsorted).
-    better: Optional[str] = None
 
 
 def _sort(rows: List[Dict[str, object]], key: Optional[str], sense: Optional[str]) -> None:
@@ -327,10 +325,10 @@ def summarize(runs: Sequence[Run], sort_by: Optional[str] = None) -> Summary:
         rows.append(row)
     key, sense = metric, direction(metric) if metric is not None else None
     if sort_by is None and results:
-        key, sense = "objective", "max" if results[0].get("direction", "maximize") == "maximize" else "min"
+        key, sense = "objective", objective_sense(runs)
         metric = f"objective ({results[0].get('objective')})"
     _sort(rows, key, sense)
-    return Summary(columns, rows, metric, sense)
+    return Summary(columns, rows, metric)
 
 
 def _mean_std(values: Sequence[float]) -> Tuple[Optional[float], Optional[float]]:
@@ -359,7 +357,7 @@ def seed_groups(runs: Sequence[Run], sort_by: Optional[str] = None) -> Optional[
     if sort_by is not None and sort_by not in dict(metrics):
         metrics.insert(0, (sort_by, direction(sort_by)))
     if results:
-        metrics.insert(0, ("objective", "max" if results[0].get("direction", "maximize") == "maximize" else "min"))
+        metrics.insert(0, ("objective", objective_sense(runs)))
     columns = ["configuration", "seeds"] + [f"{m} {stat}" for m, _ in metrics for stat in ("mean", "std")]
     rows = []
     for label, members in groups.items():
@@ -373,7 +371,7 @@ def seed_groups(runs: Sequence[Run], sort_by: Optional[str] = None) -> Optional[
     if sort_by is not None:
         key, sense = f"{sort_by} mean", direction(sort_by)
     _sort(rows, key, sense)
-    return Summary(columns, rows, key, sense)
+    return Summary(columns, rows, key)
 
 
 def optuna_best(sweep_dir: Path) -> Optional[str]:
@@ -388,7 +386,7 @@ def optuna_best(sweep_dir: Path) -> Optional[str]:
     return f"best trial: {overrides} with objective {_cell(best.get('best_value'))}"
 
 
-def optuna_section(sweep_dir: Path, summary: Summary) -> Optional[str]:
+def optuna_section(sweep_dir: Path, summary: Summary, sense: str) -> Optional[str]:
     """Markdown for an Optuna study: its best trial and its history, trial by trial with the best
     objective so far."""
     best = optuna_best(sweep_dir)
@@ -397,19 +395,26 @@ def optuna_section(sweep_dir: Path, summary: Summary) -> Optional[str]:
     lines = ["## Optuna study", "", best, "", "| trial | status | objective | best so far | overrides |",
              "|---|---|---|---|---|"]
     lines += [f"| {h['trial']} | {h['status']} | {_cell(h['objective'])} | {_cell(h['best'])} | {h['overrides']} |"
-              for h in optuna_history(summary)]
+              for h in optuna_history(summary, sense)]
     return "\n".join(lines) + "\n"
 
 
-def optuna_history(summary: Summary) -> List[Dict[str, object]]:
-    """The members of a sweep summary in trial order (job number) with the best objective so far."""
+def objective_sense(runs: Sequence[Run]) -> str:
+    """"max" or "min": which way the objective of these sweep members is better ("max" without one)."""
+    result = next((run.result for run in runs if run.result is not None), {})
+    return "min" if result.get("direction") == "minimize" else "max"
+
+
+def optuna_history(summary: Summary, sense: str) -> List[Dict[str, object]]:
+    """The members of a sweep summary in trial order (job number), each with the best objective so
+    far (`sense`: "max" or "min" is better)."""
     rows = sorted((r for r in summary.rows if str(r["run"]).isdigit()), key=lambda r: int(str(r["run"])))
     history, best = [], None
-    sense = min if summary.better == "min" else max
+    pick = min if sense == "min" else max
     for row in rows:
         value = row.get("objective")
         if value is not None:
-            best = value if best is None else sense(best, value)
+            best = value if best is None else pick(best, value)
         history.append({"trial": int(str(row["run"])), "status": row.get("status"), "objective": value,
                         "best": best, "overrides": row["overrides"]})
     return history
@@ -474,6 +479,20 @@ def print_summary(summary: Summary, console=None, title: Optional[str] = None) -
     console.print(table)
 
 
+def sweep_sections(sweep_dir: Path, runs: Sequence[Run], summary: Summary,
+                   sort_by: Optional[str] = None) -> Tuple[List[str], Optional[Summary]]:
+    """What summary.md adds below the table for a sweep: its configurations over their seeds (also
+    returned, for summary_by_config.csv) and an Optuna study's best trial and history."""
+    sections = []
+    groups = seed_groups(runs, sort_by)
+    if groups is not None:
+        sections.append("## Configurations over their seeds (mean and sample std)\n\n" + to_markdown(groups))
+    study = optuna_section(sweep_dir, summary, objective_sense(runs))
+    if study is not None:
+        sections.append(study)
+    return sections, groups
+
+
 def summarize_sweep(sweep_dir: Path, sort_by: Optional[str] = None, console=None) -> Summary:
     """Summarize every member of a sweep: print the table and write summary.md/csv into the sweep
     dir; with several seeds per configuration also their mean and spread (summary_by_config.csv),
@@ -481,19 +500,15 @@ def summarize_sweep(sweep_dir: Path, sort_by: Optional[str] = None, console=None
     runs = [load_run(p) for p in expand([sweep_dir])]
     summary = summarize(runs, sort_by)
     print_summary(summary, console, title=f"sweep {Path(sweep_dir)}")
-    sections, written = [], []
-    groups = seed_groups(runs, sort_by)
+    sections, groups = sweep_sections(sweep_dir, runs, summary, sort_by)
+    written = write_summary(summary, sweep_dir, sections)
     if groups is not None:
         print_summary(groups, console, title="configurations over their seeds")
-        sections.append("## Configurations over their seeds (mean and sample std)\n\n" + to_markdown(groups))
         written.append(write_csv(groups, Path(sweep_dir) / "summary_by_config.csv"))
-    study = optuna_section(sweep_dir, summary)
-    if study is not None:
-        sections.append(study)
-        if console is not None:
-            console.print(optuna_best(sweep_dir), highlight=False)
-    written = write_summary(summary, sweep_dir, sections) + written
+    best = optuna_best(sweep_dir)
     if console is not None:
+        if best is not None:
+            console.print(best, highlight=False)
         console.print(f"written: {', '.join(map(str, written))}")
     return summary
 
