@@ -315,12 +315,15 @@ def _train(argv: List[str]) -> int:
     return 1 if SweepSummary.failed else 0  # every member ran; the summary names those that failed
 
 
-def train_job(cfg) -> float:
+def train_job(cfg) -> Optional[float]:
     """One run: the task function Hydra calls, once or for each member of a sweep. At module level,
     so launchers that run members in other processes (joblib, submitit) pickle it by reference.
     Returns the run's objective (sweep.objective) to the sweeper. In a sweep a member that fails
-    returns NaN (Optuna records a failed trial) and leaves its error in RUN_DIR/result.json, so the
-    sweep goes on and its summary shows the failure."""
+    returns None and leaves its error in RUN_DIR/result.json, so the sweep goes on and its summary
+    shows the failure. None because Hydra's optuna sweeper (1.3) records a value it cannot convert
+    to float as a failed trial and goes on, whereas NaN crashes it (it tells Optuna the failed
+    trial's value, which Optuna refuses) and so does an exception (unless
+    hydra.sweeper.max_failure_rate allows it; Hydra's basic sweeper has no such setting)."""
     import logging
 
     from hydra.core.hydra_config import HydraConfig
@@ -365,7 +368,7 @@ def train_job(cfg) -> float:
             return value
     if distributed.is_main():
         write_result(run_dir, "failed", objective, None, error)
-    return float("nan")
+    return None
 
 
 def _member_torchrun(nproc: int, run_dir: Path) -> None:
