@@ -233,13 +233,15 @@ def _with_seeds(argv: List[str], args, jobs: list) -> Optional[List[str]]:
     if len(counts) > 1:
         raise UsageError("sweep.seeds takes one value for a whole sweep")
     if not args.multirun:
-        raise UsageError(f"sweep.seeds={n} runs each configuration {n} times, once per seed: add -m (rlnotes train -m ...)")
+        raise UsageError(f"sweep.seeds={n} runs each configuration {n} times, once per seed: add -m "
+                         "(rlnotes train -m ...)")
     if not jobs[0].hydra.sweeper._target_.endswith("BasicSweeper"):
         raise UsageError("sweep.seeds repeats each configuration of a grid sweep; a search trial is one run of one "
                          "seed: drop sweep.seeds, or average seeds by sweeping them in a grid (seed=0,1,2)")
     seeds = [o for o in OverridesParser.create().parse_overrides(args.overrides) if o.key_or_group == "seed"]
     if any(o.is_sweep_override() for o in seeds):
-        raise UsageError(f"seed is swept and sweep.seeds={n} is set; give the seeds one way: seed=0,1,2 or sweep.seeds=3")
+        raise UsageError(f"seed is swept and sweep.seeds={n} is set; give the seeds one way: seed=0,1,2 or "
+                         "sweep.seeds=3")
     drop = {o.input_line for o in seeds}
     first = jobs[0].seed
     return [a for a in argv if a not in drop] + ["seed=" + ",".join(str(first + i) for i in range(n))]
@@ -258,13 +260,15 @@ def _launcher_overrides(jobs: list, overrides: List[str]) -> List[str]:
     if cfg.hydra.sweeper._target_.endswith("OptunaSweeper"):
         senses = {objective_metric(job) for job in jobs}
         if len({sense for _, sense in senses}) > 1:
-            raise UsageError(f"the members' objectives go different ways ({', '.join(f'{m}: {d}' for m, d in sorted(senses))}); "
-                             "set sweep.objective (or sweep.direction) so that one direction fits all")
+            ways = ", ".join(f"{metric}: {sense}" for metric, sense in sorted(senses))
+            raise UsageError(f"the members' objectives go different ways ({ways}); set sweep.objective (or "
+                             "sweep.direction) so that one direction fits all")
         sense = senses.pop()[1]
         if "hydra.sweeper.direction" in given:
             if str(cfg.hydra.sweeper.direction).split(".")[-1] != sense:
-                raise UsageError(f"hydra.sweeper.direction={cfg.hydra.sweeper.direction} disagrees with the objective's "
-                                 f"direction ({sense}); set sweep.direction instead (the sweeper follows it)")
+                raise UsageError(f"hydra.sweeper.direction={cfg.hydra.sweeper.direction} disagrees with the "
+                                 f"objective's direction ({sense}); set sweep.direction instead (the sweeper "
+                                 "follows it)")
         else:
             extra.append(f"hydra.sweeper.direction={sense}")
     if cfg.hydra.launcher._target_.endswith("JoblibLauncher") and all(job.hardware.threads is None for job in jobs):
@@ -273,8 +277,8 @@ def _launcher_overrides(jobs: list, overrides: List[str]) -> List[str]:
         batch = cfg.hydra.sweeper.n_jobs if "n_jobs" in cfg.hydra.sweeper else len(jobs)
         at_once = max(1, min(at_once, batch))
         threads = max(1, cores // at_once)
-        print(f"rlnotes: {at_once} members at a time (hydra/launcher=joblib), {threads} thread{'s' * (threads > 1)} each on {cores} cores "
-              f"(hardware.threads={threads}; set it to choose)", file=sys.stderr, flush=True)
+        print(f"rlnotes: {at_once} members at a time (hydra/launcher=joblib), {threads} thread{'s' * (threads > 1)} "
+              f"each on {cores} cores (hardware.threads={threads}; set it to choose)", file=sys.stderr, flush=True)
         extra.append(f"hardware.threads={threads}")
     return extra
 

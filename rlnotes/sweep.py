@@ -362,7 +362,8 @@ def seed_groups(runs: Sequence[Run], sort_by: Optional[str] = None) -> Optional[
     rows = []
     for label, members in groups.items():
         done = [r for r in members if (r.result or {}).get("status", "completed") == "completed"]
-        row: Dict[str, object] = {"configuration": label or "(one configuration)", "seeds": f"{len(done)}/{len(members)}"}
+        row: Dict[str, object] = {"configuration": label or "(one configuration)",
+                                  "seeds": f"{len(done)}/{len(members)}"}
         for m, _ in metrics:
             values = [(r.result or {}).get("value") if m == "objective" else r.final(m) for r in done]
             row[f"{m} mean"], row[f"{m} std"] = _mean_std(values)
