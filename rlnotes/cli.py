@@ -27,6 +27,9 @@ commands:
 """
 
 CONFIG_MODULE = "rlnotes.conf"
+# Said when a sweeper or launcher is not an option: the Hydra plugins rlnotes documents.
+SWEEP_EXTRA = (" (hydra/sweeper=optuna and hydra/launcher=joblib, submitit_local, submitit_slurm come with "
+               "pip install 'rlnotes[sweep]')")
 
 
 def _environment() -> None:
@@ -107,7 +110,8 @@ def _explain(exc: BaseException, loader, overrides: List[str]) -> str:
     if missing:
         group, option = missing.groups()
         options = loader.get_group_options(group)
-        return f"{group}={option} is not an option; choose one of: {', '.join(options)}"
+        extra = SWEEP_EXTRA if group in ("hydra/sweeper", "hydra/launcher") else ""
+        return f"{group}={option} is not an option; choose one of: {', '.join(options)}{extra}"
     key = re.search(r"full_key: (\S+)", full)
     key = key.group(1) if key else None
     if "not in struct" in full or "not in '" in full or re.search(r"Key '[^']+' is not in", full):

@@ -57,6 +57,9 @@ def test_a_bad_sweep_setting_fails_in_one_line(capsys):
     assert "sweep.seeds=3 runs each configuration 3 times, once per seed: add -m" in capsys.readouterr().err
     assert main(["train", "-m", "sweep.seeds=3", "seed=0,1"]) == 2
     assert "give the seeds one way" in capsys.readouterr().err
+    assert main(["train", "-m", "hydra/launcher=slurm", "seed=0,1"]) == 2
+    err = capsys.readouterr().err  # a launcher that is not there, and where the plugins come from
+    assert "hydra/launcher=slurm is not an option" in err and "pip install 'rlnotes[sweep]'" in err
 
 
 # ---------------------------------------------------------------------------------------------
