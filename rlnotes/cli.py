@@ -61,11 +61,12 @@ def _loader(config_dir: Optional[str]):
     return ConfigLoaderImpl(config_search_path=search)
 
 
-def _members(overrides: List[str], multirun: bool) -> List[List[str]]:
+def _members(overrides: List[str], multirun: bool, loader=None) -> List[List[str]]:
     """The override lists of every job the command would run (one unless it is a sweep). A search
-    (hydra/sweeper=optuna, or an interval(...) to sample from) does not know its members ahead: it
-    gets representatives instead, each value of a choice or range and both ends of an interval,
-    one parameter at a time, so a typo or a value out of range still fails before any run."""
+    (hydra/sweeper=optuna, an interval(...) to sample from, or a search space in a YAML file's
+    hydra.sweeper.params, read through `loader`) does not know its members ahead: it gets
+    representatives instead, each value of a choice or range and both ends of an interval, one
+    parameter at a time, so a typo or a value out of range still fails before any run."""
     if not multirun:
         return [overrides]
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
@@ -73,7 +74,10 @@ def _members(overrides: List[str], multirun: bool) -> List[List[str]]:
     from hydra.core.override_parser.types import IntervalSweep
 
     parsed = OverridesParser.create().parse_overrides(overrides)
-    search = any(isinstance(o.value(), IntervalSweep) for o in parsed) or any(
+    space = _yaml_search_space(loader, parsed) if loader is not None else []
+    if space:
+        parsed = OverridesParser.create().parse_overrides(space) + parsed
+    search = space or any(isinstance(o.value(), IntervalSweep) for o in parsed) or any(
         o.key_or_group == "hydra/sweeper" and o.value() != "basic" for o in parsed)
     if not search:
         return [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
@@ -81,6 +85,23 @@ def _members(overrides: List[str], multirun: bool) -> List[List[str]]:
                for o in parsed]
     first = [values[0] for values in options]
     return [first] + [first[:i] + [value] + first[i + 1:] for i, values in enumerate(options) for value in values[1:]]
+
+
+def _yaml_search_space(loader, parsed) -> List[str]:
+    """hydra.sweeper.params of the configured search (an experiment file's search space) as
+    overrides, less the keys the command line sets itself; empty when there is none."""
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    fixed = [o.input_line for o in parsed if not o.is_sweep_override()]
+    try:
+        cfg = loader.load_configuration("config", fixed, _run_mode())
+    except (HydraException, OmegaConfBaseException, ValueError):
+        return []  # the command's own check reports it
+    params = OmegaConf.select(cfg, "hydra.sweeper.params", default=None) or {}
+    given = {o.key_or_group for o in parsed}
+    return [f"{key}={value}" for key, value in params.items() if key not in given]
 
 
 def _representatives(override) -> List[str]:
@@ -150,7 +171,7 @@ def check(overrides: List[str], multirun: bool, config_dir: Optional[str]) -> li
 
     loader = _loader(config_dir)
     jobs = []
-    for job in _members(overrides, multirun):
+    for job in _members(overrides, multirun, loader):
         try:
             cfg = loader.load_configuration("config", job, _run_mode())
             resolve_auto(cfg)

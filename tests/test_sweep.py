@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rlnotes.cli import UsageError, _launcher_overrides, _members, check, main
+from rlnotes.cli import UsageError, _launcher_overrides, _loader, _members, check, main
 from rlnotes.sweep import (RESULT_FILE, load_run, objective_metric, objective_value, optuna_history, seed_groups,
                            summarize)
 from tests.conftest import compose
@@ -83,6 +83,24 @@ def test_a_search_with_a_mistake_fails_before_any_run(override, expected, tmp_pa
     err = capsys.readouterr().err
     assert expected in err and err.count("\n") == 1, err
     assert not any(tmp_path.iterdir())
+
+
+def test_a_search_space_in_a_yaml_file_is_checked_too(tmp_path, capsys):
+    _plugin("hydra_plugins.hydra_optuna_sweeper")
+    (tmp_path / "conf" / "experiment").mkdir(parents=True)
+    (tmp_path / "conf" / "experiment" / "search.yaml").write_text(
+        "# @package _global_\ndefaults:\n  - override /hydra/sweeper: optuna\n"
+        "hydra:\n  sweeper:\n    params:\n      optim.lr: interval(0, 1e-2)\n      algo.beta: interval(0, 0.1)\n")
+    command = ["train", "-m", "--config-dir", str(tmp_path / "conf"), "experiment=search",
+               f"hydra.sweep.dir={tmp_path / 'sweep'}"]
+    assert main(command) == 2
+    assert "optim.lr=0.0 must be > 0" in capsys.readouterr().err
+    assert not (tmp_path / "sweep").exists()
+    # The command line's own range for a parameter replaces the file's.
+    members = _members(["experiment=search", "optim.lr=interval(1e-4, 1e-2)"], True,
+                       _loader(str(tmp_path / "conf")))
+    assert {m[2] for m in members} == {"optim.lr=0.0001", "optim.lr=0.01"}  # after experiment=search
+    assert {m[0] for m in members} == {"algo.beta=0.0", "algo.beta=0.1"}
 
 
 # ---------------------------------------------------------------------------------------------
