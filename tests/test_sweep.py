@@ -250,16 +250,15 @@ def test_joblib_runs_members_in_parallel_processes_with_threads_shared_out(tmp_p
 
 def test_submitit_local_members_have_their_own_run_dirs_and_resume(tmp_path):
     _plugin("hydra_plugins.hydra_submitit_launcher")
-    command = ["train", "-m", "hydra/launcher=submitit_local", "hydra.launcher.timeout_min=5", "seed=0,1",
-               "logging.progress=false", "trainer.save_every=1", "trainer.resume=auto", f"hydra.sweep.dir={tmp_path}"]
-    assert main([*command, "trainer.steps=2"]) == 0
+    command = ["train", "-m", "hydra/launcher=submitit_local", "hydra.launcher.timeout_min=5", "logging.progress=false",
+               "trainer.save_every=1", "trainer.resume=auto", f"hydra.sweep.dir={tmp_path}"]
+    assert main([*command, "seed=0,1", "trainer.steps=2"]) == 0
     rows = _summary(tmp_path)
     assert {r["overrides"]: r["status"] for r in rows.values()} == {"seed=0": "completed", "seed=1": "completed"}
     assert all((tmp_path / n / "checkpoints").is_dir() and (tmp_path / n / "final").is_dir() for n in "01")
-    # Run again into the same dirs, as a requeued member does: each resumes from its checkpoint.
-    assert main([*command, "trainer.steps=3"]) == 0
-    for n in "01":
-        steps = [json.loads(line)["step"] for line in (tmp_path / n / "metrics.jsonl").read_text().splitlines()]
-        assert steps == [1, 2, 3]
-        log = "".join(p.read_text() for p in (tmp_path / ".submitit").glob("*/*_log.err"))
-        assert f"resuming from {tmp_path / n / 'checkpoints' / 'step_000002'} at step 2" in log
+    # Member 0 again in the same dir, as submitit requeues a preempted member: it resumes from its checkpoint.
+    assert main([*command, "seed=0", "trainer.steps=3"]) == 0
+    steps = [json.loads(line)["step"] for line in (tmp_path / "0" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3] and _result(tmp_path / "0")["status"] == "completed"
+    log = "".join(p.read_text() for p in (tmp_path / ".submitit").glob("*/*_log.err"))
+    assert f"resuming from {tmp_path / '0' / 'checkpoints' / 'step_000002'} at step 2" in log
