@@ -334,7 +334,6 @@ def _train(argv: List[str]) -> int:
     import hydra
 
     from rlnotes.config import register
-
     from rlnotes.sweep import SweepSummary
 
     register()
@@ -389,12 +388,11 @@ def train_job(cfg) -> Optional[float]:
     else:
         metrics = run_dir / METRICS_FILE
         value = objective_value(read_metrics(metrics) if metrics.exists() else [], objective[0], cfg.sweep.last_steps)
-        error = "" if value is not None else (f"sweep.objective={objective[0]} was not logged by this run; "
-                                              "choose a metric of its metrics.jsonl")
         if value is not None:
             if distributed.is_main():
                 write_result(run_dir, "completed", objective, value)
             return value
+        error = f"sweep.objective={objective[0]} was not logged by this run; choose a metric of its metrics.jsonl"
     if distributed.is_main():
         write_result(run_dir, "failed", objective, None, error)
     return None

@@ -696,6 +696,10 @@ def _check_sweep(cfg) -> None:
         check_choice("sweep.direction", cfg.sweep.direction, DIRECTIONS)
     check_positive(cfg, "sweep.last_steps")
     check_positive(cfg, "sweep.seeds")
+    held_out = cfg.sweep.objective.startswith("eval/")
+    if held_out and ALGO_SCHEMAS[cfg.algo.name].samples and not cfg.trainer.eval_every:
+        raise ConfigError(f"sweep.objective={cfg.sweep.objective} is logged only when the run evaluates: set "
+                          "trainer.eval_every=N (or choose a training metric such as reward/mean)")
 
 
 # Checks of one algorithm's settings beyond their types, by algo.name.

@@ -55,6 +55,8 @@ def test_a_bad_sweep_setting_fails_in_one_line(capsys):
     assert "sweep.direction='up' is not valid; choose one of: maximize, minimize" in capsys.readouterr().err
     assert main(["train", "sweep.seeds=3"]) == 2
     assert "sweep.seeds=3 runs each configuration 3 times, once per seed: add -m" in capsys.readouterr().err
+    assert main(["train", "sweep.objective=eval/accuracy"]) == 2
+    assert "is logged only when the run evaluates: set trainer.eval_every=N" in capsys.readouterr().err
     assert main(["train", "-m", "sweep.seeds=3", "seed=0,1"]) == 2
     assert "give the seeds one way" in capsys.readouterr().err
     assert main(["train", "-m", "hydra/launcher=slurm", "seed=0,1"]) == 2
@@ -175,6 +177,14 @@ def test_seeds_sweep_groups_members_and_a_failed_member_does_not_stop_it(tmp_pat
     assert groups["algo.beta=0"]["seeds"] == "2/2" and groups["algo.beta=0.1"]["seeds"] == "1/2"
     assert "Configurations over their seeds" in (tmp_path / "summary.md").read_text()
     assert "1 of 4 members failed" in capsys.readouterr().out
+
+
+def test_a_member_that_never_logged_its_objective_failed(tmp_path):
+    """With algo.beta=0 there is no reference pass, so no kl/ref: nothing to return."""
+    assert main(["train", "-m", "sweep.objective=kl/ref", "algo.beta=0", *TINY, f"hydra.sweep.dir={tmp_path}"]) == 1
+    result = _result(tmp_path / "0")
+    assert result["status"] == "failed" and result["value"] is None
+    assert result["error"].startswith("sweep.objective=kl/ref was not logged by this run")
 
 
 # ---------------------------------------------------------------------------------------------
