@@ -171,7 +171,12 @@ def check(overrides: List[str], multirun: bool, config_dir: Optional[str]) -> li
 
     loader = _loader(config_dir)
     jobs = []
-    for job in _members(overrides, multirun, loader):
+    try:
+        members = _members(overrides, multirun, loader)
+    except HydraException as e:  # an override that does not parse
+        raise UsageError(f"{str(e).strip().splitlines()[0]} (quote a value with spaces or special characters: "
+                         "'key=\"...\"')") from None
+    for job in members:
         try:
             cfg = loader.load_configuration("config", job, _run_mode())
             resolve_auto(cfg)

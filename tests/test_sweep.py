@@ -59,6 +59,8 @@ def test_a_bad_sweep_setting_fails_in_one_line(capsys):
     assert "is logged only when the run evaluates: set trainer.eval_every=N" in capsys.readouterr().err
     assert main(["train", "-m", "sweep.seeds=3", "seed=0,1"]) == 2
     assert "give the seeds one way" in capsys.readouterr().err
+    assert main(["train", "-m", "seed=0,1", "hydra.launcher.setup=[source ~/venv]"]) == 2
+    assert "hydra.launcher.setup=[source ~/venv] (quote a value" in capsys.readouterr().err
     assert main(["train", "-m", "hydra/launcher=slurm", "seed=0,1"]) == 2
     err = capsys.readouterr().err  # a launcher that is not there, and where the plugins come from
     assert "hydra/launcher=slurm is not an option" in err and "pip install 'rlnotes[sweep]'" in err
