@@ -66,6 +66,13 @@ def test_a_bad_sweep_setting_fails_in_one_line(capsys):
     assert "hydra/launcher=slurm is not an option" in err and "pip install 'rlnotes[sweep]'" in err
 
 
+def test_sweep_settings_are_bookkeeping_for_a_resumed_member():
+    from rlnotes.checkpoint import config_changes
+
+    fatal, changed = config_changes(compose(), compose("sweep.seeds=3", "sweep.objective=kl/ref", "seed=2"))
+    assert fatal == [] and changed == ["seed 0 -> 2"]
+
+
 # ---------------------------------------------------------------------------------------------
 # The pre-check of a search: representatives of its parameters
 
