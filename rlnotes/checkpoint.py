@@ -68,7 +68,7 @@ RECOMPUTED = frozenset({"ref", "eval_ref"})
 MODEL_KEYS = ("algo.name", "model.name_or_path", "model.lora", "model.tiny")
 # Settings that do not touch the training math: a change is not worth a line on resume.
 BOOKKEEPING_KEYS = ("trainer.resume", "trainer.save_every", "trainer.keep_last", "logging", "hardware.threads",
-                    "hardware.nproc", "eval")
+                    "hardware.nproc", "eval", "sweep")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -29,6 +29,9 @@ commands:
 """
 
 CONFIG_MODULE = "rlnotes.conf"
+# Said when a sweeper or launcher is not an option: the Hydra plugins rlnotes documents.
+SWEEP_EXTRA = (" (hydra/sweeper=optuna and hydra/launcher=joblib, submitit_local, submitit_slurm come with "
+               "pip install 'rlnotes[sweep]')")
 
 
 def _environment() -> None:
@@ -60,15 +63,57 @@ def _loader(config_dir: Optional[str]):
     return ConfigLoaderImpl(config_search_path=search)
 
 
-def _members(overrides: List[str], multirun: bool) -> List[List[str]]:
-    """The override lists of every job the command would run (one unless it is a sweep)."""
+def _members(overrides: List[str], multirun: bool, loader=None) -> List[List[str]]:
+    """The override lists of every job the command would run (one unless it is a sweep). A search
+    (hydra/sweeper=optuna, an interval(...) to sample from, or a search space in a YAML file's
+    hydra.sweeper.params, read through `loader`) does not know its members ahead: it gets
+    representatives instead, each value of a choice or range and both ends of an interval, one
+    parameter at a time, so a typo or a value out of range still fails before any run."""
     if not multirun:
         return [overrides]
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import IntervalSweep
 
     parsed = OverridesParser.create().parse_overrides(overrides)
-    return [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
+    space = _yaml_search_space(loader, parsed) if loader is not None else []
+    if space:
+        parsed = OverridesParser.create().parse_overrides(space) + parsed
+    search = space or any(isinstance(o.value(), IntervalSweep) for o in parsed) or any(
+        o.key_or_group == "hydra/sweeper" and o.value() != "basic" for o in parsed)
+    if not search:
+        return [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
+    options = [[f"{o.get_key_element()}={v}" for v in _representatives(o)] if o.is_sweep_override() else [o.input_line]
+               for o in parsed]
+    first = [values[0] for values in options]
+    return [first] + [first[:i] + [value] + first[i + 1:] for i, values in enumerate(options) for value in values[1:]]
+
+
+def _yaml_search_space(loader, parsed) -> List[str]:
+    """hydra.sweeper.params of the configured search (an experiment file's search space) as
+    overrides, less the keys the command line sets itself; empty when there is none."""
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    fixed = [o.input_line for o in parsed if not o.is_sweep_override()]
+    try:
+        cfg = loader.load_configuration("config", fixed, _run_mode())
+    except (HydraException, OmegaConfBaseException, ValueError):
+        return []  # the command's own check reports it
+    params = OmegaConf.select(cfg, "hydra.sweeper.params", default=None) or {}
+    given = {o.key_or_group for o in parsed}
+    return [f"{key}={value}" for key, value in params.items() if key not in given]
+
+
+def _representatives(override) -> List[str]:
+    """Values that stand for a search parameter: a choice's or range's values, an interval's ends."""
+    from hydra.core.override_parser.types import IntervalSweep
+
+    value = override.value()
+    if isinstance(value, IntervalSweep):
+        return [str(value.start), str(value.end)]
+    return list(override.sweep_string_iterator())
 
 
 def _explain(exc: BaseException, loader, overrides: List[str]) -> str:
@@ -88,7 +133,8 @@ def _explain(exc: BaseException, loader, overrides: List[str]) -> str:
     if missing:
         group, option = missing.groups()
         options = loader.get_group_options(group)
-        return f"{group}={option} is not an option; choose one of: {', '.join(options)}"
+        extra = SWEEP_EXTRA if group in ("hydra/sweeper", "hydra/launcher") else ""
+        return f"{group}={option} is not an option; choose one of: {', '.join(options)}{extra}"
     key = re.search(r"full_key: (\S+)", full)
     key = key.group(1) if key else None
     if "not in struct" in full or "not in '" in full or re.search(r"Key '[^']+' is not in", full):
@@ -127,7 +173,12 @@ def check(overrides: List[str], multirun: bool, config_dir: Optional[str]) -> li
 
     loader = _loader(config_dir)
     jobs = []
-    for job in _members(overrides, multirun):
+    try:
+        members = _members(overrides, multirun, loader)
+    except HydraException as e:  # an override that does not parse
+        raise UsageError(f"{str(e).strip().splitlines()[0]} (quote a value with spaces or special characters: "
+                         "'key=\"...\"')") from None
+    for job in members:
         try:
             cfg = loader.load_configuration("config", job, _run_mode())
             resolve_auto(cfg)
@@ -284,6 +335,78 @@ def _resume_hint(console, run_dir: Path) -> None:
         console.print(f"[yellow]after a fix, resume with:[/]\n  {escape(resume_command(run_dir))}", highlight=False)
 
 
+def _cores() -> int:
+    """CPU cores this process may use (its affinity mask, which a cluster scheduler sets)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _in_process(cfg) -> bool:
+    """Whether Hydra runs the members in this process (its basic launcher), one after another."""
+    return cfg.hydra.launcher._target_.endswith("BasicLauncher")
+
+
+def _with_seeds(argv: List[str], args, jobs: list) -> Optional[List[str]]:
+    """sweep.seeds=N > 1: the command with seed=s,s+1,...,s+N-1 (s: the configured seed) in place of
+    any seed override, so each configuration runs N times; None when N is 1."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    counts = {cfg.sweep.seeds for cfg in jobs}
+    if counts == {1}:
+        return None
+    n = max(counts)
+    if len(counts) > 1:
+        raise UsageError("sweep.seeds takes one value for a whole sweep")
+    if not args.multirun:
+        raise UsageError(f"sweep.seeds={n} runs each configuration {n} times, once per seed: add -m "
+                         "(rlnotes train -m ...)")
+    if not jobs[0].hydra.sweeper._target_.endswith("BasicSweeper"):
+        raise UsageError("sweep.seeds repeats each configuration of a grid sweep; a search trial is one run of one "
+                         "seed: drop sweep.seeds, or average seeds by sweeping them in a grid (seed=0,1,2)")
+    seeds = [o for o in OverridesParser.create().parse_overrides(args.overrides) if o.key_or_group == "seed"]
+    if any(o.is_sweep_override() for o in seeds):
+        raise UsageError(f"seed is swept and sweep.seeds={n} is set; give the seeds one way: seed=0,1,2 or "
+                         "sweep.seeds=3")
+    drop = {o.input_line for o in seeds}
+    first = jobs[0].seed
+    return [a for a in argv if a not in drop] + ["seed=" + ",".join(str(first + i) for i in range(n))]
+
+
+def _launcher_overrides(jobs: list, overrides: List[str]) -> List[str]:
+    """Settings a sweeper or launcher needs from the run config: the Optuna sweeper's direction from
+    sweep.direction, and with the joblib launcher hardware.threads so that the members running at
+    once share the cores (when the user did not set it; said in one line)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from rlnotes.sweep import objective_metric
+
+    cfg, extra = jobs[0], []
+    given = {o.key_or_group: o for o in OverridesParser.create().parse_overrides(overrides)}
+    if cfg.hydra.sweeper._target_.endswith("OptunaSweeper"):
+        senses = {objective_metric(job) for job in jobs}
+        if len({sense for _, sense in senses}) > 1:
+            ways = ", ".join(f"{metric}: {sense}" for metric, sense in sorted(senses))
+            raise UsageError(f"the members' objectives go different ways ({ways}); set sweep.objective (or "
+                             "sweep.direction) so that one direction fits all")
+        sense = senses.pop()[1]
+        if "hydra.sweeper.direction" in given:
+            if str(cfg.hydra.sweeper.direction).split(".")[-1] != sense:
+                raise UsageError(f"hydra.sweeper.direction={cfg.hydra.sweeper.direction} disagrees with the "
+                                 f"objective's direction ({sense}); set sweep.direction instead (the sweeper "
+                                 "follows it)")
+        else:
+            extra.append(f"hydra.sweeper.direction={sense}")
+    if cfg.hydra.launcher._target_.endswith("JoblibLauncher") and all(job.hardware.threads is None for job in jobs):
+        cores, n_jobs = _cores(), cfg.hydra.launcher.n_jobs
+        at_once = cores + 1 + n_jobs if n_jobs < 0 else n_jobs  # joblib's -1: every core
+        batch = cfg.hydra.sweeper.n_jobs if "n_jobs" in cfg.hydra.sweeper else len(jobs)
+        at_once = max(1, min(at_once, batch))
+        threads = max(1, cores // at_once)
+        print(f"rlnotes: {at_once} members at a time (hydra/launcher=joblib), {threads} thread{'s' * (threads > 1)} "
+              f"each on {cores} cores (hardware.threads={threads}; set it to choose)", file=sys.stderr, flush=True)
+        extra.append(f"hardware.threads={threads}")
+    return extra
+
+
 def _train(argv: List[str]) -> int:
     from hydra._internal.utils import get_args_parser
 
@@ -291,6 +414,11 @@ def _train(argv: List[str]) -> int:
     informational = args.help or args.hydra_help or args.cfg or args.info or args.shell_completion
     if not informational:
         jobs = check(args.overrides, args.multirun, args.config_dir)
+        seeded = _with_seeds(argv, args, jobs)
+        if seeded is not None:
+            argv, args = seeded, get_args_parser().parse_args(seeded)
+            jobs = check(args.overrides, args.multirun, args.config_dir)
+        argv = [*argv, *_launcher_overrides(jobs, args.overrides)]
         nproc = _processes(jobs)
         if "WORLD_SIZE" in os.environ:  # a process torchrun started (ours or the user's)
             from rlnotes.config import ConfigError
@@ -299,7 +427,7 @@ def _train(argv: List[str]) -> int:
                 argv = [*argv, *_rank_overrides(jobs)]
             except ConfigError as e:
                 raise UsageError(str(e)) from None
-        elif nproc > 1:
+        elif nproc > 1 and _in_process(jobs[0]):  # other launchers start torchrun in each member
             return _launch(nproc, argv)
         else:
             argv = [*argv, *pin_dirs(jobs, datetime.now())]
@@ -309,43 +437,94 @@ def _train(argv: List[str]) -> int:
     import hydra
 
     from rlnotes.config import register
+    from rlnotes.sweep import SweepSummary
 
     register()
-
-    @hydra.main(version_base="1.3", config_path="pkg://rlnotes.conf", config_name="config")
-    def train_job(cfg) -> Optional[float]:
-        from hydra.core.hydra_config import HydraConfig
-        from rich.console import Console
-        from rich.markup import escape
-
-        from rlnotes import distributed
-        from rlnotes.checkpoint import resume_command
-        from rlnotes.config import ConfigError, resolve_auto
-        from rlnotes.rewards import RewardFailure
-        from rlnotes.runners.common import SaveFailed, TrainingError, train
-
-        # A message is one line, however narrow the screen; with several processes rank 0 speaks.
-        console = Console(stderr=True, soft_wrap=True, quiet=not distributed.is_main())
-        resolve_auto(cfg)
-        run_dir = Path(HydraConfig.get().runtime.output_dir)
-        try:
-            metrics = train(cfg, run_dir, console)
-        except (TrainingError, ConfigError, RewardFailure) as e:
-            console.print(f"[red]rlnotes: error:[/] {escape(str(e))}")
-            if not isinstance(e, (ConfigError, SaveFailed)):  # a setting is fixed anew; SaveFailed says how
-                _resume_hint(console, run_dir)
-            sys.exit(1)
-        except Exception:  # a bug: Hydra shows the traceback after this line
-            _resume_hint(console, run_dir)
-            raise
-        except KeyboardInterrupt:  # however it stopped (loading, a step, a save, a sweep member): how to go on
-            console.print(f"[yellow]resume with:[/]\n  {escape(resume_command(run_dir))}", highlight=False)
-            raise
-        return metrics.get("reward/mean")
-
+    SweepSummary.failed = []
     sys.argv = ["rlnotes train", *argv]
-    train_job()
-    return 0
+    hydra.main(version_base="1.3", config_path="pkg://rlnotes.conf", config_name="config")(train_job)()
+    return 1 if SweepSummary.failed else 0  # every member ran; the summary names those that failed
+
+
+def train_job(cfg) -> Optional[float]:
+    """One run: the task function Hydra calls, once or for each member of a sweep. At module level,
+    so launchers that run members in other processes (joblib, submitit) pickle it by reference.
+    Returns the run's objective (sweep.objective) to the sweeper. In a sweep a member that fails
+    returns None and leaves its error in RUN_DIR/result.json, so the sweep goes on and its summary
+    shows the failure. None because Hydra's optuna sweeper (1.3) records a value it cannot convert
+    to float as a failed trial and goes on, whereas NaN crashes it (it tells Optuna the failed
+    trial's value, which Optuna refuses) and so does an exception (unless
+    hydra.sweeper.max_failure_rate allows it; Hydra's basic sweeper has no such setting)."""
+    import logging
+
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+    from rich.console import Console
+
+    from rich.markup import escape
+
+    from rlnotes import distributed
+    from rlnotes.checkpoint import resume_command
+    from rlnotes.config import ConfigError, resolve_auto
+    from rlnotes.rewards import RewardFailure
+    from rlnotes.runners.common import SaveFailed, TrainingError, train
+    from rlnotes.sweep import METRICS_FILE, objective_metric, objective_value, read_metrics, write_result
+
+    # A message is one line, however narrow the screen; with several processes rank 0 speaks.
+    console = Console(stderr=True, soft_wrap=True, quiet=not distributed.is_main())
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    member = HydraConfig.get().mode == RunMode.MULTIRUN
+    resolve_auto(cfg)
+    objective = objective_metric(cfg)
+    try:
+        if member and (cfg.hardware.nproc or 1) > 1 and "WORLD_SIZE" not in os.environ:
+            _member_torchrun(cfg.hardware.nproc, run_dir)
+        else:
+            train(cfg, run_dir, console)
+    except (TrainingError, ConfigError, RewardFailure) as e:
+        console.print(f"[red]rlnotes: error:[/] {escape(str(e))}")
+        if not isinstance(e, (ConfigError, SaveFailed)):  # a setting is fixed anew; SaveFailed says how
+            _resume_hint(console, run_dir)
+        if not member:
+            sys.exit(1)
+        error = str(e)
+    except KeyboardInterrupt:  # however it stopped (loading, a step, a save, a sweep member): how to go on
+        console.print(f"[yellow]resume with:[/]\n  {escape(resume_command(run_dir))}", highlight=False)
+        raise
+    except Exception as e:  # a bug or a crash in one member must not take the others down
+        _resume_hint(console, run_dir)  # a bug: the traceback follows (Hydra's, or the log's in a sweep)
+        if not member:
+            raise
+        logging.getLogger("rlnotes").exception("this member failed; the sweep goes on")
+        error = f"{type(e).__name__}: {e}".splitlines()[0]
+    else:
+        metrics = run_dir / METRICS_FILE
+        value = objective_value(read_metrics(metrics) if metrics.exists() else [], objective[0], cfg.sweep.last_steps)
+        if value is not None:
+            if distributed.is_main():
+                write_result(run_dir, "completed", objective, value)
+            return value
+        error = f"sweep.objective={objective[0]} was not logged by this run; choose a metric of its metrics.jsonl"
+    if distributed.is_main():
+        write_result(run_dir, "failed", objective, None, error)
+    return None
+
+
+def _member_torchrun(nproc: int, run_dir: Path) -> None:
+    """hardware.nproc=N in a sweep member that a launcher runs in its own process (joblib, submitit):
+    the member starts torchrun with N processes for a single run of its overrides in its run dir."""
+    import subprocess
+
+    from hydra.core.hydra_config import HydraConfig
+
+    from rlnotes.runners.common import TrainingError
+
+    quoted = "'" + str(run_dir).replace("'", "\\'") + "'"
+    command = torchrun_command(nproc, [*HydraConfig.get().overrides.task, f"hydra.run.dir={quoted}"])
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(max(1, _cores() // nproc))))
+    code = subprocess.run(command, env=env).returncode
+    if code:
+        raise TrainingError(f"torchrun with {nproc} processes exited with status {code}; see the logs in {run_dir}")
 
 
 def _eval(argv: List[str]) -> int:

@@ -499,6 +499,24 @@ class EvalConfig:
 
 
 @dataclass
+class SweepConfig:
+    # What a member of a sweep (`rlnotes train -m ...`) returns to its sweeper (Optuna's objective)
+    # and what the sweep summary ranks by: a metric name as in metrics.jsonl, or auto = the task's
+    # final held-out score when the run evaluates (eval/accuracy with trainer.eval_every; DPO, RM
+    # and SFT always do: eval/dpo_accuracy, eval/rm_accuracy, eval/sft_loss), else reward/mean
+    # averaged over the last `last_steps` logged steps.
+    objective: str = "auto"
+    # maximize or minimize the objective; null = its own sense (minimize losses, maximize the rest).
+    # The Optuna sweeper's hydra.sweeper.direction is set from it.
+    direction: Optional[str] = None
+    # Logged steps a training metric (not eval/*) is averaged over: one batch's mean is noisy.
+    last_steps: int = 10
+    # Seeds per configuration: N runs every configuration of the sweep with seed, seed+1, ...,
+    # seed+N-1, and the summary reports each configuration's mean and spread over them (needs -m).
+    seeds: int = 1
+
+
+@dataclass
 class TrainConfig:
     algo: Any = MISSING
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -510,6 +528,7 @@ class TrainConfig:
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    sweep: SweepConfig = field(default_factory=SweepConfig)
     # Seed of sampling, dropout and data order.
     seed: int = 0
 
@@ -531,6 +550,8 @@ DEVICES = ("cpu", "cuda", "auto")
 STRATEGIES = ("ddp", "fsdp")
 # rollout.engine: what samples completions.
 ENGINES = ("hf", "vllm")
+# sweep.direction: the sense of the objective a sweep optimizes.
+DIRECTIONS = ("maximize", "minimize")
 
 
 def planned_world_size(hardware) -> int:
@@ -591,6 +612,8 @@ RANGES: Dict[str, tuple] = {
     "logging.print_every": (">= 1", "steps per plain progress line; null = about 20 a run"),
     "logging.samples_every": (">= 0", "steps per samples table; 0 = never"),
     "logging.samples_shown": (">= 1", "completions a samples table shows"),
+    "sweep.last_steps": (">= 1", "logged steps a training metric is averaged over for the sweep's objective"),
+    "sweep.seeds": (">= 1", "seeds per configuration of a sweep"),
     "eval.size": (">= 1", "eval prompts; null = the whole eval split"),
     "eval.samples_per_prompt": (">= 1", "completions per eval prompt"),
     "eval.max_new_tokens": (">= 1", "completion tokens at most; null = rollout.max_new_tokens"),
@@ -812,6 +835,15 @@ def _check_checkpointing(trainer) -> None:
         resolve(trainer.resume)
 
 
+def _check_sweep(cfg) -> None:
+    if cfg.sweep.direction is not None:
+        check_choice("sweep.direction", cfg.sweep.direction, DIRECTIONS)
+    held_out = cfg.sweep.objective.startswith("eval/")
+    if held_out and ALGO_SCHEMAS[cfg.algo.name].samples and not cfg.trainer.eval_every:
+        raise ConfigError(f"sweep.objective={cfg.sweep.objective} is logged only when the run evaluates: set "
+                          "trainer.eval_every=N (or choose a training metric such as reward/mean)")
+
+
 # Checks of one algorithm's settings beyond their types, by algo.name.
 ALGO_CHECKS = {"grpo": _check_grpo, "reinforce": _check_reinforce, "ppo": _check_ppo, "dpo": _check_dpo}
 
@@ -831,6 +863,7 @@ def validate(cfg) -> None:
         if OmegaConf.select(cfg, key, default=None) is not None:
             check_choice(key, OmegaConf.select(cfg, key), valid)
     check_ranges(cfg)
+    _check_sweep(cfg)
     from rlnotes.model_files import check_model_source
 
     check_model_source(cfg.model.name_or_path)  # a missing or half-written model dir, before anything loads

@@ -6,6 +6,7 @@ Only figures whose metrics some run logged are drawn. Usable from Python too:
 
     from rlnotes.plot import plot, plot_metrics
     plot(["multirun/2025-01-01/12-00-00-grpo"])                  # figures + table, like the command
+                                                                 # (an Optuna sweep: also objective.png)
     plot_metrics(["multirun/..."], ["reward/mean", "eval/accuracy"], "reward.png")  # one PNG, a panel each
 
 matplotlib (the `plot` extra) draws through its Agg canvas, without pyplot's global state.
@@ -17,8 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List, Optional, Sequence, Tuple, Union
 
-from rlnotes.sweep import (Run, RunError, Summary, expand, is_sweep, labels, load_run, print_summary, summarize,
-                           sweep_dir_of, write_summary)
+from rlnotes.sweep import (OPTUNA_FILE, Run, RunError, Summary, expand, is_sweep, labels, load_run, objective_sense,
+                           optuna_history, print_summary, summarize, sweep_dir_of, sweep_sections, write_summary)
 
 PathLike = Union[str, Path]
 
@@ -123,6 +124,33 @@ def plot_metrics(paths: Sequence[PathLike], metrics: Sequence[str], path: PathLi
     return path
 
 
+def objective_figure(summary: Summary, sense: str, path: Path) -> Optional[Path]:
+    """An Optuna study's history: each trial's objective (a dot), the best so far (a step line), and
+    a dotted line at each failed trial; None when no trial returned an objective."""
+    history = optuna_history(summary, sense)
+    done = [(h["trial"], h["objective"]) for h in history if h["objective"] is not None]
+    if not done:
+        return None
+    Figure = _matplotlib()
+    fig = Figure(figsize=(7, 4.2), dpi=120, layout="constrained")
+    ax = fig.add_subplot()
+    ax.plot([t for t, _ in done], [v for _, v in done], "o", color="C0", label="trial")
+    best = [(h["trial"], h["best"]) for h in history if h["best"] is not None]
+    ax.step([t for t, _ in best], [b for _, b in best], where="post", color="C1", label="best so far")
+    for i, h in enumerate(h for h in history if h["status"] == "failed"):
+        ax.axvline(h["trial"], color="C3", linestyle=":", alpha=0.6, label="failed" if i == 0 else None)
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("trial")
+    ax.set_ylabel(summary.sort_by or "objective")
+    ax.set_title(f"objective by trial ({'higher' if sense == 'max' else 'lower'} is better)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small", loc="best")
+    fig.savefig(path)
+    return path
+
+
 def _logged(runs: Sequence[Run]) -> List[str]:
     return list(dict.fromkeys(m for run in runs for m in run.metrics()))
 
@@ -165,8 +193,12 @@ def plot(paths: Sequence[PathLike], out: Optional[PathLike] = None, sort_by: Opt
     names = labels(runs)
     figures = [f for stem, title, metrics in FIGURES
                if (f := figure(runs, names, metrics, title, out / f"{stem}.png", smooth)) is not None]
+    if len(paths) == 1 and (Path(paths[0]) / OPTUNA_FILE).exists():  # an Optuna study: its history
+        study = objective_figure(summarize(runs), objective_sense(runs), out / "objective.png")
+        figures += [study] if study is not None else []
     several = len(runs) > 1 or any(is_sweep(p) for p in paths)
-    written = write_summary(summary, out) if several else []
+    sections = sweep_sections(paths[0], runs, summary, sort_by)[0] if len(paths) == 1 and is_sweep(paths[0]) else []
+    written = write_summary(summary, out, sections) if several else []
     print_summary(summary, console, title=" ".join(map(str, paths)))
     if chosen and len(paths) > 1 and console is not None:
         console.print(f"no --out given: figures and table written to {out}", highlight=False)

@@ -20,6 +20,11 @@ import yaml
 METRICS_FILE = "metrics.jsonl"
 SWEEP_FILE = "multirun.yaml"
 OVERRIDES_FILE = Path(".hydra") / "overrides.yaml"
+# What a sweep member returned: {"status": "completed" | "failed", "objective": metric,
+# "direction": "maximize" | "minimize", "value": x, "error": line}.
+RESULT_FILE = "result.json"
+# What Hydra's Optuna sweeper writes into the sweep dir at the end of a study.
+OPTUNA_FILE = "optimization_results.yaml"
 
 # The metrics a summary shows, in this order, when at least one run logged them, each with the
 # direction that is better ("max", "min", or None where neither is: only the final value is shown).
@@ -44,6 +49,8 @@ class Run:
     path: Path
     rows: List[Dict[str, Optional[float]]]
     overrides: List[str] = field(default_factory=list)
+    # RESULT_FILE's content for a sweep member that finished (or failed); None otherwise.
+    result: Optional[Dict[str, object]] = None
 
     def metrics(self) -> List[str]:
         """Every metric name the run logged, in first-seen order."""
@@ -102,11 +109,33 @@ def read_overrides(run_dir: Path) -> List[str]:
     return [str(o) for o in (yaml.safe_load(path.read_text()) or [])]
 
 
+def read_result(run_dir: Path) -> Optional[Dict[str, object]]:
+    """A sweep member's RESULT_FILE, or None (not a member, or one still running or killed)."""
+    path = Path(run_dir) / RESULT_FILE
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def write_result(run_dir: Path, status: str, objective: Tuple[str, str], value: Optional[float],
+                 error: str = "") -> None:
+    """Record what a sweep member returned: its (metric, direction) objective and value; a failed
+    member has value None and its error line."""
+    result = {"status": status, "objective": objective[0], "direction": objective[1],
+              "value": value if value is not None and math.isfinite(value) else None, "error": error}
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    (Path(run_dir) / RESULT_FILE).write_text(json.dumps(result) + "\n")
+
+
 def load_run(run_dir: Path) -> Run:
     run_dir = Path(run_dir)
+    result = read_result(run_dir)
     if not (run_dir / METRICS_FILE).exists():
+        if result is not None:  # a member that failed before its first step
+            return Run(run_dir, [], read_overrides(run_dir), result)
         raise RunError(f"{run_dir} has no {METRICS_FILE}; pass a run dir (one with {METRICS_FILE}) or a sweep dir")
-    return Run(run_dir, read_metrics(run_dir / METRICS_FILE), read_overrides(run_dir))
+    return Run(run_dir, read_metrics(run_dir / METRICS_FILE), read_overrides(run_dir), result)
 
 
 def _member_order(path: Path) -> Tuple[int, str]:
@@ -114,8 +143,10 @@ def _member_order(path: Path) -> Tuple[int, str]:
 
 
 def sweep_members(sweep_dir: Path) -> List[Path]:
-    """The run dirs of a multirun sweep (its subdirs with a metrics.jsonl), by job number."""
-    return sorted((p.parent for p in Path(sweep_dir).glob(f"*/{METRICS_FILE}")), key=_member_order)
+    """The run dirs of a multirun sweep (its subdirs with a metrics.jsonl, or with a result of a
+    member that failed before logging), by job number."""
+    found = {p.parent for name in (METRICS_FILE, RESULT_FILE) for p in Path(sweep_dir).glob(f"*/{name}")}
+    return sorted(found, key=_member_order)
 
 
 def expand(paths: Iterable[Path]) -> List[Path]:
@@ -218,6 +249,34 @@ def sort_metric(runs: Sequence[Run], sort_by: Optional[str]) -> Optional[str]:
     return next((m for m, _ in KEY_METRICS if m in logged), None)
 
 
+# ---------------------------------------------------------------------------------------------
+# The objective a sweep member returns to its sweeper
+
+# The held-out score an algorithm's runs always log (their own eval_every): the auto objective.
+EVAL_OBJECTIVES = {"dpo": "eval/dpo_accuracy", "rm": "eval/rm_accuracy", "sft": "eval/sft_loss"}
+
+
+def objective_metric(cfg) -> Tuple[str, str]:
+    """(metric, "maximize" or "minimize") of sweep.objective and sweep.direction, auto resolved:
+    the held-out score when the run evaluates, else reward/mean; the sense follows the metric."""
+    metric = cfg.sweep.objective
+    if metric == "auto":
+        metric = EVAL_OBJECTIVES.get(cfg.algo.name) or ("eval/accuracy" if cfg.trainer.eval_every else "reward/mean")
+    return metric, cfg.sweep.direction or ("maximize" if direction(metric) == "max" else "minimize")
+
+
+def objective_value(rows: Sequence[Dict[str, Optional[float]]], metric: str, last_steps: int) -> Optional[float]:
+    """A held-out metric (eval/*): its final value, the score of the trained policy. A training
+    metric: its mean over the last `last_steps` rows that logged it. None if never logged."""
+    values = [row[metric] for row in rows if row.get(metric) is not None]
+    if not values:
+        return None
+    if metric.startswith("eval/"):
+        return float(values[-1])
+    tail = values[-last_steps:]
+    return float(sum(tail) / len(tail))
+
+
 @dataclass
 class Summary:
     """One row per run: run, overrides, steps, wall_s, then `<metric>` (final) and `<metric> best`."""
@@ -227,31 +286,139 @@ class Summary:
     sort_by: Optional[str]
 
 
+def _sort(rows: List[Dict[str, object]], key: Optional[str], sense: Optional[str]) -> None:
+    """Best first by column `key` ("max" or "min" better); rows without it last, in their order."""
+    if key is not None:
+        sign = -1.0 if sense == "max" else 1.0
+        rows.sort(key=lambda r: (r[key] is None, sign * r[key] if r[key] is not None else 0.0))
+
+
 def summarize(runs: Sequence[Run], sort_by: Optional[str] = None) -> Summary:
-    """Final and best values of the key metrics of every run, best run first by `sort_by`."""
+    """Final and best values of the key metrics of every run, best run first by `sort_by`; sweep
+    members add their status and the objective they returned, which ranks them unless `sort_by`
+    is given."""
     metric = sort_metric(runs, sort_by)
     logged = {m for run in runs for m in run.metrics()}
     shown = [(m, d) for m, d in KEY_METRICS if m in logged]
     if metric is not None and metric not in dict(shown):
         shown.insert(0, (metric, None))
-    columns = ["run", "overrides", "steps", "wall_s"]
+    results = [run.result for run in runs if run.result is not None]
+    failed = any(r.get("status") == "failed" for r in results)
+    columns = ["run", "overrides"] + (["status", "objective"] if results else []) + ["steps", "wall_s"]
     for m, d in shown:
         columns += [m, f"{m} best"] if d else [m]
+    columns += ["error"] if failed else []
     same_parent = len({run.path.resolve().parent for run in runs}) == 1
     rows = []
     for run, label in zip(runs, differing_overrides([r.overrides for r in runs])):
         row: Dict[str, object] = {"run": run.path.name if same_parent else str(run.path),
                                   "overrides": " ".join(label), "steps": run.steps, "wall_s": run.wall_s}
+        if results:  # a member without a result is still running, or was killed
+            result = run.result or {}
+            row.update(status=result.get("status", "unfinished"), objective=result.get("value"))
+        if failed:
+            row["error"] = (run.result or {}).get("error") or None
         for m, d in shown:
             row[m] = run.final(m)
             if d:
                 row[f"{m} best"] = run.best(m, d)
         rows.append(row)
-    if metric is not None:
-        sign = -1.0 if direction(metric) == "max" else 1.0
-        # Runs without the metric go last, in their original order (sorted() is stable).
-        rows.sort(key=lambda r: (r[metric] is None, sign * r[metric] if r[metric] is not None else 0.0))
+    key, sense = metric, direction(metric) if metric is not None else None
+    if sort_by is None and results:
+        key, sense = "objective", objective_sense(runs)
+        metric = f"objective ({results[0].get('objective')})"
+    _sort(rows, key, sense)
     return Summary(columns, rows, metric)
+
+
+def _mean_std(values: Sequence[float]) -> Tuple[Optional[float], Optional[float]]:
+    """Mean and sample standard deviation (n - 1; None for one value) of the finite values."""
+    values = [v for v in values if v is not None and math.isfinite(v)]
+    if not values:
+        return None, None
+    mean = sum(values) / len(values)
+    std = math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1)) if len(values) > 1 else None
+    return mean, std
+
+
+def seed_groups(runs: Sequence[Run], sort_by: Optional[str] = None) -> Optional[Summary]:
+    """Members that differ only by their seed, one row per configuration: its seeds (completed of
+    all) and the mean and spread (sample std) over them of the objective and of the key metrics'
+    final values, best configuration first. None when no configuration ran with several seeds."""
+    unseeded = differing_overrides([[o for o in run.overrides if _split(o)[0] != "seed"] for run in runs])
+    groups: Dict[str, List[Run]] = {}
+    for run, label in zip(runs, unseeded):
+        groups.setdefault(" ".join(label), []).append(run)
+    if all(len(members) < 2 for members in groups.values()):
+        return None
+    results = [run.result for run in runs if run.result is not None]
+    logged = {m for run in runs for m in run.metrics()}
+    metrics = [(m, d) for m, d in KEY_METRICS if d and m in logged]
+    if sort_by is not None and sort_by not in dict(metrics):
+        metrics.insert(0, (sort_by, direction(sort_by)))
+    if results:
+        metrics.insert(0, ("objective", objective_sense(runs)))
+    columns = ["configuration", "seeds"] + [f"{m} {stat}" for m, _ in metrics for stat in ("mean", "std")]
+    rows = []
+    for label, members in groups.items():
+        done = [r for r in members if (r.result or {}).get("status", "completed") == "completed"]
+        row: Dict[str, object] = {"configuration": label or "(one configuration)",
+                                  "seeds": f"{len(done)}/{len(members)}"}
+        for m, _ in metrics:
+            values = [(r.result or {}).get("value") if m == "objective" else r.final(m) for r in done]
+            row[f"{m} mean"], row[f"{m} std"] = _mean_std(values)
+        rows.append(row)
+    key, sense = (f"{metrics[0][0]} mean", metrics[0][1]) if metrics else (None, None)
+    if sort_by is not None:
+        key, sense = f"{sort_by} mean", direction(sort_by)
+    _sort(rows, key, sense)
+    return Summary(columns, rows, key)
+
+
+def optuna_best(sweep_dir: Path) -> Optional[str]:
+    """The best trial of an Optuna study as a line (its overrides and objective) from what Hydra's
+    optuna sweeper wrote into the sweep dir; None for other sweeps (or a multi-objective study:
+    its Pareto front stays in OPTUNA_FILE)."""
+    path = Path(sweep_dir) / OPTUNA_FILE
+    best = (yaml.safe_load(path.read_text()) or {}) if path.exists() else {}
+    if "best_params" not in best:
+        return None
+    overrides = " ".join(f"{k}={v}" for k, v in (best.get("best_params") or {}).items())
+    return f"best trial: {overrides} with objective {_cell(best.get('best_value'))}"
+
+
+def optuna_section(sweep_dir: Path, summary: Summary, sense: str) -> Optional[str]:
+    """Markdown for an Optuna study: its best trial and its history, trial by trial with the best
+    objective so far."""
+    best = optuna_best(sweep_dir)
+    if best is None:
+        return None
+    lines = ["## Optuna study", "", best, "", "| trial | status | objective | best so far | overrides |",
+             "|---|---|---|---|---|"]
+    lines += [f"| {h['trial']} | {h['status']} | {_cell(h['objective'])} | {_cell(h['best'])} | {h['overrides']} |"
+              for h in optuna_history(summary, sense)]
+    return "\n".join(lines) + "\n"
+
+
+def objective_sense(runs: Sequence[Run]) -> str:
+    """"max" or "min": which way the objective of these sweep members is better ("max" without one)."""
+    result = next((run.result for run in runs if run.result is not None), {})
+    return "min" if result.get("direction") == "minimize" else "max"
+
+
+def optuna_history(summary: Summary, sense: str) -> List[Dict[str, object]]:
+    """The members of a sweep summary in trial order (job number), each with the best objective so
+    far (`sense`: "max" or "min" is better)."""
+    rows = sorted((r for r in summary.rows if str(r["run"]).isdigit()), key=lambda r: int(str(r["run"])))
+    history, best = [], None
+    pick = min if sense == "min" else max
+    for row in rows:
+        value = row.get("objective")
+        if value is not None:
+            best = value if best is None else pick(best, value)
+        history.append({"trial": int(str(row["run"])), "status": row.get("status"), "objective": value,
+                        "best": best, "overrides": row["overrides"]})
+    return history
 
 
 def _cell(value: object) -> str:
@@ -270,17 +437,22 @@ def to_markdown(summary: Summary) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_summary(summary: Summary, out_dir: Path) -> List[Path]:
-    """summary.md (a markdown table) and summary.csv (full precision) in `out_dir`."""
-    out_dir = Path(out_dir)
-    md, table = out_dir / "summary.md", out_dir / "summary.csv"
-    note = f"sorted by {summary.sort_by}, best first\n\n" if summary.sort_by else ""
-    md.write_text(note + to_markdown(summary))
-    with table.open("w", newline="") as f:
+def write_csv(summary: Summary, path: Path) -> Path:
+    """The summary's rows at full precision; an empty cell for a missing value."""
+    with Path(path).open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=summary.columns)
         writer.writeheader()
         writer.writerows({c: ("" if row[c] is None else row[c]) for c in summary.columns} for row in summary.rows)
-    return [md, table]
+    return Path(path)
+
+
+def write_summary(summary: Summary, out_dir: Path, sections: Sequence[str] = ()) -> List[Path]:
+    """summary.md (a markdown table, then `sections`) and summary.csv (full precision) in `out_dir`."""
+    out_dir = Path(out_dir)
+    md = out_dir / "summary.md"
+    note = f"sorted by {summary.sort_by}, best first\n\n" if summary.sort_by else ""
+    md.write_text(note + to_markdown(summary) + "".join(f"\n{section}" for section in sections))
+    return [md, write_csv(summary, out_dir / "summary.csv")]
 
 
 def stdout_console():
@@ -301,22 +473,50 @@ def print_summary(summary: Summary, console=None, title: Optional[str] = None) -
     sorted_by = f" (sorted by {summary.sort_by}, best first)" if summary.sort_by else ""
     table = Table(title=(title or "runs") + sorted_by, title_justify="left")
     for column in summary.columns:
-        text = column in ("run", "overrides")
+        text = column in ("run", "overrides", "configuration", "error")
         table.add_column(column, justify="left" if text else "right", overflow="fold", no_wrap=not text)
     for row in summary.rows:
         table.add_row(*(_cell(row[c]) for c in summary.columns))
     console.print(table)
 
 
+def sweep_sections(sweep_dir: Path, runs: Sequence[Run], summary: Summary,
+                   sort_by: Optional[str] = None) -> Tuple[List[str], Optional[Summary]]:
+    """What summary.md adds below the table for a sweep: its configurations over their seeds (also
+    returned, for summary_by_config.csv) and an Optuna study's best trial and history."""
+    sections = []
+    groups = seed_groups(runs, sort_by)
+    if groups is not None:
+        sections.append("## Configurations over their seeds (mean and sample std)\n\n" + to_markdown(groups))
+    study = optuna_section(sweep_dir, summary, objective_sense(runs))
+    if study is not None:
+        sections.append(study)
+    return sections, groups
+
+
 def summarize_sweep(sweep_dir: Path, sort_by: Optional[str] = None, console=None) -> Summary:
-    """Summarize every member of a sweep: print the table and write summary.md/csv into the sweep dir."""
+    """Summarize every member of a sweep: print the table and write summary.md/csv into the sweep
+    dir; with several seeds per configuration also their mean and spread (summary_by_config.csv),
+    and for an Optuna study its best trial and history (in summary.md)."""
     runs = [load_run(p) for p in expand([sweep_dir])]
     summary = summarize(runs, sort_by)
     print_summary(summary, console, title=f"sweep {Path(sweep_dir)}")
-    written = write_summary(summary, sweep_dir)
+    sections, groups = sweep_sections(sweep_dir, runs, summary, sort_by)
+    written = write_summary(summary, sweep_dir, sections)
+    if groups is not None:
+        print_summary(groups, console, title="configurations over their seeds")
+        written.append(write_csv(groups, Path(sweep_dir) / "summary_by_config.csv"))
+    best = optuna_best(sweep_dir)
     if console is not None:
+        if best is not None:
+            console.print(best, highlight=False)
         console.print(f"written: {', '.join(map(str, written))}")
     return summary
+
+
+def failed_members(summary: Summary) -> List[str]:
+    """The runs of a sweep summary whose member failed."""
+    return [str(row["run"]) for row in summary.rows if row.get("status") == "failed"]
 
 
 try:
@@ -327,7 +527,11 @@ except ImportError:  # pragma: no cover - hydra is a dependency; this keeps the 
 
 class SweepSummary(Callback):
     """Hydra callback (see conf/config.yaml): after `rlnotes train -m ...`, the summary table of
-    every member, printed and written to the sweep dir, sorted by `logging.sort_by`."""
+    every member, printed and written to the sweep dir, sorted by `logging.sort_by` (else by the
+    objective the members returned). The members that failed are kept in `failed` for the command's
+    exit status."""
+
+    failed: List[str] = []
 
     def on_multirun_end(self, config, **kwargs) -> None:
         from omegaconf import OmegaConf
@@ -338,7 +542,13 @@ class SweepSummary(Callback):
         # The runs are done and saved: a summary that cannot be made must not fail the sweep.
         for attempt in (sort_by, None) if sort_by is not None else (None,):
             try:
-                summarize_sweep(sweep_dir, attempt, console)
-                return
+                summary = summarize_sweep(sweep_dir, attempt, console)
             except RunError as e:
                 console.print(f"[yellow]rlnotes: {e}[/]" + (" (logging.sort_by)" if attempt else ""))
+                continue
+            SweepSummary.failed = failed_members(summary)
+            if SweepSummary.failed:
+                console.print(f"[red]rlnotes: {len(SweepSummary.failed)} of {len(summary.rows)} members failed[/] "
+                              f"(runs {', '.join(SweepSummary.failed)} of {sweep_dir}: the error column of "
+                              "summary.md, and their logs)", highlight=False)
+            return

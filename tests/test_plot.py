@@ -39,12 +39,16 @@ def _run(root: Path, name: str, rows, overrides=()) -> Path:
     return run
 
 
-def test_sweep_writes_a_summary_of_every_member_sorted_by_reward(sweep):
+def test_sweep_writes_a_summary_of_every_member_sorted_by_its_objective(sweep):
     finals = {n: _finals(sweep / n) for n in ("0", "1")}
     with (sweep / "summary.csv").open() as f:
         rows = list(csv.DictReader(f))
-    order = sorted(finals, key=lambda n: -finals[n]["reward/mean"])
+    # The objective each member returned: reward/mean over its last (here: both) steps.
+    objectives = {n: sum(load_run(sweep / n).series("reward/mean")[1]) / 2 for n in finals}
+    order = sorted(finals, key=lambda n: -objectives[n])
     assert [r["run"] for r in rows] == order
+    assert [float(r["objective"]) for r in rows] == pytest.approx([objectives[n] for n in order])
+    assert {r["status"] for r in rows} == {"completed"}
     for row in rows:
         final = finals[row["run"]]
         assert row["overrides"] == f"seed={row['run']}" and int(row["steps"]) == 2
@@ -53,7 +57,7 @@ def test_sweep_writes_a_summary_of_every_member_sorted_by_reward(sweep):
         rewards = load_run(sweep / row["run"]).series("reward/mean")[1]
         assert len(rewards) == 2 and float(row["reward/mean best"]) == max(rewards)
     md = (sweep / "summary.md").read_text()
-    assert md.startswith("sorted by reward/mean, best first") and md.count("| seed=") == 2
+    assert md.startswith("sorted by objective (reward/mean), best first") and md.count("| seed=") == 2
     assert swept_overrides(sweep / "1") == ["seed=1"]
 
 
