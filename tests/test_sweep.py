@@ -85,7 +85,7 @@ def test_search_members_are_representatives_one_parameter_at_a_time():
 
 
 @pytest.mark.parametrize("override, expected", [
-    ("optim.lr=interval(0, 1e-2)", "optim.lr=0.0 must be > 0"),
+    ("optim.lr=interval(0, 1e-2)", "optim.lr=0 must be in (0, 1]"),
     ("optim.lrr=interval(1e-5, 1e-2)", "optim.lrr is not a setting; valid keys under optim: lr"),
     ("algo=choice(grpo,gpro)", "algo=gpro is not an option"),
 ])
@@ -105,7 +105,7 @@ def test_a_search_space_in_a_yaml_file_is_checked_too(tmp_path, capsys):
     command = ["train", "-m", "--config-dir", str(tmp_path / "conf"), "experiment=search",
                f"hydra.sweep.dir={tmp_path / 'sweep'}"]
     assert main(command) == 2
-    assert "optim.lr=0.0 must be > 0" in capsys.readouterr().err
+    assert "optim.lr=0 must be in (0, 1]" in capsys.readouterr().err
     assert not (tmp_path / "sweep").exists()
     # The command line's own range for a parameter replaces the file's.
     members = _members(["experiment=search", "optim.lr=interval(1e-4, 1e-2)"], True,
