@@ -7,8 +7,14 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+# The console script beside this Python: found whether or not its venv's bin/ is on PATH.
+RLNOTES = str(Path(sys.executable).with_name("rlnotes"))
 
 
 @pytest.fixture(autouse=True)

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from rlnotes.cli import main
+from tests.conftest import RLNOTES
 
 REQUIRED = ("step", "reward/mean", "reward/std", "loss", "kl/ref", "policy/clip_frac", "completion/len_mean",
             "optim/grad_norm", "optim/lr", "time/elapsed_s", "perf/tokens_per_s")
@@ -17,7 +18,7 @@ REQUIRED = ("step", "reward/mean", "reward/std", "loss", "kl/ref", "policy/clip_
 
 def test_console_script_trains_and_saves_a_loadable_adapter(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    command = ["rlnotes", "train", "algo=grpo", "model=tiny", "trainer.steps=3", f"hydra.run.dir={tmp_path}"]
+    command = [RLNOTES, "train", "algo=grpo", "model=tiny", "trainer.steps=3", f"hydra.run.dir={tmp_path}"]
     out = subprocess.run(command, capture_output=True, text=True, env=env, timeout=240)
     assert out.returncode == 0, out.stderr
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -168,7 +169,7 @@ def test_every_algorithm_runs_through_the_console_script(tmp_path):
     """One sweep over every algo option with no other override: each picks its own data and reward."""
     algos = sorted(p.stem for p in (Path(__file__).resolve().parents[1] / "conf" / "algo").glob("*.yaml"))
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    out = subprocess.run(["rlnotes", "train", "-m", f"algo={','.join(algos)}", "trainer.steps=2",
+    out = subprocess.run([RLNOTES, "train", "-m", f"algo={','.join(algos)}", "trainer.steps=2",
                           "logging.progress=false", f"hydra.sweep.dir={tmp_path}"],
                          capture_output=True, text=True, env=env, timeout=280)
     assert out.returncode == 0, out.stderr[-3000:]

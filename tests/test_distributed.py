@@ -17,6 +17,7 @@ import torch
 
 from rlnotes import distributed
 from rlnotes.cli import main, stamp_dirs, torchrun_command
+from tests.conftest import RLNOTES
 from rlnotes.rollout import completion_keys, generate, keyed_uniform, mix32, sample_keyed
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -222,7 +223,7 @@ def test_two_processes_train_as_one(tmp_path):
 
 @pytest.mark.timeout(200)
 def test_console_script_starts_torchrun_and_writes_one_run_dir(tmp_path):
-    command = ["rlnotes", "train", "hardware=ddp", "hardware.nproc=2", "trainer.steps=2", "trainer.batch_size=4",
+    command = [RLNOTES, "train", "hardware=ddp", "hardware.nproc=2", "trainer.steps=2", "trainer.batch_size=4",
                "logging.progress=false"]
     done = subprocess.run(command, capture_output=True, text=True, env=_env(), cwd=tmp_path, timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]
