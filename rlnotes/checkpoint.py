@@ -224,21 +224,20 @@ def save(ctx, boundary: Boundary, keep_last: Optional[int], shards: Optional[Sha
     same step is the same state and is kept as it is. `shards`: the state FSDP gathered."""
     final = checkpoint_dir(ctx.run_dir, boundary.step)
     if not is_checkpoint(final):  # else resumed from its last checkpoint: prune anyway (a kill may have come first)
+        if final.exists():  # a dir of that name without a manifest (lost after the save): not deleted
+            set_aside(final)
         tmp = final.parent / f".{final.name}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)  # left by a save that died
         tmp.mkdir(parents=True)
         try:
             write(ctx, boundary, tmp, shards)
-            _fsync_tree(tmp)
+            publish(tmp, final)  # flushes every file (a full disk may show only then), then renames
         except BaseException as e:  # a failed or abandoned save leaves nothing half-written behind
             full = out_of_space(e, tmp.parent)
             shutil.rmtree(tmp, ignore_errors=True)
             if full and not (isinstance(e, OSError) and e.errno == errno.ENOSPC):
                 raise OSError(errno.ENOSPC, f"No space left on device ({e})") from e
             raise
-        if final.exists():  # a dir of that name without a manifest (lost after the save): not deleted
-            set_aside(final)
-        publish(tmp, final)
     for path, problem in prune(ctx.run_dir, keep_last, written=final)[1]:
         ctx.console.print(f"[yellow]checkpoint {path.name} is damaged ({problem}); set aside, not counted in "
                           "trainer.keep_last[/]", highlight=False)
