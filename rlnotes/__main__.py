@@ -1,3 +1,3 @@
-from rlnotes.cli import main
+from rlnotes.commands.cli import main
 import sys
 sys.exit(main())

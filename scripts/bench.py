@@ -65,9 +65,9 @@ def step_flops(model, rows: list[dict], prompt_tokens: float, group: int, prompt
 def run_one(name: str, steps: int) -> dict:
     import torch
 
-    from rlnotes.cli import _loader, check
-    from rlnotes.rollout import encode_prompts
-    from rlnotes.runners.common import setup, train
+    from rlnotes.commands.cli import _loader, check
+    from rlnotes.engine.rollout import encode_prompts
+    from rlnotes.training.loop import setup, train
     from hydra.types import RunMode
     from omegaconf import open_dict
     from rich.console import Console
@@ -108,7 +108,7 @@ def sharing_batch(vocab: int, prompts: int, prompt_len: int, group: int, new_tok
     prompt_len, completion lengths from half to all of new_tokens (one row at the full length)."""
     import torch
 
-    from rlnotes.rollout import left_pad
+    from rlnotes.engine.rollout import left_pad
 
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(int(prompt_len * 0.9), int(prompt_len * 1.1) + 1, (prompts,), generator=g)
@@ -129,8 +129,8 @@ def shared_prompt_ratio(threads: int, rounds: int, layers: int) -> None:
     import torch
     from peft import LoraConfig, get_peft_model
 
-    from rlnotes.models import smollm2_shaped
-    from rlnotes.policy import sequence_logprobs
+    from rlnotes.engine.models import smollm2_shaped
+    from rlnotes.engine.policy import sequence_logprobs
 
     torch.set_num_threads(threads)
     lora = LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],

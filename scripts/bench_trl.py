@@ -163,9 +163,9 @@ def prepare(model: str, out: Path, shapes: Dict[str, Shape], steps: int) -> dict
     {"model_dir", "data": {shape: path}, "prompt_tokens": {shape: mean prompt tokens}}."""
     from transformers import AutoTokenizer
 
-    from rlnotes.config import TinyModelConfig
-    from rlnotes.models import smollm2_dir, tiny_model, tiny_tokenizer
-    from rlnotes.rollout import encode_prompts
+    from rlnotes.core.config import TinyModelConfig
+    from rlnotes.engine.models import smollm2_dir, tiny_model, tiny_tokenizer
+    from rlnotes.engine.rollout import encode_prompts
 
     if model == "tiny":
         model_dir = out / "models" / "tiny"
@@ -364,7 +364,7 @@ def grpo_trainer(shape: Shape, common: dict, model, tokenizer, dataset, lora, ti
     from trl import GRPOConfig, GRPOTrainer
     from trl.trainer import grpo_trainer as module
 
-    from rlnotes.rewards import number_match  # the reward rlnotes' reward=arith computes
+    from rlnotes.rewards.scoring import number_match  # the reward rlnotes' reward=arith computes
 
     module.use_adapter = timed_context(module.use_adapter, timers, "reference_s")  # only the reference pass uses it
     # The notes' GRPO: 1/|o_i| token averaging (loss_type grpo), group std scaling, k3 KL with beta > 0.

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from rlnotes.plot import plot_metrics
+from rlnotes.commands.plot import plot_metrics
 
 
 def rows(path: Path) -> list:

@@ -25,14 +25,14 @@ def _one_thread():
 
 def compose(*overrides: str):
     """The composed, validated train config for `overrides`, as `rlnotes train` would build it."""
-    from rlnotes.cli import _loader, check
+    from rlnotes.commands.cli import _loader, check
 
     check(list(overrides), multirun=False, config_dir=None)
     from hydra.types import RunMode
     from omegaconf import open_dict
 
     cfg = _loader(None).load_configuration("config", list(overrides), RunMode.RUN)
-    from rlnotes.config import resolve_auto
+    from rlnotes.core.config import resolve_auto
 
     with open_dict(cfg):
         del cfg["hydra"]  # as a Hydra job sees it

@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from rlnotes.cli import main  # noqa: E402
+from rlnotes.commands.cli import main  # noqa: E402
 
 real_save = torch.save
 

@@ -11,11 +11,11 @@ import pytest
 import torch
 from rich.console import Console
 
-from rlnotes import checkpoint
-from rlnotes.cli import UsageError
-from rlnotes.config import ConfigError
+from rlnotes.run import checkpoint
+from rlnotes.commands.cli import UsageError
+from rlnotes.core.config import ConfigError
 from rlnotes.runners import RUNNERS
-from rlnotes.runners.common import train
+from rlnotes.training.loop import train
 from tests.conftest import compose
 
 
@@ -169,7 +169,7 @@ def test_resume_gives_each_warning_once_over_the_whole_run(tmp_path, monkeypatch
     """A warning given at or before the checkpoint's step is not given again on resume (the watcher
     sees the steps before it); one given after it belongs to steps that are redone, and is given
     again at the same step, not twice in warnings.log."""
-    from rlnotes import diagnostics
+    from rlnotes.run import diagnostics
 
     fired = []  # the steps seen (restored ones included) each time the check fires
 
@@ -196,7 +196,7 @@ def test_a_checkpoint_is_a_loadable_adapter_with_its_state(tmp_path):
     from peft import PeftModel
     from safetensors.torch import load_file
 
-    from rlnotes.models import load_base
+    from rlnotes.engine.models import load_base
 
     cfg = compose("logging.progress=false", "trainer.steps=2")
     train(cfg, tmp_path, Console(quiet=True))
@@ -222,7 +222,7 @@ def test_keep_last_prunes_old_checkpoints(tmp_path):
 
 def test_save_every_counts_steps_that_jump():
     """PPO moves several optimizer steps a batch: a save is due when a batch passes a multiple."""
-    from rlnotes.logger import passed_multiple
+    from rlnotes.run.logger import passed_multiple
 
     assert [s for s in range(4, 41, 4) if passed_multiple(s - 4, s, 10)] == [12, 20, 32, 40]
     assert [s for s in range(1, 7) if passed_multiple(s - 1, s, 2)] == [2, 4, 6]

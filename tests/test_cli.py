@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from rlnotes.cli import main
+from rlnotes.commands.cli import main
 from tests.conftest import RLNOTES
 
 REQUIRED = ("step", "reward/mean", "reward/std", "loss", "kl/ref", "policy/clip_frac", "completion/len_mean",
@@ -28,8 +28,8 @@ def test_console_script_trains_and_saves_a_loadable_adapter(tmp_path):
     from peft import PeftModel
     from omegaconf import OmegaConf
 
-    from rlnotes.config import ModelConfig
-    from rlnotes.models import load_base
+    from rlnotes.core.config import ModelConfig
+    from rlnotes.engine.models import load_base
 
     base, _ = load_base(OmegaConf.structured(ModelConfig()))
     model = PeftModel.from_pretrained(base, tmp_path / "final")
@@ -68,7 +68,7 @@ def test_a_sweep_over_presets_shares_one_sweep_dir_named_for_them(tmp_path, monk
     assert (sweeps[0] / "summary.md").is_file()
     from omegaconf import OmegaConf
 
-    from rlnotes.tracking import run_info
+    from rlnotes.run.tracking import run_info
 
     member = sweeps[0] / "1"
     name = run_info(OmegaConf.load(member / "config.yaml"), member).name  # the trackers' run name

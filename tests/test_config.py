@@ -8,8 +8,8 @@ import typing
 import pytest
 from omegaconf import OmegaConf
 
-from rlnotes.cli import UsageError, check, main
-from rlnotes.config import ALGO_RANGES, ALGO_SCHEMAS, CHECKED_ELSEWHERE, RANGES, ConfigError, TrainConfig, validate
+from rlnotes.commands.cli import UsageError, check, main
+from rlnotes.core.config import ALGO_RANGES, ALGO_SCHEMAS, CHECKED_ELSEWHERE, RANGES, ConfigError, TrainConfig, validate
 
 
 def one_line(overrides):

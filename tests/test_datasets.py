@@ -12,9 +12,9 @@ import pytest
 from omegaconf import OmegaConf
 from rich.console import Console
 
-from rlnotes.config import ConfigError, DataConfig
-from rlnotes.data import load_task
-from rlnotes.datasets import (
+from rlnotes.core.config import ConfigError, DataConfig
+from rlnotes.data.tasks import load_task
+from rlnotes.data.datasets import (
     PromptLengths,
     fit_and_split,
     hub_reachable,
@@ -23,8 +23,8 @@ from rlnotes.datasets import (
     read,
     reward_columns,
 )
-from rlnotes.models import tiny_tokenizer
-from rlnotes.rollout import encode_prompts, render_plain
+from rlnotes.engine.models import tiny_tokenizer
+from rlnotes.engine.rollout import encode_prompts, render_plain
 from tests.conftest import compose
 
 ROWS = [{"question": f"What is {i}+1?", "answer": str(i + 1)} for i in range(10)]
@@ -228,7 +228,7 @@ def test_chat_template_renders_text_and_messages_with_the_generation_prompt_and_
 
 
 def test_data_system_prompt_wins_over_the_models():
-    from rlnotes.data import system_prompt
+    from rlnotes.data.tasks import system_prompt
 
     assert system_prompt(compose("model=smollm2-135m")) == "You are a helpful assistant."
     assert system_prompt(compose("model=smollm2-135m", "data.system_prompt=Think.")) == "Think."
@@ -239,7 +239,7 @@ def test_data_system_prompt_wins_over_the_models():
 def test_offline_encode_takes_conversational_prompts_and_completions():
     import torch
 
-    from rlnotes.offline import encode
+    from rlnotes.training.offline import encode
 
     tok = tiny_tokenizer()
     plain = encode(tok, ["user: Q\nassistant:"], ["A"], torch.device("cpu"))
@@ -282,7 +282,7 @@ def test_a_missing_column_says_who_needs_it_and_how_to_rename(tmp_path):
                        "rename one with data.columns.prompt=COLUMN")
     renamed = write(tmp_path / "r.jsonl", [{"prompt": r["question"], "solution": r["answer"]} for r in ROWS])
     cfg = compose("data=file", f"data.path={renamed}", "reward=arith")
-    from rlnotes.rewards import Rewards
+    from rlnotes.rewards.scoring import Rewards
 
     message = error(load_checked, cfg, Rewards(cfg.reward).fns)
     assert "no column 'answer', which reward number_match needs" in message and "data.columns.answer=" in message
@@ -330,7 +330,7 @@ def test_a_bad_json_line_is_reported_once_by_the_command(tmp_path, capfd):
     rlnotes prints is the only one."""
     path = tmp_path / "bad.jsonl"
     path.write_text('{"prompt": "a", "letter": "a"}\n{"prompt": "b"\n')
-    from rlnotes.cli import main
+    from rlnotes.commands.cli import main
 
     with pytest.raises(SystemExit) as stop:  # the train job exits 1 after its one error line
         main(["train", f"data.path={path}", "reward=letters", "logging.progress=false",
@@ -371,7 +371,7 @@ def test_reward_columns_come_from_the_signature():
      "trainer.eval_every=5 evaluates held-out rows and data.eval_size=0 holds out none"),
 ])
 def test_data_settings_are_checked_before_anything_loads(overrides, message):
-    from rlnotes.cli import UsageError
+    from rlnotes.commands.cli import UsageError
 
     with pytest.raises(UsageError) as e:
         compose("reward=arith", *overrides)
@@ -504,7 +504,7 @@ def test_text_pairs_with_an_implicit_prompt_split_as_trl_splits_them(tmp_path):
 def test_a_text_row_is_trained_on_whole_after_a_start_token(tmp_path):
     """{"text": ...} (language modeling, SFT): every token of the text is a completion token, after the
     tokenizer's BOS; it has no prompt to sample from."""
-    from rlnotes.offline import encode
+    from rlnotes.training.offline import encode
 
     path = write(tmp_path / "lm.jsonl", [{"text": "abc"}, {"text": "de"}])
     rows = load_task(file_cfg(path, eval_size=0))[0]
@@ -536,7 +536,7 @@ def test_grpo_trains_on_a_users_jsonl_with_a_custom_reward(tmp_path, monkeypatch
         "    return [float(a in c) for c, a in zip(completions, answer)]\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     path = write(tmp_path / "mine.jsonl", ROWS)
-    from rlnotes.cli import main
+    from rlnotes.commands.cli import main
 
     code = main(["train", "data=file", f"data.path={path}", "data.columns.prompt=question", "data.eval_size=2",
                  'data.prompt_template="Q: {prompt}"', "reward=custom", "reward.target=user_rewards_e2e.log_and_score",
@@ -554,7 +554,7 @@ def test_grpo_trains_on_a_users_jsonl_with_a_custom_reward(tmp_path, monkeypatch
 
 
 def test_dpo_and_sft_train_on_conversational_files(tmp_path):
-    from rlnotes.runners.common import train
+    from rlnotes.training.loop import train
 
     user = lambda text: [{"role": "user", "content": text}]  # noqa: E731
     said = lambda text: [{"role": "assistant", "content": text}]  # noqa: E731
@@ -602,7 +602,7 @@ def test_every_algorithm_runs_every_command_on_a_users_64_row_file(tmp_path, cap
     """A user's 64-row JSONL, as they write it, through `rlnotes train` (default eval rows, the samples
     table, trainer.eval_every, a checkpoint every step), `rlnotes eval` of the run (its data and
     reward), `rlnotes plot` and `rlnotes export`."""
-    from rlnotes.cli import main
+    from rlnotes.commands.cli import main
 
     path = tmp_path / "mine.jsonl"
     path.write_text("".join(json.dumps(row(i)) + "\n" for i in range(64)))

@@ -6,8 +6,8 @@ import io
 import pytest
 from rich.console import Console
 
-from rlnotes.cli import UsageError, check
-from rlnotes.diagnostics import (
+from rlnotes.commands.cli import UsageError, check
+from rlnotes.run.diagnostics import (
     CHECKS,
     History,
     Watcher,
@@ -21,7 +21,7 @@ from rlnotes.diagnostics import (
     describe_batches,
     reward_flat,
 )
-from rlnotes.runners.common import train
+from rlnotes.training.loop import train
 from tests.conftest import compose
 
 # ---------------------------------------------------------------------------------------------

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlnotes import distributed
-from rlnotes.cli import main, stamp_dirs, torchrun_command
+from rlnotes.engine import distributed
+from rlnotes.commands.cli import main, stamp_dirs, torchrun_command
 from tests.conftest import RLNOTES
-from rlnotes.rollout import completion_keys, generate, keyed_uniform, mix32, sample_keyed
+from rlnotes.engine.rollout import completion_keys, generate, keyed_uniform, mix32, sample_keyed
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ("trainer.steps=2", "trainer.batch_size=4")
@@ -52,7 +52,7 @@ def _never_exec(monkeypatch):
     """A check that wrongly passes must fail the test, not turn pytest into torchrun."""
     def refuse(nproc, argv):
         raise AssertionError(f"would have started {nproc} processes for {argv}")
-    monkeypatch.setattr("rlnotes.cli._launch", refuse)
+    monkeypatch.setattr("rlnotes.commands.cli._launch", refuse)
 
 
 def _env(**extra):
@@ -102,8 +102,8 @@ def test_a_keyed_completion_does_not_depend_on_its_batch():
     """Four prompts sampled together or in two halves (two ranks) give the same completions."""
     from omegaconf import OmegaConf
 
-    from rlnotes.config import ModelConfig
-    from rlnotes.models import load_base
+    from rlnotes.core.config import ModelConfig
+    from rlnotes.engine.models import load_base
 
     model, tok = load_base(OmegaConf.structured(ModelConfig()))
     prompts = [tok(p)["input_ids"] for p in ("Write a", "Write the letter b:", "c", "Write the letter d please:")]
@@ -150,7 +150,7 @@ def test_dynamic_sampling_keeps_the_groups_one_process_would(monkeypatch):
 
 
 def test_micro_batch_weights_divide_by_the_global_batch():
-    from rlnotes.runners.common import Totals, micro_batch_weight
+    from rlnotes.training.loop import Totals, micro_batch_weight
 
     chunk = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])   # 2 rows, 3 tokens on this rank
     totals = Totals(tokens=12.0, rows=8)                       # the global batch over every rank
@@ -194,7 +194,7 @@ def test_two_processes_train_as_one(tmp_path):
     losses, gradient norms and metrics; PPO runs; a resumed 2-process run continues exactly."""
     from rich.console import Console
 
-    from rlnotes.runners.common import train
+    from rlnotes.training.loop import train
     from tests.conftest import compose
 
     out = tmp_path / "ddp"

@@ -10,13 +10,13 @@ import pytest
 import torch
 from rich.console import Console
 
-from rlnotes.cli import main
-from rlnotes.evaluate import evaluate, pass_at_k
-from rlnotes.models import load_base
-from rlnotes.policy import Policy
-from rlnotes.rewards import Rewards
-from rlnotes.rollout import encode_prompts
-from rlnotes.runners.common import train
+from rlnotes.commands.cli import main
+from rlnotes.training.evaluation import evaluate, pass_at_k
+from rlnotes.engine.models import load_base
+from rlnotes.engine.policy import Policy
+from rlnotes.rewards.scoring import Rewards
+from rlnotes.engine.rollout import encode_prompts
+from rlnotes.training.loop import train
 from tests.conftest import compose
 
 
@@ -44,7 +44,7 @@ def test_greedy_eval_matches_transformers_generate(starts_with_a):
     model, tokenizer = load_base(cfg.model)
     policy = Policy(model.eval(), tokenizer, reference=model)
     rows = [{"prompt": f"Write the letter {c}{s}", "letter": c} for c in "abc" for s in (":", "!")]
-    from rlnotes.evaluate import checker_config
+    from rlnotes.training.evaluation import checker_config
 
     result = evaluate(policy, cfg, rows, Rewards(checker_config(cfg)))
 
@@ -65,7 +65,7 @@ def test_sampled_eval_reports_pass_at_k(starts_with_a):
     cfg = compose("eval.reward=evalcheck.always", "eval.greedy=false", "eval.samples_per_prompt=4")
     model, tokenizer = load_base(cfg.model)
     rows = [{"prompt": "Write the letter a:", "letter": "a"}] * 3
-    from rlnotes.evaluate import checker_config
+    from rlnotes.training.evaluation import checker_config
 
     result = evaluate(Policy(model, tokenizer, reference=model), cfg, rows, Rewards(checker_config(cfg)))
     assert len(result.samples) == 12
@@ -122,12 +122,12 @@ def test_eval_every_follows_steps_that_jump(tmp_path):
 def test_eval_command_refuses_a_checker_argument_no_column_fills_before_the_model_loads(monkeypatch, capsys):
     """An eval.reward taking a required argument that the data lacks: one line naming the function,
     the argument and the columns, before any model loads."""
-    import rlnotes.models
+    import rlnotes.engine.models
 
     module = types.ModuleType("evalneeds")
     module.accuracy = lambda completions, solution, **kwargs: [1.0] * len(completions)
     monkeypatch.setitem(sys.modules, "evalneeds", module)
-    monkeypatch.setattr(rlnotes.models, "load_base", lambda *a: pytest.fail("the model loaded"))
+    monkeypatch.setattr(rlnotes.engine.models, "load_base", lambda *a: pytest.fail("the model loaded"))
     assert main(["eval", "eval.reward=evalneeds.accuracy"]) == 1
     err = capsys.readouterr().err
     assert "no column 'solution', which reward accuracy needs; its columns: letter, prompt" in err

@@ -7,10 +7,10 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from rlnotes.cli import main
-from rlnotes.config import ConfigError
-from rlnotes.export import export
-from rlnotes.policy import Policy, sequence_logprobs
+from rlnotes.commands.cli import main
+from rlnotes.core.config import ConfigError
+from rlnotes.commands.export import export
+from rlnotes.engine.policy import Policy, sequence_logprobs
 from tests.conftest import compose
 
 TEXTS = ["Write the letter a.\naaa", "Write b: bb", "What is 3+4?\n7"]

@@ -8,9 +8,9 @@ import warnings
 import pytest
 from rich.console import Console
 
-from rlnotes.diagnostics import Alert
-from rlnotes.logger import MetricsLogger, fmt, pick, plain_line, quiet_libraries, shorten, summarize, summary_table
-from rlnotes.runners.common import train
+from rlnotes.run.diagnostics import Alert
+from rlnotes.run.logger import MetricsLogger, fmt, pick, plain_line, quiet_libraries, shorten, summarize, summary_table
+from rlnotes.training.loop import train
 from tests.conftest import compose
 
 

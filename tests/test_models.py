@@ -8,9 +8,9 @@ import time
 import pytest
 import torch
 
-import rlnotes.models as models
-from rlnotes.config import ConfigError, ModelConfig, TinyModelConfig
-from rlnotes.models import load_base, smollm2_gguf_path, tiny_model, tiny_tokenizer
+import rlnotes.engine.models as models
+from rlnotes.core.config import ConfigError, ModelConfig, TinyModelConfig
+from rlnotes.engine.models import load_base, smollm2_gguf_path, tiny_model, tiny_tokenizer
 
 # --------------------------------------------------------------------------------------------- tokenizer
 
@@ -172,7 +172,7 @@ def test_load_base_smollm2(tmp_path, monkeypatch):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
 def test_device_names_without_a_gpu():
-    from rlnotes.models import resolve_device
+    from rlnotes.engine.models import resolve_device
 
     assert resolve_device("auto") == torch.device("cpu") == resolve_device("cpu")
     with pytest.raises(ConfigError, match="torch sees no GPU; use hardware=cpu"):
@@ -180,7 +180,7 @@ def test_device_names_without_a_gpu():
 
 
 def test_bf16_precision_autocasts_matmuls_and_keeps_weights_float32():
-    from rlnotes.models import mixed_precision
+    from rlnotes.engine.models import mixed_precision
 
     a, b = torch.randn(4, 8), torch.randn(8, 3)
     with mixed_precision("bf16", torch.device("cpu")):
@@ -197,7 +197,7 @@ def test_a_bf16_run_trains_with_float32_weights_and_losses(tmp_path, algo):
 
     from rich.console import Console
 
-    from rlnotes.runners.common import train
+    from rlnotes.training.loop import train
     from tests.conftest import compose
 
     cfg = compose(f"algo={algo}", "hardware.precision=bf16", "trainer.steps=4", "logging.progress=false")
@@ -211,7 +211,7 @@ def test_a_bf16_run_trains_with_float32_weights_and_losses(tmp_path, algo):
 
 
 def test_unknown_precision_is_rejected_in_one_line():
-    from rlnotes.cli import UsageError, check
+    from rlnotes.commands.cli import UsageError, check
 
     with pytest.raises(UsageError, match="hardware.precision='fp16' is not valid; choose one of: fp32, bf16"):
         check(["hardware.precision=fp16"], multirun=False, config_dir=None)
@@ -294,7 +294,7 @@ def damaged(saved, tmp_path, how):
 def test_a_half_written_model_dir_is_named_before_anything_loads(saved_tiny, tmp_path, how, missing):
     """Through the command-line check (before torch loads a weight) and load_base itself: one line
     naming the dir and what it lacks."""
-    from rlnotes.cli import UsageError, check
+    from rlnotes.commands.cli import UsageError, check
 
     path = damaged(saved_tiny, tmp_path, how)
     with pytest.raises(UsageError) as err:
@@ -317,6 +317,6 @@ def test_a_load_that_fails_anyway_is_one_line(saved_tiny, tmp_path):
 
 
 def test_a_whole_model_dir_passes_the_checks(saved_tiny):
-    from rlnotes.model_files import model_dir_problems
+    from rlnotes.engine.model_files import model_dir_problems
 
     assert model_dir_problems(saved_tiny) == []

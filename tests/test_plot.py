@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rlnotes.cli import main
-from rlnotes.plot import FIGURES, ema, plot, plot_metrics
-from rlnotes.sweep import (RunError, differing_overrides, expand, labels, load_run, summarize, swept_overrides,
+from rlnotes.commands.cli import main
+from rlnotes.commands.plot import FIGURES, ema, plot, plot_metrics
+from rlnotes.run.sweep import (RunError, differing_overrides, expand, labels, load_run, summarize, swept_overrides,
                            to_markdown)
 
 PNG = b"\x89PNG\r\n\x1a\n"

@@ -4,10 +4,10 @@ and log-probs do not depend on padding or batching."""
 import torch
 from omegaconf import OmegaConf
 
-from rlnotes.config import ModelConfig
-from rlnotes.models import load_base
-from rlnotes.policy import Policy, head_logprobs, sequence_logprobs
-from rlnotes.rollout import left_pad
+from rlnotes.core.config import ModelConfig
+from rlnotes.engine.models import load_base
+from rlnotes.engine.policy import Policy, head_logprobs, sequence_logprobs
+from rlnotes.engine.rollout import left_pad
 
 
 def make_policy(lora=True):

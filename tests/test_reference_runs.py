@@ -45,7 +45,7 @@ def run_case(name: str, tmp_path: Path) -> list[dict]:
     """The metrics rows of case `name` (wall-time metrics left out), trained in this process."""
     import torch
 
-    from rlnotes.cli import main
+    from rlnotes.commands.cli import main
 
     torch.set_num_threads(1)
     run = tmp_path / name

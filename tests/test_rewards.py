@@ -15,8 +15,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from rlnotes.config import ConfigError, RewardConfig, RewardFnConfig
-from rlnotes.rewards import (
+from rlnotes.core.config import ConfigError, RewardConfig, RewardFnConfig
+from rlnotes.rewards.scoring import (
     RewardFailure,
     Rewards,
     check_builtin_args,
@@ -273,7 +273,7 @@ def test_builtin_args_are_checked(name, args, message):
 
 
 def test_bad_builtin_args_fail_when_the_config_is_checked():
-    from rlnotes.cli import UsageError
+    from rlnotes.commands.cli import UsageError
     from tests.conftest import compose
 
     with pytest.raises(UsageError, match="format_match needs args.pattern"):
@@ -745,7 +745,7 @@ def test_trl_signatures_are_called_by_keyword(trl_module):
 
 
 def test_trainer_state_reaches_the_function(trl_module):
-    from rlnotes.rewards import TrainerState
+    from rlnotes.rewards.scoring import TrainerState
 
     r = trl("by_progress")
     r.state = TrainerState(global_step=3, max_steps=12, epoch=0.5)
@@ -889,7 +889,7 @@ def test_positional_only_parameters_are_refused_when_the_config_is_checked(trl_m
 def test_a_required_argument_no_column_fills_is_refused_before_the_model_loads(trl_module, tmp_path, monkeypatch):
     """accuracy(completions, ground_truth, **kwargs) on a file without ground_truth: one line naming
     the function, the argument and the columns, from setup before the policy is built."""
-    import rlnotes.runners.common as common
+    import rlnotes.training.loop as common
     from rich.console import Console
 
     from tests.conftest import compose
@@ -906,7 +906,7 @@ def test_a_required_argument_no_column_fills_is_refused_before_the_model_loads(t
 
 
 def test_reward_columns_of_trl_signatures():
-    from rlnotes.datasets import reward_columns
+    from rlnotes.data.datasets import reward_columns
 
     def reward_len(completions, **kwargs): ...
     def accuracy(completions, ground_truth, **kwargs): ...
@@ -967,7 +967,7 @@ def test_a_missing_file_names_it(in_project_dir):
 
 
 def test_cli_precheck_finds_a_module_in_the_working_directory(in_project_dir):
-    from rlnotes.cli import check
+    from rlnotes.commands.cli import check
 
     (cfg,) = check(["reward=custom", "reward.target=cwd_rewards:brevity",
                     "reward.functions=[{fn: sub/more.py:bonus, weight: 1.0}]"], False, None)
@@ -1031,7 +1031,7 @@ def tiny_classifier(path, chat_template=None, num_labels=1):
     model would be."""
     from transformers import LlamaConfig, LlamaForSequenceClassification
 
-    from rlnotes.models import tiny_tokenizer
+    from rlnotes.engine.models import tiny_tokenizer
 
     tokenizer = tiny_tokenizer()
     tokenizer.chat_template = chat_template
@@ -1053,7 +1053,7 @@ def one_by_one(model, tokenizer, texts, add_special_tokens=True):
 
 
 def test_hf_reward_model_scores_in_batches_as_one_by_one(tmp_path):
-    from rlnotes.rewards import reward_model
+    from rlnotes.rewards.scoring import reward_model
 
     model, tokenizer = tiny_classifier(tmp_path)
     prompts, completions = ["Q: 3+4?", "Q: 10+20? ", "Q: 1+1?"], ["7", "It is 30, I think.", "2!"]
@@ -1064,7 +1064,7 @@ def test_hf_reward_model_scores_in_batches_as_one_by_one(tmp_path):
 
 
 def test_hf_reward_model_renders_the_chat_template(tmp_path):
-    from rlnotes.rewards import reward_model
+    from rlnotes.rewards.scoring import reward_model
 
     template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
     model, tokenizer = tiny_classifier(tmp_path, chat_template=template)
@@ -1076,7 +1076,7 @@ def test_hf_reward_model_renders_the_chat_template(tmp_path):
 
 
 def test_hf_model_with_several_labels_is_refused(tmp_path):
-    from rlnotes.reward_model import load_scorer
+    from rlnotes.rewards.model import load_scorer
 
     tiny_classifier(tmp_path, num_labels=2)
     with pytest.raises(ConfigError, match="has 2 labels"):
@@ -1084,7 +1084,7 @@ def test_hf_model_with_several_labels_is_refused(tmp_path):
 
 
 def test_reward_model_path_must_be_a_model_dir(tmp_path):
-    from rlnotes.cli import UsageError
+    from rlnotes.commands.cli import UsageError
     from tests.conftest import compose
 
     with pytest.raises(UsageError, match="neither the final/ dir of an algo=rm run"):
@@ -1106,10 +1106,10 @@ def test_reward_model_from_an_hf_dir_in_a_run(tmp_path):
 def test_reward_model_from_an_rm_run(tmp_path):
     """A 2-step algo=rm run through the console entry point, then reward=model on its final/: the
     scores are the trained head's r(x, y), the same in any batch size."""
-    from rlnotes.cli import main
-    from rlnotes.offline import encode
-    from rlnotes.reward_model import load, sequence_rewards
-    from rlnotes.rewards import reward_model
+    from rlnotes.commands.cli import main
+    from rlnotes.training.offline import encode
+    from rlnotes.rewards.model import load, sequence_rewards
+    from rlnotes.rewards.scoring import reward_model
     from tests.conftest import compose
 
     run = tmp_path / "rm"
@@ -1140,7 +1140,7 @@ def test_grpo_logs_every_function_and_scores_tokens(tmp_path, user_module):
     sum, and length_penalty in tokens sees the sampled completions' lengths."""
     from rich.console import Console
 
-    from rlnotes.runners.common import train
+    from rlnotes.training.loop import train
     from tests.conftest import compose
 
     functions = ("[{fn: letter_share, weight: 1.0}, {fn: length_penalty, weight: 1.0, name: long, "
@@ -1160,7 +1160,7 @@ def test_grpo_trains_with_trl_style_functions_on_a_users_jsonl(tmp_path, trl_mod
     """`rlnotes train` on a user's file with TRL-style functions: keyword arguments and a column
     (accuracy), trainer_state, None, two async ones, log_metric and log_extra into metrics.jsonl and
     samples.jsonl, and a function that edits its inputs without harming the others."""
-    from rlnotes.cli import main
+    from rlnotes.commands.cli import main
 
     data = tmp_path / "mine.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"Say {i}:", "ground_truth": str(i)}) + "\n" for i in range(10)))
@@ -1184,8 +1184,8 @@ def test_grpo_trains_with_trl_style_functions_on_a_users_jsonl(tmp_path, trl_mod
 def test_trainer_state_counts_steps_and_epochs_of_rows_drawn():
     from types import SimpleNamespace
 
-    from rlnotes.data import PromptSampler
-    from rlnotes.runners.common import trainer_state
+    from rlnotes.data.tasks import PromptSampler
+    from rlnotes.training.loop import trainer_state
 
     sampler = PromptSampler([{"prompt": str(i)} for i in range(8)], batch_size=4, seed=0)
     for _ in range(3):

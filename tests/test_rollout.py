@@ -4,10 +4,10 @@ recording the same log-probs that a training forward pass computes."""
 import torch
 from omegaconf import OmegaConf
 
-from rlnotes.config import TinyModelConfig
-from rlnotes.models import tiny_model, tiny_tokenizer
-from rlnotes.policy import sequence_logprobs
-from rlnotes.rollout import encode_prompts, generate, top_p_filter
+from rlnotes.core.config import TinyModelConfig
+from rlnotes.engine.models import tiny_model, tiny_tokenizer
+from rlnotes.engine.policy import sequence_logprobs
+from rlnotes.engine.rollout import encode_prompts, generate, top_p_filter
 
 PROMPTS = ["Write the letter a:", "What is 2+3?", "Hi"]
 

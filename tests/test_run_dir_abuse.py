@@ -17,12 +17,13 @@ import pytest
 import torch
 from rich.console import Console
 
-from rlnotes import checkpoint, rundir
-from rlnotes.cli import main
-from rlnotes.config import ConfigError
-from rlnotes.logger import MetricsLogger
+from rlnotes.run import checkpoint
+from rlnotes.run import rundir
+from rlnotes.commands.cli import main
+from rlnotes.core.config import ConfigError
+from rlnotes.run.logger import MetricsLogger
 from rlnotes.runners import grpo
-from rlnotes.runners.common import train
+from rlnotes.training.loop import train
 from tests.conftest import compose
 
 SETTINGS = ("logging.progress=false", "trainer.batch_size=4", "trainer.save_every=2")

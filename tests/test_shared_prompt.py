@@ -8,11 +8,11 @@ import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
-from rlnotes.config import ModelConfig
-from rlnotes.critic import logprobs_and_values, values
-from rlnotes.models import smollm2_shaped
-from rlnotes.policy import Policy, head_logprobs, position_ids, prompt_groups, sequence_logprobs
-from rlnotes.rollout import left_pad
+from rlnotes.core.config import ModelConfig
+from rlnotes.engine.critic import logprobs_and_values, values
+from rlnotes.engine.models import smollm2_shaped
+from rlnotes.engine.policy import Policy, head_logprobs, position_ids, prompt_groups, sequence_logprobs
+from rlnotes.engine.rollout import left_pad
 
 
 def tiny_policy(lora=True):
@@ -178,9 +178,9 @@ def test_values_and_entropy_equal_the_plain_pass():
 
 
 def test_head_logprobs_chunks_and_matches_log_softmax(monkeypatch):
-    import rlnotes.policy
+    import rlnotes.engine.policy
 
-    monkeypatch.setattr(rlnotes.policy, "LOGIT_CHUNK", 2 * 11)  # two positions per chunk
+    monkeypatch.setattr(rlnotes.engine.policy, "LOGIT_CHUNK", 2 * 11)  # two positions per chunk
     head = torch.nn.Linear(4, 11).requires_grad_(False)
     hidden = torch.randn(3, 5, 4, requires_grad=True)
     tokens = torch.randint(0, 11, (3, 5))
@@ -210,15 +210,15 @@ def test_trainer_shared_prompt_switch_changes_no_metric(tmp_path, monkeypatch, a
     """trainer.shared_prompt=false forwards every row whole; the metrics of a run stay the same."""
     import json
 
-    import rlnotes.policy
+    import rlnotes.engine.policy
     from rich.console import Console
 
-    from rlnotes.runners.common import train
+    from rlnotes.training.loop import train
     from tests.conftest import compose
 
     calls = []
-    real = rlnotes.policy.prompt_groups
-    monkeypatch.setattr(rlnotes.policy, "prompt_groups", lambda *a: calls.append(1) or real(*a))
+    real = rlnotes.engine.policy.prompt_groups
+    monkeypatch.setattr(rlnotes.engine.policy, "prompt_groups", lambda *a: calls.append(1) or real(*a))
     rows = {}
     for share in (True, False):
         calls.clear()

@@ -19,9 +19,9 @@ import pytest
 import torch
 from rich.console import Console
 
-from rlnotes import checkpoint
-from rlnotes.cli import main
-from rlnotes.runners.common import train
+from rlnotes.run import checkpoint
+from rlnotes.commands.cli import main
+from rlnotes.training.loop import train
 from tests.conftest import compose
 
 WORKER = Path(__file__).with_name("stop_worker.py")
@@ -176,7 +176,7 @@ def test_a_stop_before_the_first_step_during_setup_and_in_the_updates_prints_the
         tmp_path, monkeypatch, capsys):
     """Every way a stop can happen, through the command: a stop while loading, in PPO's updates
     (two signals: the policy goes to interrupted/), and SIGTERM exits with 143."""
-    from rlnotes import policy
+    from rlnotes.engine import policy
     from rlnotes.runners import ppo
 
     def no_model(*args, **kwargs):

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rlnotes.cli import UsageError, _launcher_overrides, _loader, _members, check, main
-from rlnotes.sweep import (RESULT_FILE, load_run, objective_metric, objective_value, optuna_history, seed_groups,
+from rlnotes.commands.cli import UsageError, _launcher_overrides, _loader, _members, check, main
+from rlnotes.run.sweep import (RESULT_FILE, load_run, objective_metric, objective_value, optuna_history, seed_groups,
                            summarize)
 from tests.conftest import compose
 
@@ -67,7 +67,7 @@ def test_a_bad_sweep_setting_fails_in_one_line(capsys):
 
 
 def test_sweep_settings_are_bookkeeping_for_a_resumed_member():
-    from rlnotes.checkpoint import config_changes
+    from rlnotes.run.checkpoint import config_changes
 
     fatal, changed = config_changes(compose(), compose("sweep.seeds=3", "sweep.objective=kl/ref", "seed=2"))
     assert fatal == [] and changed == ["seed 0 -> 2"]
@@ -158,7 +158,7 @@ def test_summary_keeps_failed_members_last_and_history_tracks_the_best(tmp_path)
 
 def test_seeds_sweep_groups_members_and_a_failed_member_does_not_stop_it(tmp_path, monkeypatch, capsys):
     """`-m sweep.seeds=2 algo.beta=0,0.1`: four members; the one with seed 1 and beta 0.1 fails."""
-    from rlnotes.runners import common
+    from rlnotes.training import loop as common
 
     train = common.train
 
@@ -217,7 +217,7 @@ def test_optuna_direction_follows_the_objective():
 
 def test_optuna_study_of_three_trials_survives_a_failed_trial(tmp_path, monkeypatch):
     _plugin("hydra_plugins.hydra_optuna_sweeper")
-    from rlnotes.runners import common
+    from rlnotes.training import loop as common
 
     train, calls = common.train, []
 
@@ -243,7 +243,7 @@ def test_optuna_study_of_three_trials_survives_a_failed_trial(tmp_path, monkeypa
     assert "## Optuna study" in md and "best trial: optim.lr=" in md and "| 1 | failed | - |" in md
 
     pytest.importorskip("matplotlib")
-    from rlnotes.plot import plot
+    from rlnotes.commands.plot import plot
 
     assert tmp_path / "objective.png" in plot([tmp_path]).figures
     assert "## Optuna study" in (tmp_path / "summary.md").read_text()  # plot rewrote it with its sections

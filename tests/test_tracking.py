@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rlnotes import tracking
-from rlnotes.cli import UsageError, check, main
-from rlnotes.config import ConfigError
+from rlnotes.run import tracking
+from rlnotes.commands.cli import UsageError, check, main
+from rlnotes.core.config import ConfigError
 from tests.conftest import compose
 
 ROWS = [{"step": 1, "reward/mean": 0.25, "kl/ref": None, "loss": -0.5},
@@ -104,7 +104,7 @@ def test_mlflow_gets_an_sqlite_store_in_the_sweep_dir_params_tags_and_rows(tmp_p
     [(_, start)] = mlflow.named("start_run")
     assert start["experiment_id"] == "7" and start["run_name"] == "12-00-00-grpo/1 seed=1"
     assert start["tags"]["rlnotes.overrides"] == "trainer.steps=2 seed=1"
-    assert start["tags"]["rlnotes.sweep"] == sweep.name
+    assert start["tags"]["rlnotes.run.sweep"] == sweep.name
     [((params,), _)] = mlflow.named("log_params")
     assert params["algo.beta"] == "0.04" and params["trainer.steps"] == "60" and params["seed"] == "0"
     assert [(args[0], kw["step"]) for args, kw in mlflow.named("log_metrics")] == [

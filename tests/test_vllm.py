@@ -12,9 +12,9 @@ import pytest
 import torch
 from omegaconf import open_dict
 
-from rlnotes.cli import main
+from rlnotes.commands.cli import main
 from rlnotes.notes.tis import truncated_is_weights
-from rlnotes.vllm_engine import Sample, export_adapter, to_rollout
+from rlnotes.engine.vllm_engine import Sample, export_adapter, to_rollout
 
 
 def test_truncated_is_weights_by_hand():
@@ -29,7 +29,7 @@ def test_truncated_is_weights_by_hand():
 
 
 def test_vllm_outputs_become_a_rollout():
-    from rlnotes.models import tiny_tokenizer
+    from rlnotes.engine.models import tiny_tokenizer
 
     tok = tiny_tokenizer()
     a, b = tok("ab")["input_ids"], tok("b")["input_ids"]
@@ -47,8 +47,8 @@ def test_vllm_outputs_become_a_rollout():
 def test_only_the_adapter_is_exported(tmp_path):
     from peft import PeftModel
 
-    from rlnotes.models import load_base
-    from rlnotes.policy import Policy
+    from rlnotes.engine.models import load_base
+    from rlnotes.engine.policy import Policy
     from tests.conftest import compose
 
     cfg = compose()
@@ -108,7 +108,7 @@ class StandIn:
         self.synced.append(step)
 
     def generate(self, prompts, group_size, seeds, device):
-        from rlnotes.rollout import generate
+        from rlnotes.engine.rollout import generate
 
         r, c = self.policy, self.cfg.rollout
         rollout = generate(r.model, r.tokenizer, prompts, group_size, c.max_new_tokens, c.temperature, c.top_p,
@@ -123,10 +123,10 @@ class StandIn:
 def test_a_run_with_another_sampler_logs_the_mismatch_and_corrects_for_it(tmp_path, monkeypatch):
     from rich.console import Console
 
-    from rlnotes.runners.common import train
+    from rlnotes.training.loop import train
     from tests.conftest import compose
 
-    monkeypatch.setattr("rlnotes.vllm_engine.VLLMEngine", StandIn)
+    monkeypatch.setattr("rlnotes.engine.vllm_engine.VLLMEngine", StandIn)
     rows = {}
     for tis_cap in (None, 1.02):
         cfg = compose("trainer.steps=2", "trainer.batch_size=4", "logging.progress=false")

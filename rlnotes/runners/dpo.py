@@ -18,11 +18,11 @@ from typing import Dict, List
 
 import torch
 
-from rlnotes import distributed
-from rlnotes.data import Row
+from rlnotes.engine import distributed
+from rlnotes.data.tasks import Row
 from rlnotes.notes import dpo_implicit_rewards, dpo_loss
-from rlnotes.offline import Sequences, chunks, encode_pairs, eval_due, summed_logprobs
-from rlnotes.runners.common import Context, next_rows, optimizer_step
+from rlnotes.training.offline import Sequences, chunks, encode_pairs, eval_due, summed_logprobs
+from rlnotes.training.loop import Context, next_rows, optimizer_step
 
 
 def ref_logprobs(ctx: Context, rows: List[Row], seqs: Sequences) -> torch.Tensor:

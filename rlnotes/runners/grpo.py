@@ -24,10 +24,10 @@ from typing import Dict
 
 import torch
 
-from rlnotes import distributed
+from rlnotes.engine import distributed
 from rlnotes.notes import group_advantages, grpo_loss, kl_penalty, masked_mean, ppo_clip_fraction
-from rlnotes.rollout import Rollout, concat_rollouts
-from rlnotes.runners.common import (Context, batch_totals, informative_groups, micro_batch_weight, micro_batches,
+from rlnotes.engine.rollout import Rollout, concat_rollouts
+from rlnotes.training.loop import (Context, batch_totals, informative_groups, micro_batch_weight, micro_batches,
                                     next_rows, optimizer_step, rollout_metrics, sample_and_score, tis_weights)
 
 

@@ -24,11 +24,11 @@ from typing import Dict
 
 import torch
 
-from rlnotes import distributed
-from rlnotes.critic import explained_variance, logprobs_and_values, value_head, values
+from rlnotes.engine import distributed
+from rlnotes.engine.critic import explained_variance, logprobs_and_values, value_head, values
 from rlnotes.notes import (aggregate, gae, kl_penalty, masked_mean, masked_whiten, ppo_clip_fraction, ppo_clip_loss,
                            value_loss)
-from rlnotes.runners.common import (Context, add_head, batch_totals, micro_batch_weight, micro_batches, next_rows,
+from rlnotes.training.loop import (Context, add_head, batch_totals, micro_batch_weight, micro_batches, next_rows,
                                     optimizer_step, penalized_token_rewards, rollout_metrics, sample_and_score,
                                     tis_weights)
 

@@ -19,11 +19,11 @@ from typing import Dict
 
 import torch
 
-from rlnotes import distributed
-from rlnotes.critic import explained_variance, logprobs_and_values, value_head
+from rlnotes.engine import distributed
+from rlnotes.engine.critic import explained_variance, logprobs_and_values, value_head
 from rlnotes.notes import aggregate, policy_gradient_loss, returns_to_go, value_loss
 from rlnotes.notes.reinforce import leave_one_out_baseline
-from rlnotes.runners.common import (Context, add_head, batch_totals, micro_batch_weight, micro_batches, next_rows,
+from rlnotes.training.loop import (Context, add_head, batch_totals, micro_batch_weight, micro_batches, next_rows,
                                     optimizer_step, penalized_token_rewards, rollout_metrics, sample_and_score,
                                     tis_weights)
 

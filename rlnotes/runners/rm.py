@@ -17,11 +17,11 @@ from typing import Dict
 
 import torch
 
-from rlnotes import distributed
+from rlnotes.engine import distributed
 from rlnotes.notes import bradley_terry_loss
-from rlnotes.offline import chunks, encode_pairs, eval_due
-from rlnotes.reward_model import HEAD, make_head, sequence_rewards
-from rlnotes.runners.common import Context, add_head, next_rows, optimizer_step
+from rlnotes.training.offline import chunks, encode_pairs, eval_due
+from rlnotes.rewards.model import HEAD, make_head, sequence_rewards
+from rlnotes.training.loop import Context, add_head, next_rows, optimizer_step
 
 
 def pair_rewards(ctx: Context, rows) -> tuple[torch.Tensor, torch.Tensor, float]:

@@ -17,10 +17,10 @@ from typing import Dict
 
 import torch
 
-from rlnotes import distributed
+from rlnotes.engine import distributed
 from rlnotes.notes import aggregate
-from rlnotes.offline import Sequences, encode_rows, eval_due
-from rlnotes.runners.common import Context, batch_totals, micro_batch_weight, micro_batches, next_rows, optimizer_step
+from rlnotes.training.offline import Sequences, encode_rows, eval_due
+from rlnotes.training.loop import Context, batch_totals, micro_batch_weight, micro_batches, next_rows, optimizer_step
 
 
 def nll(ctx: Context, seqs: Sequences) -> torch.Tensor:

@@ -7,7 +7,7 @@ import math
 import pytest
 from rich.console import Console
 
-from rlnotes.runners.common import train
+from rlnotes.training.loop import train
 from tests.conftest import compose
 
 
@@ -55,7 +55,7 @@ def test_micro_batches_give_the_same_step(tmp_path):
 
 
 def test_ipo_with_label_smoothing_is_refused():
-    from rlnotes.cli import UsageError
+    from rlnotes.commands.cli import UsageError
 
     with pytest.raises(UsageError, match="label_smoothing"):
         compose("algo=dpo", "algo.loss_type=ipo", "algo.label_smoothing=0.1")

@@ -6,7 +6,7 @@ import pytest
 from rich.console import Console
 
 from rlnotes.notes import AGGREGATIONS
-from rlnotes.runners.common import train
+from rlnotes.training.loop import train
 from tests.conftest import compose
 
 
@@ -62,7 +62,8 @@ def test_same_seed_same_run(tmp_path):
 
 
 def test_non_finite_loss_skips_updates_then_stops(tmp_path, monkeypatch):
-    from rlnotes.runners import common, grpo
+    from rlnotes.runners import grpo
+    from rlnotes.training import loop as common
 
     real = grpo.grpo_loss
     monkeypatch.setattr(grpo, "grpo_loss", lambda *a, **k: real(*a, **k) * float("nan"))

@@ -9,7 +9,7 @@ import pytest
 from rich.console import Console
 
 from rlnotes.runners import ppo
-from rlnotes.runners.common import setup, train
+from rlnotes.training.loop import setup, train
 from tests.conftest import compose
 
 # 8 prompts x 4 completions per batch, two epochs of two minibatches: 4 optimizer steps a batch.
@@ -91,7 +91,7 @@ def test_entropy_bonus_and_plain_value_loss_run(tmp_path):
 
 
 def test_minibatch_size_must_divide_the_batch():
-    from rlnotes.cli import UsageError
+    from rlnotes.commands.cli import UsageError
 
     with pytest.raises(UsageError, match="minibatch_size"):
         compose("algo=ppo", "algo.minibatch_size=3")

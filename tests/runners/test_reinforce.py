@@ -8,7 +8,7 @@ import torch
 from rich.console import Console
 
 from rlnotes.notes.reinforce import leave_one_out_baseline, terminal_rewards
-from rlnotes.runners.common import train
+from rlnotes.training.loop import train
 from rlnotes.runners.reinforce import mean_baseline
 from tests.conftest import compose
 
@@ -71,7 +71,7 @@ def test_a_large_kl_penalty_keeps_the_policy_near_the_reference(tmp_path):
 
 
 def test_presets_and_checks():
-    from rlnotes.cli import UsageError
+    from rlnotes.commands.cli import UsageError
 
     cfg = compose("algo=rloo")
     assert (cfg.algo.name, cfg.algo.baseline, cfg.algo.group_size, cfg.data.name) == ("reinforce", "group", 4,

@@ -7,8 +7,8 @@ import math
 import pytest
 from rich.console import Console
 
-from rlnotes.data import load_task
-from rlnotes.runners.common import train
+from rlnotes.data.tasks import load_task
+from rlnotes.training.loop import train
 from tests.conftest import compose
 
 
@@ -39,7 +39,7 @@ def test_rm_ranks_held_out_pairs(trained):
 def test_saved_reward_model_scores_like_the_trained_one(trained):
     """reward=model reloads base + adapter + head from final/ and ranks the held-out pairs as the
     last eval did."""
-    from rlnotes.rewards import reward_model
+    from rlnotes.rewards.scoring import reward_model
 
     path, cfg, rows = trained
     assert (path / "final" / "reward_head.safetensors").exists()
@@ -60,7 +60,7 @@ def test_grpo_runs_on_the_reward_model(trained, tmp_path):
 
 
 def test_reward_model_needs_a_path():
-    from rlnotes.cli import UsageError
+    from rlnotes.commands.cli import UsageError
 
     with pytest.raises(UsageError, match="reward.path"):
         compose("reward=model")

@@ -8,10 +8,10 @@ import pytest
 import torch
 from rich.console import Console
 
-from rlnotes.data import load_task
-from rlnotes.policy import Policy
-from rlnotes.rollout import encode_prompts, generate
-from rlnotes.runners.common import train
+from rlnotes.data.tasks import load_task
+from rlnotes.engine.policy import Policy
+from rlnotes.engine.rollout import encode_prompts, generate
+from rlnotes.training.loop import train
 from tests.conftest import compose
 
 
@@ -25,7 +25,7 @@ def greedy(cfg, adapter_dir, prompts):
     """Near-greedy completions (temperature 1e-4) of the trained adapter."""
     from peft import PeftModel
 
-    from rlnotes.models import load_base
+    from rlnotes.engine.models import load_base
 
     base, tok = load_base(cfg.model)
     model = PeftModel.from_pretrained(base, adapter_dir).eval()
@@ -61,7 +61,7 @@ def test_loss_is_the_completion_nll_only(tmp_path):
     included, prompt excluded), from the untrained model."""
     cfg, (row,) = run(tmp_path, "trainer.steps=1", "trainer.batch_size=2", "data.train_size=2")
     policy = Policy.from_config(cfg.model, torch.device("cpu"))
-    from rlnotes.data import PromptSampler
+    from rlnotes.data.tasks import PromptSampler
 
     batch = PromptSampler(load_task(cfg.data)[0], 2, cfg.seed).next_batch()
     tok = policy.tokenizer

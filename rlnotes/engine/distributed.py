@@ -70,7 +70,7 @@ def init(device: torch.device) -> torch.device:
         return device
     if device.type == "cuda":
         if local_rank() >= torch.cuda.device_count():
-            from rlnotes.config import ConfigError
+            from rlnotes.core.config import ConfigError
 
             raise ConfigError(f"{world_size()} processes on this machine but torch sees {torch.cuda.device_count()} "
                               "GPUs; start one process per GPU (hardware.nproc, torchrun's --nproc_per_node)")

@@ -1,5 +1,5 @@
 """Rows from a built-in task, a local file or a hub dataset, in the shapes the Hugging Face
-ecosystem gives them, checked and normalised to the rows the runners read (rlnotes.data).
+ecosystem gives them, checked and normalised to the rows the runners read (rlnotes.data.tasks).
 
 Accepted shapes (after `data.columns` renames the source's columns to ours):
   prompt                          plain text, or a conversation: a list of {role, content} messages
@@ -31,10 +31,10 @@ from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 from urllib.parse import urlparse
 
-from rlnotes.config import ALGO_SCHEMAS, ConfigError
-from rlnotes.data import TASKS, Row, Split, system_prompt
-from rlnotes.rewards import CALL_NAMES
-from rlnotes.rollout import Prompt, encode_prompts
+from rlnotes.core.config import ALGO_SCHEMAS, ConfigError
+from rlnotes.data.tasks import TASKS, Row, Split, system_prompt
+from rlnotes.rewards.scoring import CALL_NAMES
+from rlnotes.engine.rollout import Prompt, encode_prompts
 
 # File extension -> the `datasets` builder that reads it.
 FORMATS: Dict[str, str] = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
@@ -421,7 +421,7 @@ def read(cfg) -> Data:
 
 def reward_columns(fn, bound: Sequence[str] = ()) -> List[str]:
     """The columns a reward function cannot do without: its required parameters (keyword-only
-    ones too) that are not among the names every call passes (rlnotes.rewards.CALL_NAMES:
+    ones too) that are not among the names every call passes (rlnotes.rewards.scoring.CALL_NAMES:
     prompts, completions, ...) and not bound by reward args."""
     try:
         params = inspect.signature(fn).parameters.values()
@@ -434,7 +434,7 @@ def reward_columns(fn, bound: Sequence[str] = ()) -> List[str]:
 
 def needed_columns(algo: str, reward_fns: Sequence = ()) -> Dict[str, str]:
     """Column -> what needs it: the algorithm's columns, then each reward function's (objects
-    with .name, .fn and .args, as rlnotes.rewards.Rewards holds them)."""
+    with .name, .fn and .args, as rlnotes.rewards.scoring.Rewards holds them)."""
     needs = {c: f"algo={algo}" for c in ALGO_COLUMNS.get(algo, ("prompt",))}
     for rf in reward_fns:
         for column in reward_columns(rf.fn, tuple(rf.args)):

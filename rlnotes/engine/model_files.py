@@ -10,9 +10,9 @@ import struct
 from pathlib import Path
 from typing import List, Optional
 
-from rlnotes.config import ConfigError
+from rlnotes.core.config import ConfigError
 
-TINY, SMOLLM2 = "tiny", "smollm2-135m"  # the models built in (see rlnotes.models)
+TINY, SMOLLM2 = "tiny", "smollm2-135m"  # the models built in (see rlnotes.engine.models)
 # A model dir as save_pretrained writes it: its config, its weights (one file or an index of
 # shards), and its tokenizer (any one of these is what AutoTokenizer starts from).
 WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")

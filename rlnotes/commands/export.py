@@ -21,7 +21,7 @@ from typing import Iterator, Tuple, Union
 
 import torch
 
-from rlnotes.config import ConfigError
+from rlnotes.core.config import ConfigError
 
 ADAPTER_FILE = "adapter_config.json"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -43,7 +43,7 @@ def model_config(config_path: Path):
     """The run's `model` section, filled with the schema's defaults for keys an older run lacks."""
     from omegaconf import OmegaConf
 
-    from rlnotes.config import ModelConfig
+    from rlnotes.core.config import ModelConfig
 
     run = OmegaConf.load(config_path)
     if "model" not in run:
@@ -64,7 +64,7 @@ def load_policy(policy_dir: Path) -> Tuple[torch.nn.Module, object]:
         return AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32), tokenizer
     from peft import PeftModel
 
-    from rlnotes.models import load_base
+    from rlnotes.engine.models import load_base
 
     base, _ = load_base(base_config(policy_dir))
     return PeftModel.from_pretrained(base, policy_dir).eval(), tokenizer
@@ -77,7 +77,7 @@ def base_config(adapter_dir: Path):
 
     from omegaconf import OmegaConf
 
-    from rlnotes.config import ModelConfig
+    from rlnotes.core.config import ModelConfig
 
     try:
         return model_config(find_run_config(adapter_dir))
@@ -130,7 +130,7 @@ def export(policy_dir: Union[str, Path], out_dir: Union[str, Path], dtype: str =
             raise ConfigError(f"the merged model's log-probs differ from the adapter's by {gap:.2e} (> {TOLERANCE}); "
                               "the adapter may not match the base model in config.yaml")
     model = model.to(DTYPES[dtype])
-    from rlnotes.models import usual_modes
+    from rlnotes.engine.models import usual_modes
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-"))

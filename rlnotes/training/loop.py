@@ -18,22 +18,24 @@ import torch
 from omegaconf import OmegaConf
 from rich.console import Console
 
-from rlnotes import checkpoint, distributed, rundir
-from rlnotes.data import PromptSampler, Row, system_prompt
-from rlnotes.datasets import fit_and_split, load_checked, max_positions
-from rlnotes.evaluate import checker_config, evaluate
-from rlnotes.evaluate import eval_rows as held_out_rows
-from rlnotes.evaluate import write as write_eval
-from rlnotes.diagnostics import batch_arithmetic, describe_batches
-from rlnotes.logger import MetricsLogger, NullLogger, passed_multiple
-from rlnotes.tracking import open_sinks
-from rlnotes.models import configure_backends, mixed_precision, resolve_device
+from rlnotes.run import checkpoint
+from rlnotes.engine import distributed
+from rlnotes.run import rundir
+from rlnotes.data.tasks import PromptSampler, Row, system_prompt
+from rlnotes.data.datasets import fit_and_split, load_checked, max_positions
+from rlnotes.training.evaluation import checker_config, evaluate
+from rlnotes.training.evaluation import eval_rows as held_out_rows
+from rlnotes.training.evaluation import write as write_eval
+from rlnotes.run.diagnostics import batch_arithmetic, describe_batches
+from rlnotes.run.logger import MetricsLogger, NullLogger, passed_multiple
+from rlnotes.run.tracking import open_sinks
+from rlnotes.engine.models import configure_backends, mixed_precision, resolve_device
 from rlnotes.notes import kl_penalty, masked_mean
 from rlnotes.notes.tis import truncated_is_weights
 from rlnotes.notes.reinforce import terminal_rewards
-from rlnotes.policy import Policy
-from rlnotes.rewards import Rewards, TrainerState
-from rlnotes.rollout import Rollout, completion_keys, encode_prompts, generate
+from rlnotes.engine.policy import Policy
+from rlnotes.rewards.scoring import Rewards, TrainerState
+from rlnotes.engine.rollout import Rollout, completion_keys, encode_prompts, generate
 
 
 class TrainingError(RuntimeError):
@@ -65,7 +67,7 @@ class Context:
     # step and added with add_head: clipped with the policy, saved next to it as <name>.safetensors.
     heads: Dict[str, torch.nn.Module] = field(default_factory=dict)
     # A runner's own state kept across steps (e.g. REINFORCE's running-mean baseline): plain numbers,
-    # strings and tensors, saved in checkpoints (see rlnotes.checkpoint.RECOMPUTED for what is not).
+    # strings and tensors, saved in checkpoints (see rlnotes.run.checkpoint.RECOMPUTED for what is not).
     cache: Dict[str, object] = field(default_factory=dict)
     # An optimizer update has run since the last completed step: a stop now cannot go back to that
     # step's state (see checkpoint.StopSignals); set by optimizer_step, cleared by the train loop.
@@ -74,7 +76,7 @@ class Context:
     scorer: Optional[Rewards] = None
     # The last sampled batch (prompts, completions, rewards: lists of N) for the samples table.
     samples: Optional[Dict[str, list]] = None
-    # The vLLM engine that samples when rollout.engine=vllm (rlnotes.vllm_engine); None: the policy samples.
+    # The vLLM engine that samples when rollout.engine=vllm (rlnotes.engine.vllm_engine); None: the policy samples.
     engine: Optional[object] = None
 
     def precision(self):
@@ -111,7 +113,7 @@ def setup(cfg, run_dir: Path, console: Console, resume_from: Optional[Path] = No
     torch.manual_seed(cfg.seed)
     device = distributed.init(resolve_device(cfg.hardware.device))
     configure_backends(cfg.hardware, device)
-    from rlnotes.config import ALGO_SCHEMAS, preset_name
+    from rlnotes.core.config import ALGO_SCHEMAS, preset_name
 
     rewards = Rewards(cfg.reward, console) if ALGO_SCHEMAS[cfg.algo.name].samples else None
     with distributed.main_first():  # caches (a converted model, a downloaded dataset) are written once
@@ -147,7 +149,7 @@ def setup(cfg, run_dir: Path, console: Console, resume_from: Optional[Path] = No
     logger = MetricsLogger.for_run(cfg, run_dir, console, sinks=open_sinks(cfg, run_dir)) if main else NullLogger()
     engine = None
     if rewards is not None and cfg.rollout.engine == "vllm":
-        from rlnotes.vllm_engine import VLLMEngine
+        from rlnotes.engine.vllm_engine import VLLMEngine
 
         engine = VLLMEngine(cfg, policy.tokenizer)
     return Context(cfg=cfg, run_dir=run_dir, device=device, policy=policy, optimizer=optimizer, scheduler=scheduler,

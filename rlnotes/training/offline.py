@@ -13,10 +13,10 @@ from typing import Optional, Sequence
 
 import torch
 
-from rlnotes.data import system_prompt
+from rlnotes.data.tasks import system_prompt
 from rlnotes.notes import masked_sum
-from rlnotes.rewards import completion_text
-from rlnotes.rollout import Prompt, encode_prompts, left_pad
+from rlnotes.rewards.scoring import completion_text
+from rlnotes.engine.rollout import Prompt, encode_prompts, left_pad
 
 
 @dataclass

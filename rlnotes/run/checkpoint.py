@@ -45,8 +45,8 @@ import torch
 from omegaconf import OmegaConf
 from safetensors.torch import load_file, save_file
 
-from rlnotes.config import ConfigError, Interrupted
-from rlnotes.models import usual_modes
+from rlnotes.core.config import ConfigError, Interrupted
+from rlnotes.engine.models import usual_modes
 
 CHECKPOINTS = "checkpoints"
 MANIFEST = "manifest.json"
@@ -607,7 +607,7 @@ def load(ctx, path: Path, manifest: Dict[str, object]) -> None:
     """Restore everything but the weights (load_policy, before FSDP shards them) and the heads (the
     caller adds those first, so that the optimizer has their parameter groups): optimizer,
     scheduler, RNG, data position, runner state."""
-    from rlnotes import distributed
+    from rlnotes.engine import distributed
 
     state = torch.load(path / STATE, map_location="cpu", weights_only=True)
     saved_by = manifest.get("optimizer_shards")
@@ -690,7 +690,7 @@ class StopSignals:
         self.ctx.console.print(f"[yellow]{escape(text)}[/]", soft_wrap=True, highlight=False)
 
     def _handle(self, signum, frame) -> None:
-        from rlnotes import distributed
+        from rlnotes.engine import distributed
 
         first, self.signum = self.signum is None, self.signum or signum
         again = "press Ctrl-C again" if signum == signal.SIGINT else f"send {signal.Signals(signum).name} again"
@@ -712,7 +712,7 @@ class StopSignals:
 
     def check(self) -> None:
         """Stop now if a signal came during the step just finished (to any rank)."""
-        from rlnotes import distributed
+        from rlnotes.engine import distributed
 
         if distributed.any_rank(self.signum is not None):
             self.stopping = True

@@ -14,7 +14,7 @@ from typing import Dict, List, Optional, Sequence, Union
 import torch
 from transformers import DynamicCache
 
-from rlnotes.policy import position_ids
+from rlnotes.engine.policy import position_ids
 
 # A prompt: plain text, or a conversation of {"role": ..., "content": ...} messages.
 Prompt = Union[str, List[Dict[str, str]]]

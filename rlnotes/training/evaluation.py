@@ -23,8 +23,8 @@ from typing import Dict, List, Optional
 import torch
 from omegaconf import OmegaConf
 
-from rlnotes.data import system_prompt
-from rlnotes.rollout import encode_prompts, generate
+from rlnotes.data.tasks import system_prompt
+from rlnotes.engine.rollout import encode_prompts, generate
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -42,7 +42,7 @@ def eval_data(cfg):
 
 def eval_rows(cfg, tokenizer, limit: Optional[int], console=None) -> List[dict]:
     """The eval split: the training data's, or that of `data` + `eval.data` when eval.data is set."""
-    from rlnotes.datasets import fit_and_split, load_checked
+    from rlnotes.data.datasets import fit_and_split, load_checked
 
     if not cfg.eval.data:
         data = load_checked(cfg, generating="evaluation")
@@ -61,7 +61,7 @@ def eval_rows(cfg, tokenizer, limit: Optional[int], console=None) -> List[dict]:
 def checker_config(cfg):
     """The reward config that scores evaluation: `eval.reward`, else the task's own checker, else
     the training reward."""
-    from rlnotes.data import TASK_REWARDS
+    from rlnotes.data.tasks import TASK_REWARDS
 
     name = cfg.eval.reward or TASK_REWARDS.get(eval_data(cfg).name)
     if name is None:
@@ -80,7 +80,7 @@ class Evaluation:
 @torch.no_grad()
 def evaluate(policy, cfg, rows: List[dict], scorer, step: int = 0) -> Evaluation:
     """Generate for `rows` (the first eval.size of them) with `policy` and score with `scorer`
-    (a rlnotes.rewards.Rewards)."""
+    (a rlnotes.rewards.scoring.Rewards)."""
     e = cfg.eval
     rows = rows[:e.size] if e.size else rows
     n = 1 if e.greedy else e.samples_per_prompt
@@ -142,7 +142,7 @@ def with_run_settings(cfg, overrides: List[str]):
     dotted overrides (`data.digits=2`) on top."""
     if not cfg.eval.policy:
         return cfg
-    from rlnotes.config import saved_run_config
+    from rlnotes.core.config import saved_run_config
 
     trained = saved_run_config(cfg.eval.policy)
     if trained is None:
@@ -168,9 +168,9 @@ def run(cfg, console) -> tuple[Evaluation, Path]:
     """`rlnotes eval`: load the policy, evaluate it on the task's eval split, write the results."""
     import time
 
-    from rlnotes.models import configure_backends, load_base, mixed_precision, resolve_device
-    from rlnotes.policy import Policy
-    from rlnotes.rewards import Rewards, TrainerState
+    from rlnotes.engine.models import configure_backends, load_base, mixed_precision, resolve_device
+    from rlnotes.engine.policy import Policy
+    from rlnotes.rewards.scoring import Rewards, TrainerState
 
     if cfg.hardware.threads:
         torch.set_num_threads(cfg.hardware.threads)
@@ -178,14 +178,14 @@ def run(cfg, console) -> tuple[Evaluation, Path]:
     configure_backends(cfg.hardware, device)
     scorer = Rewards(checker_config(cfg), console)
     scorer.state = TrainerState(max_steps=cfg.trainer.steps)   # a reward may divide by max_steps
-    from rlnotes.datasets import load_checked
+    from rlnotes.data.datasets import load_checked
 
     # Rows to sample from, and the columns a checker needs: a mistake fails now, before the model loads.
     load_checked(OmegaConf.merge(cfg, {"data": eval_data(cfg)}), scorer.fns, generating="evaluation")
     if cfg.eval.policy:
         path = Path(cfg.eval.policy)
         if not path.is_dir():
-            from rlnotes.config import ConfigError
+            from rlnotes.core.config import ConfigError
 
             raise ConfigError(f"eval.policy={cfg.eval.policy!r} is not a directory; pass a run's final/ dir or a "
                               "checkpoint dir")
@@ -195,7 +195,7 @@ def run(cfg, console) -> tuple[Evaluation, Path]:
         base, tokenizer = load_base(cfg.model)
         policy = Policy(base.to(device).eval(), tokenizer, reference=base)
         out = Path(cfg.eval.out) if cfg.eval.out else Path("outputs") / "eval" / time.strftime("%Y-%m-%d_%H-%M-%S")
-    from rlnotes.datasets import max_positions
+    from rlnotes.data.datasets import max_positions
 
     rows = eval_rows(cfg, policy.tokenizer, max_positions(policy.model), console)
     start = time.perf_counter()

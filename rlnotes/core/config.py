@@ -21,7 +21,7 @@ class ConfigError(ValueError):
 
 
 class Interrupted(KeyboardInterrupt):
-    """A run stopped by a signal (rlnotes.checkpoint.StopSignals); the command exits with 128 +
+    """A run stopped by a signal (rlnotes.run.checkpoint.StopSignals); the command exits with 128 +
     `signum`, as a shell reports a process the signal ended: 130 for SIGINT, 143 for SIGTERM."""
 
     def __init__(self, signum: int):
@@ -251,7 +251,7 @@ class ModelConfig:
 
 @dataclass
 class RewardFnConfig:
-    # A built-in reward name (see rlnotes.rewards.REWARDS), an import path "pkg.mod.fn" or
+    # A built-in reward name (see rlnotes.rewards.scoring.REWARDS), an import path "pkg.mod.fn" or
     # "pkg.mod:fn" (found from the working directory too) or a file "path/to/rewards.py:fn" of a
     # function called as TRL calls it: fn(prompts=, completions=, <column>=, ..., **kwargs)
     # -> list[float | None].
@@ -286,10 +286,10 @@ class RewardConfig:
 
 @dataclass
 class DataConfig:
-    # Where rows come from (rlnotes.data.SOURCES): task (a built-in task named by `name`), file
+    # Where rows come from (rlnotes.data.tasks.SOURCES): task (a built-in task named by `name`), file
     # (`path`) or hub (the dataset `name`); data=file and data=hub set it.
     source: str = "task"
-    # task: the built-in task (see rlnotes.data.TASKS); "auto" picks the algorithm's default task
+    # task: the built-in task (see rlnotes.data.tasks.TASKS); "auto" picks the algorithm's default task
     # (DEFAULT_TASKS below), recorded in the run's config.yaml. hub: the dataset id (org/set) or a
     # local dataset folder.
     name: str = "auto"
@@ -546,7 +546,7 @@ def register() -> None:
 SCHEDULES = ("constant", "linear", "cosine")
 PRECISIONS = ("fp32", "bf16")
 DEVICES = ("cpu", "cuda", "auto")
-# hardware.strategy: how several processes share a run (see rlnotes.distributed).
+# hardware.strategy: how several processes share a run (see rlnotes.engine.distributed).
 STRATEGIES = ("ddp", "fsdp")
 # rollout.engine: what samples completions.
 ENGINES = ("hf", "vllm")
@@ -585,7 +585,7 @@ def check_choice(key: str, value: Any, choices) -> None:
 # The valid range of every numeric setting, checked in one place (check_ranges) before anything
 # loads. ">= a" and "> a" bound one side; "[a, b)" and the like both; every bound is finite, and
 # so must the value be. null (where a setting allows it) is never checked. Settings without a
-# range here: the seeds (any integer), the reward section (rlnotes.rewards checks it), and
+# range here: the seeds (any integer), the reward section (rlnotes.rewards.scoring checks it), and
 # CHECKED_ELSEWHERE, whose checks need other settings too.
 RANGES: Dict[str, tuple] = {
     "trainer.steps": (">= 1", "optimizer steps"),
@@ -706,7 +706,7 @@ DEFAULT_TASKS: Dict[str, str] = {"grpo": "letters", "reinforce": "letters", "ppo
 
 def resolve_auto(cfg) -> None:
     """Fill in data=auto and reward=auto with the algorithm's task and that task's reward."""
-    from rlnotes.data import TASK_REWARDS, file_from_path
+    from rlnotes.data.tasks import TASK_REWARDS, file_from_path
 
     file_from_path(cfg.data)  # data.path=FILE alone means data=file
     task = cfg.data.source == "task"   # a file or hub dataset has no reward of its own
@@ -830,7 +830,7 @@ def _check_checkpointing(trainer) -> None:
     if trainer.keep_last is not None and trainer.keep_last < 1:
         raise ConfigError(f"trainer.keep_last={trainer.keep_last} must be at least 1 (null keeps every checkpoint)")
     if trainer.resume not in (None, "auto"):
-        from rlnotes.checkpoint import resolve
+        from rlnotes.run.checkpoint import resolve
 
         resolve(trainer.resume)
 
@@ -850,9 +850,9 @@ ALGO_CHECKS = {"grpo": _check_grpo, "reinforce": _check_reinforce, "ppo": _check
 
 def validate(cfg) -> None:
     """Check the values that a schema type cannot: choices, ranges, and batch arithmetic."""
-    from rlnotes.data import check_data_config
+    from rlnotes.data.tasks import check_data_config
     from rlnotes.notes import AGGREGATIONS, DPO_LOSS_TYPES, KL_ESTIMATORS
-    from rlnotes.rewards import check_reward_config
+    from rlnotes.rewards.scoring import check_reward_config
     from rlnotes.runners import RUNNERS
 
     check_choice("algo.name", cfg.algo.name, RUNNERS)
@@ -864,7 +864,7 @@ def validate(cfg) -> None:
             check_choice(key, OmegaConf.select(cfg, key), valid)
     check_ranges(cfg)
     _check_sweep(cfg)
-    from rlnotes.model_files import check_model_source
+    from rlnotes.engine.model_files import check_model_source
 
     check_model_source(cfg.model.name_or_path)  # a missing or half-written model dir, before anything loads
     check_data_config(cfg)
@@ -878,6 +878,6 @@ def validate(cfg) -> None:
     _check_micro_batch(cfg)
     _check_layout(cfg)
     ALGO_CHECKS.get(cfg.algo.name, lambda _: None)(cfg)
-    from rlnotes.tracking import check_backends
+    from rlnotes.run.tracking import check_backends
 
     check_backends(cfg.logging)  # a chosen tracker's package is installed

@@ -1,6 +1,6 @@
 """Experiment trackers that receive every metrics row: TensorBoard, Weights & Biases, MLflow, trackio.
 
-metrics.jsonl is always written (rlnotes.logger); the trackers chosen with the `logging` group
+metrics.jsonl is always written (rlnotes.run.logger); the trackers chosen with the `logging` group
 (`logging=[tensorboard,mlflow]`) get the same rows through a sink each: `sink.log(step, row)` for
 every row and `sink.close()` at the end. Every tracker records the run's name and its command-line
 overrides, and in a multirun the sweep as a group, so the members of a sweep are told apart.
@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Protocol
 
-from rlnotes.config import ConfigError
-from rlnotes.sweep import read_overrides, sweep_dir_of, swept_overrides
+from rlnotes.core.config import ConfigError
+from rlnotes.run.sweep import read_overrides, sweep_dir_of, swept_overrides
 
 # Tracker -> the module it needs (each installed by the pip extra of the tracker's name).
 BACKENDS: Dict[str, str] = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow", "trackio": "trackio"}
@@ -177,7 +177,7 @@ class MLflowSink:
             experiment_id = mlflow.create_experiment(info.project, artifact_location=where.as_uri())
         tags = {"rlnotes.run_dir": str(info.run_dir), "rlnotes.overrides": " ".join(info.overrides)}
         if info.group:
-            tags["rlnotes.sweep"] = info.group
+            tags["rlnotes.run.sweep"] = info.group
         self.run = mlflow.start_run(experiment_id=experiment_id, run_name=info.name, tags=tags)
         mlflow.log_params({k: str(v)[:500] for k, v in flatten(info.config).items()})
 

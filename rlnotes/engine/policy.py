@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from rlnotes.models import load_base, usual_modes
+from rlnotes.engine.models import load_base, usual_modes
 
 
 # Logits of at most this many floats exist at once in head_logprobs (64 MB in float32): 341 positions

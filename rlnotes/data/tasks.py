@@ -3,7 +3,7 @@
 A row is a dict with a `prompt` (plain text, or a list of {role, content} messages) and the
 columns its reward needs (`answer`, `letter`, `numbers` and `target`); reward functions receive
 those columns as keyword arguments. Preference rows add `chosen` and `rejected`, demonstrations
-`completion`. Rows from files and the hub (rlnotes.datasets) take the same shape.
+`completion`. Rows from files and the hub (rlnotes.data.datasets) take the same shape.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ _OPS: Dict[str, Callable[[int, int], int]] = {"+": lambda a, b: a + b, "-": lamb
 def _check_ops(ops: str) -> Dict[str, Callable[[int, int], int]]:
     """The operators named by data.ops."""
     if not ops or set(ops) - set(_OPS):
-        from rlnotes.config import ConfigError
+        from rlnotes.core.config import ConfigError
 
         raise ConfigError(f"data.ops={ops!r}: use a string of the operators {', '.join(_OPS)}")
     return {op: _OPS[op] for op in ops}
@@ -57,7 +57,7 @@ def arith(cfg) -> Split:
     if cfg.max_digits is None or cfg.max_digits == cfg.digits:
         return _arith(cfg, cfg.digits, cfg.train_size)
     if cfg.max_digits < cfg.digits:
-        from rlnotes.config import ConfigError
+        from rlnotes.core.config import ConfigError
 
         raise ConfigError(f"data.max_digits={cfg.max_digits} is below data.digits={cfg.digits}; raise it or set "
                           "it to null (one operand size)")
@@ -154,7 +154,7 @@ def countdown(cfg) -> Split:
         misses = 0 if new else misses + 1
     space = list(rows.values())
     if len(space) < wanted:
-        from rlnotes.config import ConfigError
+        from rlnotes.core.config import ConfigError
 
         raise ConfigError(f"data.train_size + data.eval_size = {wanted} is more than the {len(space)} distinct "
                           "countdown problems found; lower them or raise data.digits")
@@ -163,12 +163,12 @@ def countdown(cfg) -> Split:
 
 TASKS: Dict[str, Callable] = {"arith": arith, "letters": letters, "countdown": countdown, "arith_pairs": arith_pairs,
                               "arith_sft": arith_sft, "letters_pairs": letters_pairs}
-# The reward (a name in rlnotes.rewards.REWARDS) that reward=auto gives each task.
+# The reward (a name in rlnotes.rewards.scoring.REWARDS) that reward=auto gives each task.
 TASK_REWARDS: Dict[str, str] = {"arith": "number_match", "letters": "letter_share", "countdown": "countdown",
                                 "arith_pairs": "number_match", "arith_sft": "number_match",
                                 "letters_pairs": "letter_share"}
 # Where data.source takes its rows from: a built-in task (data.name), a local file (data.path) or
-# a hub dataset (data.name = org/set); files and the hub are read by rlnotes.datasets.
+# a hub dataset (data.name = org/set); files and the hub are read by rlnotes.data.datasets.
 SOURCES = ("task", "file", "hub")
 # What data.overlong does with a prompt longer than data.max_prompt_len tokens.
 OVERLONG = ("drop", "truncate", "error")
@@ -176,8 +176,8 @@ OVERLONG = ("drop", "truncate", "error")
 
 def load_task(cfg) -> Split:
     """(train rows, eval rows) of the data config `cfg`: a built-in task, a file or a hub dataset,
-    normalised to the row shape above (rlnotes.datasets, which builds on the tasks here)."""
-    from rlnotes.datasets import read
+    normalised to the row shape above (rlnotes.data.datasets, which builds on the tasks here)."""
+    from rlnotes.data.datasets import read
 
     return read(cfg).split()
 
@@ -197,7 +197,7 @@ def system_prompt(cfg) -> Optional[str]:
 
 def check_data_config(cfg) -> None:
     """The data settings a schema type cannot check, before anything loads."""
-    from rlnotes.config import ALGO_SCHEMAS, ConfigError, check_choice
+    from rlnotes.core.config import ALGO_SCHEMAS, ConfigError, check_choice
 
     d = cfg.data
     check_choice("data.source", d.source, SOURCES)

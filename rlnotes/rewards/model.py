@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 import torch
 
 if TYPE_CHECKING:  # the model code loads only when a model is scored: config checks stay light
-    from rlnotes.offline import Sequences
+    from rlnotes.training.offline import Sequences
 
 HEAD = "reward_head"   # its name in Context.heads and its file name in final/
 
@@ -34,7 +34,7 @@ def make_head(model: torch.nn.Module) -> torch.nn.Linear:
 
 def sequence_rewards(model: torch.nn.Module, head: torch.nn.Module, seqs: Sequences) -> torch.Tensor:
     """r(x, y) = w . h_last + b for each row of `seqs`: [N] float32."""
-    from rlnotes.policy import forward
+    from rlnotes.engine.policy import forward
 
     out = forward(model, seqs.input_ids, seqs.attention_mask, 1, hidden_states=True)
     last = out.hidden_states[-1][torch.arange(seqs.input_ids.shape[0], device=seqs.input_ids.device),
@@ -48,8 +48,8 @@ def load(path: Path, device: torch.device):
     from peft import PeftModel
     from safetensors.torch import load_file
 
-    from rlnotes.config import ConfigError, saved_run_config
-    from rlnotes.models import load_base
+    from rlnotes.core.config import ConfigError, saved_run_config
+    from rlnotes.engine.models import load_base
 
     path = Path(path)
     run_cfg, weights = saved_run_config(path), path / f"{HEAD}.safetensors"
@@ -71,7 +71,7 @@ Scorer = Callable[[Sequence, Sequence[str]], torch.Tensor]
 def kind(path) -> str:
     """"rm" for the final/ dir of an algo=rm run, "hf" for a Hugging Face model dir; anything else
     is a config mistake, reported before a model loads."""
-    from rlnotes.config import ConfigError
+    from rlnotes.core.config import ConfigError
 
     path = Path(path)
     if (path / f"{HEAD}.safetensors").is_file():
@@ -89,14 +89,14 @@ def load_scorer(path, device: torch.device, batch_size: int) -> Scorer:
 
 
 def _rm_scorer(path: Path, device: torch.device, batch_size: int) -> Scorer:
-    """An algo=rm model: prompts encoded as its training run encoded them (rlnotes.offline.encode,
+    """An algo=rm model: prompts encoded as its training run encoded them (rlnotes.training.offline.encode,
     with that run's chat template setting and system prompt: data.system_prompt, else model's)."""
     from omegaconf import OmegaConf
 
-    from rlnotes.offline import encode
+    from rlnotes.training.offline import encode
 
     model, head, tokenizer, model_cfg = load(path, device)
-    from rlnotes.config import saved_run_config
+    from rlnotes.core.config import saved_run_config
 
     data_system = OmegaConf.select(saved_run_config(path), "data.system_prompt")
     system = data_system if data_system is not None else model_cfg.system_prompt
@@ -117,7 +117,7 @@ def _hf_scorer(path: Path, device: torch.device, batch_size: int) -> Scorer:
     [user: x, assistant: y] rendered with its tokenizer's chat template (x + y without one)."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from rlnotes.config import ConfigError
+    from rlnotes.core.config import ConfigError
 
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     model = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32, local_files_only=True)
@@ -147,8 +147,8 @@ def _hf_scorer(path: Path, device: torch.device, batch_size: int) -> Scorer:
 def conversation_text(tokenizer, prompt, completion: str) -> str:
     """The text a Hugging Face reward model scores: [prompt messages or user: prompt, assistant:
     completion] through the chat template when the tokenizer has one, else the prompt as the
-    rollout engine renders plain text (rlnotes.rollout.render_plain), then the completion."""
-    from rlnotes.rollout import as_messages, render_plain
+    rollout engine renders plain text (rlnotes.engine.rollout.render_plain), then the completion."""
+    from rlnotes.engine.rollout import as_messages, render_plain
 
     if tokenizer.chat_template:
         messages = as_messages(prompt) + [{"role": "assistant", "content": completion}]

@@ -6,7 +6,7 @@ them. On a terminal the run shows a progress bar (step, steps/s, elapsed, ETA) w
 metrics under it; with `logging.progress=false` or when the output is not a terminal (CI, a log
 file) it prints a plain line now and then instead. Every `logging.samples_every` steps a small
 table shows a few sampled prompts, their completions and rewards (also appended to
-samples.jsonl). Diagnostics (rlnotes.diagnostics) warn once per kind, on screen and in
+samples.jsonl). Diagnostics (rlnotes.run.diagnostics) warn once per kind, on screen and in
 warnings.log. The run ends with a one-screen summary: final and best key metrics, steps, wall
 time, run dir.
 """
@@ -238,7 +238,7 @@ class MetricsLogger:
     @classmethod
     def for_run(cls, cfg, run_dir: Path, console: Console, sinks: Sequence[object] = ()) -> "MetricsLogger":
         """The logger a training run gets from its config (logging.*), with the diagnostics watcher."""
-        from rlnotes.diagnostics import Watcher
+        from rlnotes.run.diagnostics import Watcher
 
         log = cfg.logging
         return cls(run_dir, cfg.trainer.steps, console, log.progress, sinks=sinks, samples_every=log.samples_every,
@@ -345,7 +345,7 @@ class MetricsLogger:
 
 def read_warnings(path: Path) -> List[object]:
     """The diagnostics.Alert of each line MetricsLogger.warn wrote to a warnings.log (none without one)."""
-    from rlnotes.diagnostics import Alert
+    from rlnotes.run.diagnostics import Alert
 
     if not path.is_file():
         return []
