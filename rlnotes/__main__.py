@@ -1,3 +1,5 @@
-from rlnotes.commands.cli import main
 import sys
+
+from rlnotes.commands.cli import main
+
 sys.exit(main())

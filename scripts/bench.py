@@ -64,13 +64,15 @@ def step_flops(model, rows: list[dict], prompt_tokens: float, group: int, prompt
 
 def run_one(name: str, steps: int) -> dict:
     import torch
-
-    from rlnotes.commands.cli import _loader, check
-    from rlnotes.engine.rollout import encode_prompts
-    from rlnotes.training.loop import setup, train
     from hydra.types import RunMode
     from omegaconf import open_dict
     from rich.console import Console
+
+    from rlnotes.commands.cli import _loader, check
+    from rlnotes.commands.train import train
+    from rlnotes.engine.rollout import encode_prompts
+    from rlnotes.runners import algorithm
+    from rlnotes.training.loop import setup
 
     overrides = MODELS[name] + SHAPE + [f"trainer.steps={steps}"]
     check(overrides, False, None)
@@ -82,7 +84,7 @@ def run_one(name: str, steps: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         train(cfg, Path(tmp), Console(quiet=True))
         rows = [json.loads(line) for line in (Path(tmp) / "metrics.jsonl").read_text().splitlines()]
-        ctx = setup(cfg, Path(tmp) / "probe", Console(quiet=True))  # for the model's shape and prompt lengths
+        ctx = setup(cfg, algorithm(cfg.algo.name), Path(tmp) / "probe", Console(quiet=True))  # for the model's shape and prompt lengths
         ctx.logger.close()
     prompts = [r["prompt"] for r in ctx.sampler.next_batch()]
     prompt_tokens = statistics.mean(len(p) for p in encode_prompts(ctx.policy.tokenizer, prompts,

@@ -163,7 +163,7 @@ def prepare(model: str, out: Path, shapes: Dict[str, Shape], steps: int) -> dict
     {"model_dir", "data": {shape: path}, "prompt_tokens": {shape: mean prompt tokens}}."""
     from transformers import AutoTokenizer
 
-    from rlnotes.core.config import TinyModelConfig
+    from rlnotes.core.schema import TinyModelConfig
     from rlnotes.engine.models import smollm2_dir, tiny_model, tiny_tokenizer
     from rlnotes.engine.rollout import encode_prompts
 
@@ -212,7 +212,7 @@ def rlnotes_command(prep: dict, model: str, shape: Shape, data: str, threads: st
                 f"algo.clip_eps={CLIP_EPS}", f"rollout.max_new_tokens={shape.new_tokens}",
                 f"rollout.temperature={TEMPERATURE}", "rollout.top_p=1.0", "logging.samples_every=0"]
     else:
-        cmd += [f"algo.beta={DPO_BETA}", "algo.loss_type=sigmoid", f"algo.eval_rows={shape.prompts}"]
+        cmd += [f"algo.beta={DPO_BETA}", "algo.loss_type=sigmoid", f"eval.size={shape.prompts}"]
     if threads != "default":
         cmd.append(f"hardware.threads={threads}")
     return cmd
@@ -364,7 +364,9 @@ def grpo_trainer(shape: Shape, common: dict, model, tokenizer, dataset, lora, ti
     from trl import GRPOConfig, GRPOTrainer
     from trl.trainer import grpo_trainer as module
 
-    from rlnotes.rewards.scoring import number_match  # the reward rlnotes' reward=arith computes
+    from rlnotes.rewards.scoring import (
+        number_match,  # the reward rlnotes' reward=arith computes
+    )
 
     module.use_adapter = timed_context(module.use_adapter, timers, "reference_s")  # only the reference pass uses it
     # The notes' GRPO: 1/|o_i| token averaging (loss_type grpo), group std scaling, k3 KL with beta > 0.

@@ -32,9 +32,19 @@ def compose(*overrides: str):
     from omegaconf import open_dict
 
     cfg = _loader(None).load_configuration("config", list(overrides), RunMode.RUN)
-    from rlnotes.core.config import resolve_auto
+    from rlnotes.commands.validate import resolve_auto
 
     with open_dict(cfg):
         del cfg["hydra"]  # as a Hydra job sees it
     resolve_auto(cfg)
     return cfg
+
+
+def set_step(name: str, fn) -> None:
+    """Make the algorithm `name` run `fn` as its train_step (for tests that stop a run inside a
+    step); `set_step(name, module.train_step)` puts the real one back."""
+    import dataclasses
+
+    from rlnotes.runners import REGISTRY
+
+    REGISTRY[name] = dataclasses.replace(REGISTRY[name], train_step=fn)

@@ -11,7 +11,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rich.console import Console  # noqa: E402
 
-from rlnotes.training.loop import train  # noqa: E402
+from rlnotes.commands.train import train  # noqa: E402
 from tests.conftest import compose  # noqa: E402
 from tests.test_distributed import CASES  # noqa: E402
 

@@ -2,6 +2,7 @@
 never stopped; saves are atomic; keep_last prunes; Ctrl-C and SIGTERM leave a loadable checkpoint;
 bad resume settings fail in one line before any model loads."""
 
+import dataclasses
 import importlib
 import json
 import random
@@ -11,11 +12,11 @@ import pytest
 import torch
 from rich.console import Console
 
-from rlnotes.run import checkpoint
 from rlnotes.commands.cli import UsageError
-from rlnotes.core.config import ConfigError
-from rlnotes.runners import RUNNERS
-from rlnotes.training.loop import train
+from rlnotes.commands.train import train
+from rlnotes.core.errors import ConfigError
+from rlnotes.run import checkpoint
+from rlnotes.runners import REGISTRY
 from tests.conftest import compose
 
 
@@ -36,7 +37,7 @@ def run(run_dir, *overrides):
 def stop_at(monkeypatch, algo, call, sig, after=False):
     """Send `sig` to this process in the runner's `call`-th step: before it does anything but draw
     from every random stream and the data (which a stop must undo), or after its updates."""
-    module = importlib.import_module(RUNNERS[algo])
+    module = importlib.import_module(f"rlnotes.runners.{algo}")
     real, calls = module.train_step, []
 
     def step(ctx):
@@ -49,7 +50,7 @@ def stop_at(monkeypatch, algo, call, sig, after=False):
             signal.raise_signal(sig)
         return metrics
 
-    monkeypatch.setattr(module, "train_step", step)
+    monkeypatch.setitem(REGISTRY, algo, dataclasses.replace(REGISTRY[algo], train_step=step))
 
 
 def stopped_then_resumed(tmp_path, monkeypatch, algo, call, sig, *overrides, after=False):
@@ -92,8 +93,8 @@ def test_reinforce_running_baseline_survives_sigterm(tmp_path, monkeypatch):
 
 
 def test_dpo_resumes_exactly_and_rebuilds_its_reference_table(tmp_path, monkeypatch):
-    overrides = ("algo=dpo", "data=letters_pairs", "trainer.steps=6", "algo.precompute_ref=true", "algo.eval_every=2",
-                 "algo.eval_rows=8")
+    overrides = ("algo=dpo", "data=letters_pairs", "trainer.steps=6", "algo.precompute_ref=true", "trainer.eval_every=2",
+                 "eval.size=8")
     whole, resumed = stopped_then_resumed(tmp_path, monkeypatch, "dpo", 4, signal.SIGINT, *overrides)
     assert resumed == whole and "eval/dpo_margin" in resumed[4]  # step 5: evaluated after the resume
     saved = torch.load(tmp_path / "split" / "checkpoints" / "step_000003" / checkpoint.STATE, weights_only=True)

@@ -25,10 +25,10 @@ def test_console_script_trains_and_saves_a_loadable_adapter(tmp_path):
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(key in rows[-1] for key in REQUIRED)
 
-    from peft import PeftModel
     from omegaconf import OmegaConf
+    from peft import PeftModel
 
-    from rlnotes.core.config import ModelConfig
+    from rlnotes.core.schema import ModelConfig
     from rlnotes.engine.models import load_base
 
     base, _ = load_base(OmegaConf.structured(ModelConfig()))

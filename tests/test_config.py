@@ -9,7 +9,11 @@ import pytest
 from omegaconf import OmegaConf
 
 from rlnotes.commands.cli import UsageError, check, main
-from rlnotes.core.config import ALGO_RANGES, ALGO_SCHEMAS, CHECKED_ELSEWHERE, RANGES, ConfigError, TrainConfig, validate
+from rlnotes.commands.validate import validate
+from rlnotes.core.checks import CHECKED_ELSEWHERE, RANGES
+from rlnotes.core.errors import ConfigError
+from rlnotes.core.schema import TrainConfig
+from rlnotes.runners import REGISTRY
 
 
 def one_line(overrides):
@@ -68,7 +72,8 @@ def numeric_fields(schema, prefix):
 
 
 FIELDS = numeric_fields(TrainConfig, "")
-ALGO_FIELDS = {name: numeric_fields(schema, "algo.") for name, schema in ALGO_SCHEMAS.items()}
+ALGO_FIELDS = {name: numeric_fields(algo.schema, "algo.") for name, algo in REGISTRY.items()}
+ALGO_RANGES = {name: algo.ranges for name, algo in REGISTRY.items() if algo.ranges}
 SEEDS = ("seed", "data.seed", "model.tiny.init_seed")
 
 
@@ -111,7 +116,7 @@ def configs():
     """The composed config of each algorithm, as `rlnotes train algo=NAME` checks it."""
     from tests.conftest import compose
 
-    return {name: compose(f"algo={name}") for name in ALGO_SCHEMAS}
+    return {name: compose(f"algo={name}") for name in REGISTRY}
 
 
 def test_every_range_is_tested():

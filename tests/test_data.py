@@ -9,8 +9,18 @@ from collections import Counter
 import pytest
 from omegaconf import OmegaConf
 
-from rlnotes.core.config import ConfigError, DataConfig
-from rlnotes.data.tasks import TASK_REWARDS, TASKS, PromptSampler, arith, countdown, hidden_expression, letters, load_task
+from rlnotes.core.errors import ConfigError
+from rlnotes.core.schema import DataConfig
+from rlnotes.data.tasks import (
+    TASK_REWARDS,
+    TASKS,
+    PromptSampler,
+    arith,
+    countdown,
+    hidden_expression,
+    letters,
+    load_task,
+)
 
 ARITH = re.compile(r"^What is (\d+)([+*-])(\d+)\? Answer with just the number\.$")
 

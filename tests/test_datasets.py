@@ -12,8 +12,8 @@ import pytest
 from omegaconf import OmegaConf
 from rich.console import Console
 
-from rlnotes.core.config import ConfigError, DataConfig
-from rlnotes.data.tasks import load_task
+from rlnotes.core.errors import ConfigError
+from rlnotes.core.schema import DataConfig
 from rlnotes.data.datasets import (
     PromptLengths,
     fit_and_split,
@@ -23,14 +23,26 @@ from rlnotes.data.datasets import (
     read,
     reward_columns,
 )
+from rlnotes.data.tasks import load_task
 from rlnotes.engine.models import tiny_tokenizer
 from rlnotes.engine.rollout import encode_prompts, render_plain
+from rlnotes.runners import REGISTRY
 from tests.conftest import compose
 
 ROWS = [{"question": f"What is {i}+1?", "answer": str(i + 1)} for i in range(10)]
 # A chat template for the tiny tokenizer: "<role>content" lines, then "<assistant>" to cue the reply.
 CHAT = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
         "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def checked(cfg, *args):
+    """load_checked for the algorithm of `cfg`."""
+    return load_checked(cfg, REGISTRY[cfg.algo.name], *args)
+
+
+def fit_rows(data, cfg, *args, **kwargs):
+    """fit_and_split with the completions of `cfg`'s algorithm (sampled, or the rows' own)."""
+    return fit_and_split(data, cfg, *args, samples=REGISTRY[cfg.algo.name].samples, **kwargs)
 
 
 def write(path, rows):
@@ -277,21 +289,21 @@ def test_a_bad_row_names_file_row_and_column(tmp_path, rows, where, what):
 
 def test_a_missing_column_says_who_needs_it_and_how_to_rename(tmp_path):
     path = write(tmp_path / "t.jsonl", ROWS)
-    message = error(load_checked, compose("data=file", f"data.path={path}", "reward=arith"))
+    message = error(checked, compose("data=file", f"data.path={path}", "reward=arith"))
     assert message == (f"{path} has no column 'prompt', which algo=grpo needs; its columns: answer, question; "
                        "rename one with data.columns.prompt=COLUMN")
     renamed = write(tmp_path / "r.jsonl", [{"prompt": r["question"], "solution": r["answer"]} for r in ROWS])
     cfg = compose("data=file", f"data.path={renamed}", "reward=arith")
     from rlnotes.rewards.scoring import Rewards
 
-    message = error(load_checked, cfg, Rewards(cfg.reward).fns)
+    message = error(checked, cfg, Rewards(cfg.reward).fns)
     assert "no column 'answer', which reward number_match needs" in message and "data.columns.answer=" in message
-    assert len(load_checked(compose("data=file", f"data.path={renamed}", "reward=arith",
+    assert len(checked(compose("data=file", f"data.path={renamed}", "reward=arith",
                                     "data.columns.answer=solution"), Rewards(cfg.reward).fns).train.rows) == 10
-    pairs = error(load_checked, compose("data=file", f"data.path={renamed}", "algo=dpo"))
+    pairs = error(checked, compose("data=file", f"data.path={renamed}", "algo=dpo"))
     assert "no column 'chosen', which algo=dpo needs" in pairs
     assert "no column 'completion', which algo=sft needs" in error(
-        load_checked, compose("data=file", f"data.path={renamed}", "algo=sft"))
+        checked, compose("data=file", f"data.path={renamed}", "algo=sft"))
 
 
 def test_a_renamed_column_that_is_not_there_lists_the_columns(tmp_path):
@@ -350,8 +362,8 @@ def test_reward_columns_come_from_the_signature():
     assert reward_columns(print) == []
 
     rf = SimpleNamespace(name="fn", fn=fn, args={})
-    assert needed_columns("grpo", [rf]) == {"prompt": "algo=grpo", "answer": "reward fn", "numbers": "reward fn"}
-    assert needed_columns("rm") == {"prompt": "algo=rm", "chosen": "algo=rm", "rejected": "algo=rm"}
+    assert needed_columns(REGISTRY["grpo"], [rf]) == {"prompt": "algo=grpo", "answer": "reward fn", "numbers": "reward fn"}
+    assert needed_columns(REGISTRY["rm"]) == {"prompt": "algo=rm", "chosen": "algo=rm", "rejected": "algo=rm"}
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -362,7 +374,7 @@ def test_reward_columns_come_from_the_signature():
     (("data=file", "data.path=x.jsonl", "data.eval_split=test"), "data.eval_split names a split of a hub dataset"),
     (("data.eval_path=e.jsonl",), "data.eval_path is for data=file and data=hub"),
     (("data.max_prompt_len=0",), "data.max_prompt_len=0 must be at least 1"),
-    (("algo=sft", "data.eval_size=0"), "algo=sft scores held-out rows"),
+    (("algo=sft", "data.eval_size=0"), "trainer.eval_every=20 evaluates held-out rows and data.eval_size=0 holds out none"),
     (("data.name=nope",), "data.name='nope' is not valid"),
     (("data=arith", "data.path=x.jsonl"), "data.path=x.jsonl is a file to read, but data=arith reads a built-in "
                                           "task; drop data=arith (a path alone means data=file) or drop data.path"),
@@ -385,7 +397,7 @@ def fit(path, *overrides, limit=None, tokenizer=None):
     cfg = compose("data=file", f"data.path={path}", "reward=arith", "data.columns.prompt=question",
                   "data.eval_size=0", "trainer.batch_size=1", *overrides)
     out = StringIO()
-    train, eval_rows = fit_and_split(load_checked(cfg), cfg, tokenizer or tiny_tokenizer(), limit,
+    train, eval_rows = fit_rows(checked(cfg), cfg, tokenizer or tiny_tokenizer(), limit,
                                      Console(file=out, width=300))
     return train, eval_rows, out.getvalue()
 
@@ -415,7 +427,7 @@ def test_truncating_a_conversation_cuts_its_last_message_and_counts_the_template
     tok.chat_template = CHAT
     cfg = compose("data=file", f"data.path={path}", "reward=arith", "data.eval_size=0", "trainer.batch_size=1",
                   "data.max_prompt_len=20", "data.overlong=truncate", "model.chat_template=true")
-    (row,), _ = fit_and_split(load_checked(cfg), cfg, tok, None)
+    (row,), _ = fit_rows(checked(cfg), cfg, tok, None)
     # "<user>" + text + "\n<assistant>" is 18 tokens of template around the text: 2 characters stay.
     assert row["prompt"] == [{"role": "user", "content": "89"}]
     assert PromptLengths(tok, True, None)([row["prompt"]]) == [20]
@@ -440,7 +452,7 @@ def test_a_prompt_the_model_cannot_hold_is_an_error_naming_file_row_and_column(t
 def test_offline_rows_count_their_longest_answer_against_the_model(tmp_path):
     path = write(tmp_path / "p.jsonl", [{"prompt": "Q?", "chosen": "c" * 5, "rejected": "r" * 20}] * 2)
     cfg = compose("data=file", f"data.path={path}", "algo=dpo", "data.eval_size=1", "trainer.batch_size=1")
-    message = error(fit_and_split, load_checked(cfg), cfg, tiny_tokenizer(), 20)
+    message = error(fit_rows, checked(cfg), cfg, tiny_tokenizer(), 20)
     assert message.startswith(f"{path} row 1, column 'prompt': 2 prompt tokens + 21 (its rejected with EOS)")
 
 
@@ -470,7 +482,7 @@ def test_a_small_file_trains_by_default_and_says_what_it_held_out(tmp_path, over
     path = write(tmp_path / "small.jsonl", rows)
     cfg = compose(f"data.path={path}", "reward=letters", *overrides)
     out = StringIO()
-    train_rows, eval_rows = fit_and_split(load_checked(cfg), cfg, tiny_tokenizer(), None, Console(file=out, width=300))
+    train_rows, eval_rows = fit_rows(checked(cfg), cfg, tiny_tokenizer(), None, Console(file=out, width=300))
     assert (len(train_rows), len(eval_rows)) == (train, held)
     assert f"data: {path}: {train} train rows, {held} eval rows ({note}" in out.getvalue()
 
@@ -478,7 +490,7 @@ def test_a_small_file_trains_by_default_and_says_what_it_held_out(tmp_path, over
 def test_a_one_row_file_cannot_hold_out_rows_to_evaluate(tmp_path):
     path = write(tmp_path / "one.jsonl", [{"prompt": "Q", "chosen": "a", "rejected": "b"}])
     cfg = compose("algo=dpo", f"data.path={path}", "trainer.batch_size=1")
-    assert error(fit_and_split, load_checked(cfg), cfg, tiny_tokenizer(), None) == (
+    assert error(fit_rows, checked(cfg), cfg, tiny_tokenizer(), None) == (
         f"{path} has 1 row, too few to hold one out for evaluation; give data.eval_path (an eval file)")
 
 
@@ -515,13 +527,13 @@ def test_a_text_row_is_trained_on_whole_after_a_start_token(tmp_path):
     assert seqs.input_ids[0].tolist() == [tokenizer.bos_token_id, *text_ids, tokenizer.eos_token_id]
     assert seqs.completion_mask[0].tolist() == [1.0] * (len(text_ids) + 1)
     cfg = compose("algo=grpo", f"data.path={path}", "reward=letters")
-    assert error(load_checked, cfg).startswith(f"{path} row 1: a {{\"text\": ...}} row (language modeling, for "
+    assert error(checked, cfg).startswith(f"{path} row 1: a {{\"text\": ...}} row (language modeling, for "
                                                "algo=sft) has no prompt to sample completions of, which algo=grpo does")
 
 
 def test_built_in_tasks_pass_through_fitting_unchanged():
     cfg = compose("data=arith", "data.train_size=50", "data.eval_size=10")
-    assert fit_and_split(load_checked(cfg), cfg, tiny_tokenizer(), 512) == load_task(cfg.data)
+    assert fit_rows(checked(cfg), cfg, tiny_tokenizer(), 512) == load_task(cfg.data)
 
 
 # --------------------------------------------------------------------------------------------- end to end
@@ -554,7 +566,7 @@ def test_grpo_trains_on_a_users_jsonl_with_a_custom_reward(tmp_path, monkeypatch
 
 
 def test_dpo_and_sft_train_on_conversational_files(tmp_path):
-    from rlnotes.training.loop import train
+    from rlnotes.commands.train import train
 
     user = lambda text: [{"role": "user", "content": text}]  # noqa: E731
     said = lambda text: [{"role": "assistant", "content": text}]  # noqa: E731
@@ -607,11 +619,11 @@ def test_every_algorithm_runs_every_command_on_a_users_64_row_file(tmp_path, cap
     path = tmp_path / "mine.jsonl"
     path.write_text("".join(json.dumps(row(i)) + "\n" for i in range(64)))
     run = tmp_path / "run"
-    evaluation = ["trainer.eval_every=2", "eval.size=4"] if generates else []
+    evaluation = ["trainer.eval_every=2", "eval.size=4", "eval.generate=true"] if generates else []
     extra = {"ppo": ["algo.minibatch_size=8"], "sft": [], "dpo": [], "rm": []}.get(algo, [])
     code = main(["train", f"algo={algo}", f"data.path={path}", "reward=letters", "trainer.steps=2",
                  "trainer.batch_size=4", "trainer.save_every=1", "logging.samples_every=1", "logging.progress=false",
-                 "algo.eval_every=1" if algo in ("dpo", "rm", "sft") else "algo.group_size=2", *evaluation, *extra,
+                 "trainer.eval_every=1" if algo in ("dpo", "rm", "sft") else "algo.group_size=2", *evaluation, *extra,
                  f"hydra.run.dir={run}"])
     err = capsys.readouterr().err
     assert code == 0, err

@@ -7,6 +7,7 @@ import pytest
 from rich.console import Console
 
 from rlnotes.commands.cli import UsageError, check
+from rlnotes.commands.train import train
 from rlnotes.run.diagnostics import (
     CHECKS,
     History,
@@ -21,15 +22,20 @@ from rlnotes.run.diagnostics import (
     describe_batches,
     reward_flat,
 )
-from rlnotes.training.loop import train
+from rlnotes.runners import REGISTRY
 from tests.conftest import compose
 
 # ---------------------------------------------------------------------------------------------
 # batch arithmetic
 
 
+def arith(cfg, train_rows=None):
+    """batch_arithmetic of a composed config, with its algorithm's shape."""
+    return batch_arithmetic(cfg, REGISTRY[cfg.algo.name].shape(cfg), train_rows)
+
+
 def test_grpo_default_batches():
-    a = batch_arithmetic(compose())
+    a = arith(compose())
     assert a == {"unit": "prompts", "prompts_per_batch": 8, "completions_per_batch": 32, "micro_batch_size": 32,
                  "micro_batches": 1, "minibatches": 1, "updates_per_batch": 1, "batches": 60, "optimizer_steps": 60,
                  "max_tokens_per_batch": 32 * 16, "prompts_seen": 480, "prompts_seen_max": 480,
@@ -37,7 +43,7 @@ def test_grpo_default_batches():
 
 
 def test_grpo_epochs_and_micro_batches():
-    a = batch_arithmetic(compose("algo.epochs=2", "trainer.steps=10", "trainer.micro_batch_size=8",
+    a = arith(compose("algo.epochs=2", "trainer.steps=10", "trainer.micro_batch_size=8",
                                  "rollout.max_new_tokens=8"))
     # 32 completions in passes of 8: 4 passes per optimizer step; 2 steps per batch, so 5 batches.
     assert (a["micro_batches"], a["updates_per_batch"], a["batches"], a["prompts_seen"]) == (4, 2, 5, 40)
@@ -45,7 +51,7 @@ def test_grpo_epochs_and_micro_batches():
 
 
 def test_ppo_minibatches_and_updates():
-    a = batch_arithmetic(compose("algo=ppo", "trainer.steps=10", "trainer.micro_batch_size=4"))
+    a = arith(compose("algo=ppo", "trainer.steps=10", "trainer.micro_batch_size=4"))
     # 32 completions / minibatch 16 = 2 minibatches; 2 epochs -> 4 updates a batch; 10 steps -> 3 batches.
     assert (a["minibatches"], a["updates_per_batch"], a["batches"]) == (2, 4, 3)
     assert (a["micro_batch_size"], a["micro_batches"], a["prompts_seen"]) == (4, 4, 24)
@@ -54,20 +60,20 @@ def test_ppo_minibatches_and_updates():
 
 
 def test_dynamic_sampling_sees_up_to_one_batch_per_round():
-    a = batch_arithmetic(compose("algo=dapo", "algo.max_resample_rounds=2", "trainer.steps=10"), train_rows=100)
+    a = arith(compose("algo=dapo", "algo.max_resample_rounds=2", "trainer.steps=10"), train_rows=100)
     assert (a["prompts_seen"], a["prompts_seen_max"]) == (80, 240)
     assert (a["epochs"], a["epochs_max"]) == (0.8, 2.4)
     assert "80 to 240 prompts = 0.8 to 2.4 epochs of the train set" in describe_batches(a)
 
 
 def test_pairs_and_rows():
-    dpo = batch_arithmetic(compose("algo=dpo", "trainer.micro_batch_size=4", "trainer.batch_size=8"))
+    dpo = arith(compose("algo=dpo", "trainer.micro_batch_size=4", "trainer.batch_size=8"))
     assert (dpo["unit"], dpo["completions_per_batch"], dpo["micro_batches"], dpo["max_tokens_per_batch"]) == (
         "pairs", 16, 2, None)
     assert describe_batches(dpo).splitlines() == [
         "batch: 8 pairs (16 sequences); 1 optimizer step per batch; micro-batches of 4 pairs (2 per optimizer step)",
         "run: 60 optimizer steps = 60 batches = 480 pairs = 0.48 epochs of the train set"]
-    sft = batch_arithmetic(compose("algo=sft", "trainer.steps=5"), train_rows=20)
+    sft = arith(compose("algo=sft", "trainer.steps=5"), train_rows=20)
     assert (sft["unit"], sft["completions_per_batch"], sft["prompts_seen"], sft["epochs"]) == ("rows", 8, 40, 2.0)
 
 
@@ -121,16 +127,20 @@ def history(**series):
     return History.of([{k: v[i] for k, v in series.items() if v[i] is not None} for i in range(n)])
 
 
+def zero_variance(history, cfg):
+    return check_zero_variance(history, cfg, REGISTRY[cfg.algo.name].group_relative(cfg.algo))
+
+
 def test_zero_variance_needs_a_window_at_the_line_and_group_advantages():
     grpo = compose()
-    assert check_zero_variance(history(**{"reward/zero_std_frac": [0.8] * 4}), grpo) is None  # not 5 steps yet
-    assert check_zero_variance(history(**{"reward/zero_std_frac": [0.6, 0.8, 0.8, 0.8, 0.8]}), grpo) is None  # 0.76
-    fired = check_zero_variance(history(**{"reward/zero_std_frac": [0.0, 0.8, 0.8, 0.8, 0.8, 0.8]}), grpo)
+    assert zero_variance(history(**{"reward/zero_std_frac": [0.8] * 4}), grpo) is None  # not 5 steps yet
+    assert zero_variance(history(**{"reward/zero_std_frac": [0.6, 0.8, 0.8, 0.8, 0.8]}), grpo) is None  # 0.76
+    fired = zero_variance(history(**{"reward/zero_std_frac": [0.0, 0.8, 0.8, 0.8, 0.8, 0.8]}), grpo)
     assert fired.startswith("80% of groups") and "algo.group_size (now 4)" in fired and "denser reward" in fired
     full = history(**{"reward/zero_std_frac": [1.0] * 5})
-    assert check_zero_variance(full, compose("algo=rloo")) is not None
-    assert check_zero_variance(full, compose("algo=ppo")) is None  # a value baseline still learns from it
-    assert check_zero_variance(full, compose("algo=reinforce")) is None  # running-mean baseline
+    assert zero_variance(full, compose("algo=rloo")) is not None
+    assert zero_variance(full, compose("algo=ppo")) is None  # a value baseline still learns from it
+    assert zero_variance(full, compose("algo=reinforce")) is None  # running-mean baseline
 
 
 def test_entropy_collapse_below_a_tenth_of_a_nat():
@@ -173,8 +183,8 @@ def test_truncation_warns_only_while_the_reward_is_flat():
 
 def test_reward_failures_share_of_the_window():
     cfg = compose()  # 32 completions a step: 5 steps = 160 completions, 10% = 16
-    assert check_reward_failures(history(**{"reward/failures": [3, 3, 3, 3, 3]}), cfg) is None  # 15
-    fired = check_reward_failures(history(**{"reward/failures": [0, 4, 3, 3, 3, 3]}), cfg)  # 16 in the last 5
+    assert check_reward_failures(history(**{"reward/failures": [3, 3, 3, 3, 3]}), cfg, 32) is None  # 15
+    fired = check_reward_failures(history(**{"reward/failures": [0, 4, 3, 3, 3, 3]}), cfg, 32)  # 16 in the last 5
     assert fired.startswith("the reward failed on 10% of the completions") and "reward.fallback=0.0" in fired
 
 

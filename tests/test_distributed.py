@@ -15,14 +15,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlnotes.engine import distributed
 from rlnotes.commands.cli import main, stamp_dirs, torchrun_command
+from rlnotes.engine import distributed
+from rlnotes.engine.rollout import (
+    completion_keys,
+    generate,
+    keyed_uniform,
+    mix32,
+    sample_keyed,
+)
 from tests.conftest import RLNOTES
-from rlnotes.engine.rollout import completion_keys, generate, keyed_uniform, mix32, sample_keyed
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ("trainer.steps=2", "trainer.batch_size=4")
-HELD_OUT = ("algo.eval_every=1", "data.eval_size=8", "algo.eval_rows=8")
+HELD_OUT = ("trainer.eval_every=1", "data.eval_size=8", "eval.size=8")
 # Runs tests/ddp_worker.py makes on 2 processes; those in EXACT must match one process to float
 # tolerance (with per-prompt seeds, the default under torchrun, the samples are the same).
 CASES = {
@@ -102,7 +108,7 @@ def test_a_keyed_completion_does_not_depend_on_its_batch():
     """Four prompts sampled together or in two halves (two ranks) give the same completions."""
     from omegaconf import OmegaConf
 
-    from rlnotes.core.config import ModelConfig
+    from rlnotes.core.schema import ModelConfig
     from rlnotes.engine.models import load_base
 
     model, tok = load_base(OmegaConf.structured(ModelConfig()))
@@ -194,7 +200,7 @@ def test_two_processes_train_as_one(tmp_path):
     losses, gradient norms and metrics; PPO runs; a resumed 2-process run continues exactly."""
     from rich.console import Console
 
-    from rlnotes.training.loop import train
+    from rlnotes.commands.train import train
     from tests.conftest import compose
 
     out = tmp_path / "ddp"

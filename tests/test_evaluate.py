@@ -11,12 +11,12 @@ import torch
 from rich.console import Console
 
 from rlnotes.commands.cli import main
-from rlnotes.training.evaluation import evaluate, pass_at_k
+from rlnotes.commands.train import train
 from rlnotes.engine.models import load_base
 from rlnotes.engine.policy import Policy
-from rlnotes.rewards.scoring import Rewards
 from rlnotes.engine.rollout import encode_prompts
-from rlnotes.training.loop import train
+from rlnotes.rewards.scoring import Rewards
+from rlnotes.training.evaluation import evaluate, pass_at_k
 from tests.conftest import compose
 
 

@@ -8,8 +8,8 @@ import torch
 from omegaconf import OmegaConf
 
 from rlnotes.commands.cli import main
-from rlnotes.core.config import ConfigError
 from rlnotes.commands.export import export
+from rlnotes.core.errors import ConfigError
 from rlnotes.engine.policy import Policy, sequence_logprobs
 from tests.conftest import compose
 

@@ -8,9 +8,18 @@ import warnings
 import pytest
 from rich.console import Console
 
+from rlnotes.commands.train import train
 from rlnotes.run.diagnostics import Alert
-from rlnotes.run.logger import MetricsLogger, fmt, pick, plain_line, quiet_libraries, shorten, summarize, summary_table
-from rlnotes.training.loop import train
+from rlnotes.run.logger import (
+    MetricsLogger,
+    fmt,
+    pick,
+    plain_line,
+    quiet_libraries,
+    shorten,
+    summarize,
+    summary_table,
+)
 from tests.conftest import compose
 
 

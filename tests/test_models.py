@@ -9,8 +9,14 @@ import pytest
 import torch
 
 import rlnotes.engine.models as models
-from rlnotes.core.config import ConfigError, ModelConfig, TinyModelConfig
-from rlnotes.engine.models import load_base, smollm2_gguf_path, tiny_model, tiny_tokenizer
+from rlnotes.core.errors import ConfigError
+from rlnotes.core.schema import ModelConfig, TinyModelConfig
+from rlnotes.engine.models import (
+    load_base,
+    smollm2_gguf_path,
+    tiny_model,
+    tiny_tokenizer,
+)
 
 # --------------------------------------------------------------------------------------------- tokenizer
 
@@ -197,7 +203,7 @@ def test_a_bf16_run_trains_with_float32_weights_and_losses(tmp_path, algo):
 
     from rich.console import Console
 
-    from rlnotes.training.loop import train
+    from rlnotes.commands.train import train
     from tests.conftest import compose
 
     cfg = compose(f"algo={algo}", "hardware.precision=bf16", "trainer.steps=4", "logging.progress=false")

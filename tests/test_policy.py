@@ -4,7 +4,7 @@ and log-probs do not depend on padding or batching."""
 import torch
 from omegaconf import OmegaConf
 
-from rlnotes.core.config import ModelConfig
+from rlnotes.core.schema import ModelConfig
 from rlnotes.engine.models import load_base
 from rlnotes.engine.policy import Policy, head_logprobs, sequence_logprobs
 from rlnotes.engine.rollout import left_pad

@@ -33,10 +33,10 @@ CASES = {
     "reinforce": ["algo=reinforce", *SAMPLING, "algo.beta=0.05"],
     "reinforce_value": ["algo=reinforce", *SAMPLING, "algo.baseline=value", "trainer.micro_batch_size=4"],
     "ppo": ["algo=ppo", *SAMPLING, "algo.minibatch_size=4", "algo.entropy_coef=0.01", "trainer.steps=8"],
-    "dpo": ["algo=dpo", "algo.eval_every=2"],
+    "dpo": ["algo=dpo", "trainer.eval_every=2"],
     "dpo_ipo_precomputed": ["algo=dpo", "algo.loss_type=ipo", "algo.precompute_ref=true", "trainer.micro_batch_size=2"],
-    "sft": ["algo=sft", "algo.eval_every=2", "trainer.micro_batch_size=2"],
-    "rm": ["algo=rm", "algo.eval_every=2"],
+    "sft": ["algo=sft", "trainer.eval_every=2", "trainer.micro_batch_size=2"],
+    "rm": ["algo=rm", "trainer.eval_every=2"],
 }
 UNTIMED = ("time/", "perf/")
 

@@ -15,7 +15,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from rlnotes.core.config import ConfigError, RewardConfig, RewardFnConfig
+from rlnotes.core.errors import ConfigError
+from rlnotes.core.schema import RewardConfig, RewardFnConfig
 from rlnotes.rewards.scoring import (
     RewardFailure,
     Rewards,
@@ -889,9 +890,10 @@ def test_positional_only_parameters_are_refused_when_the_config_is_checked(trl_m
 def test_a_required_argument_no_column_fills_is_refused_before_the_model_loads(trl_module, tmp_path, monkeypatch):
     """accuracy(completions, ground_truth, **kwargs) on a file without ground_truth: one line naming
     the function, the argument and the columns, from setup before the policy is built."""
-    import rlnotes.training.loop as common
     from rich.console import Console
 
+    import rlnotes.training.loop as common
+    from rlnotes.runners import REGISTRY
     from tests.conftest import compose
 
     data = tmp_path / "d.jsonl"
@@ -900,7 +902,7 @@ def test_a_required_argument_no_column_fills_is_refused_before_the_model_loads(t
                   f"reward.target={TRL_MODULE}.accuracy")
     monkeypatch.setattr(common.Policy, "from_config", lambda *a: pytest.fail("the model loaded"))
     with pytest.raises(ConfigError) as err:
-        common.setup(cfg, tmp_path / "run", Console(quiet=True))
+        common.setup(cfg, REGISTRY[cfg.algo.name], tmp_path / "run", Console(quiet=True))
     assert str(err.value) == (f"{data} has no column 'ground_truth', which reward accuracy needs; its columns: "
                               "answer, prompt; rename one with data.columns.ground_truth=COLUMN")
 
@@ -1107,9 +1109,9 @@ def test_reward_model_from_an_rm_run(tmp_path):
     """A 2-step algo=rm run through the console entry point, then reward=model on its final/: the
     scores are the trained head's r(x, y), the same in any batch size."""
     from rlnotes.commands.cli import main
-    from rlnotes.training.offline import encode
     from rlnotes.rewards.model import load, sequence_rewards
     from rlnotes.rewards.scoring import reward_model
+    from rlnotes.training.offline import encode
     from tests.conftest import compose
 
     run = tmp_path / "rm"
@@ -1140,7 +1142,7 @@ def test_grpo_logs_every_function_and_scores_tokens(tmp_path, user_module):
     sum, and length_penalty in tokens sees the sampled completions' lengths."""
     from rich.console import Console
 
-    from rlnotes.training.loop import train
+    from rlnotes.commands.train import train
     from tests.conftest import compose
 
     functions = ("[{fn: letter_share, weight: 1.0}, {fn: length_penalty, weight: 1.0, name: long, "

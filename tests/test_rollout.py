@@ -4,7 +4,7 @@ recording the same log-probs that a training forward pass computes."""
 import torch
 from omegaconf import OmegaConf
 
-from rlnotes.core.config import TinyModelConfig
+from rlnotes.core.schema import TinyModelConfig
 from rlnotes.engine.models import tiny_model, tiny_tokenizer
 from rlnotes.engine.policy import sequence_logprobs
 from rlnotes.engine.rollout import encode_prompts, generate, top_p_filter

@@ -17,14 +17,13 @@ import pytest
 import torch
 from rich.console import Console
 
-from rlnotes.run import checkpoint
-from rlnotes.run import rundir
 from rlnotes.commands.cli import main
-from rlnotes.core.config import ConfigError
+from rlnotes.commands.train import train
+from rlnotes.core.errors import ConfigError
+from rlnotes.run import checkpoint, rundir
 from rlnotes.run.logger import MetricsLogger
 from rlnotes.runners import grpo
-from rlnotes.training.loop import train
-from tests.conftest import compose
+from tests.conftest import compose, set_step
 
 SETTINGS = ("logging.progress=false", "trainer.batch_size=4", "trainer.save_every=2")
 # Forked processes and a live run paused on a pipe: a hang fails the test instead of the suite.
@@ -90,12 +89,12 @@ def runs(tmp_path_factory):
             raise KeyboardInterrupt
         return real(ctx)
 
-    grpo.train_step = stop_in_step_5
+    set_step("grpo", stop_in_step_5)
     try:
         with pytest.raises(KeyboardInterrupt):
             run(root / "stopped", "trainer.steps=6")
     finally:
-        grpo.train_step = real
+        set_step("grpo", real)
     assert [p.name for p in checkpoint.checkpoints(root / "stopped")] == ["step_000002", "step_000004"]
     return {"root": root, "finished": finished}
 
@@ -201,7 +200,7 @@ def test_a_second_process_is_refused_while_a_run_is_live_and_admitted_after(runs
     if pid == 0:
         code = 1
         try:
-            grpo.train_step = paused_in_step_3
+            set_step("grpo", paused_in_step_3)
             code = main(["train", *SETTINGS, "trainer.steps=4", f"hydra.run.dir={run_dir}"])
         finally:
             os._exit(code)
@@ -246,7 +245,7 @@ def _kill_in_step(n):
             if len(calls) == n:
                 kill_self()
             return real(ctx)
-        grpo.train_step = step
+        set_step("grpo", step)
     return patch
 
 

@@ -8,10 +8,16 @@ import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
-from rlnotes.core.config import ModelConfig
+from rlnotes.core.schema import ModelConfig
 from rlnotes.engine.critic import logprobs_and_values, values
 from rlnotes.engine.models import smollm2_shaped
-from rlnotes.engine.policy import Policy, head_logprobs, position_ids, prompt_groups, sequence_logprobs
+from rlnotes.engine.policy import (
+    Policy,
+    head_logprobs,
+    position_ids,
+    prompt_groups,
+    sequence_logprobs,
+)
 from rlnotes.engine.rollout import left_pad
 
 
@@ -210,10 +216,10 @@ def test_trainer_shared_prompt_switch_changes_no_metric(tmp_path, monkeypatch, a
     """trainer.shared_prompt=false forwards every row whole; the metrics of a run stay the same."""
     import json
 
-    import rlnotes.engine.policy
     from rich.console import Console
 
-    from rlnotes.training.loop import train
+    import rlnotes.engine.policy
+    from rlnotes.commands.train import train
     from tests.conftest import compose
 
     calls = []

@@ -4,6 +4,7 @@ exits with 143 and SIGINT with 130, and a full disk is one line that keeps the e
 The subprocess tests send real signals to a real `rlnotes train` whose saves are slowed
 (tests/stop_worker.py)."""
 
+import dataclasses
 import errno
 import io
 import json
@@ -19,9 +20,9 @@ import pytest
 import torch
 from rich.console import Console
 
-from rlnotes.run import checkpoint
 from rlnotes.commands.cli import main
-from rlnotes.training.loop import train
+from rlnotes.commands.train import train
+from rlnotes.run import checkpoint
 from tests.conftest import compose
 
 WORKER = Path(__file__).with_name("stop_worker.py")
@@ -136,7 +137,7 @@ def run(run_dir, *overrides, console=None):
 def signals_during_stop_save(monkeypatch, count, step=4):
     """SIGINT in the `step`-th step, then `count` more while the stop's checkpoint (of the step
     before) is written."""
-    from rlnotes.runners import grpo
+    from rlnotes.runners import REGISTRY, grpo
 
     real_step, real_save, calls = grpo.train_step, torch.save, []
 
@@ -152,7 +153,7 @@ def signals_during_stop_save(monkeypatch, count, step=4):
                 signal.raise_signal(signal.SIGINT)
         return real_save(*args, **kwargs)
 
-    monkeypatch.setattr(grpo, "train_step", step_fn)
+    monkeypatch.setitem(REGISTRY, "grpo", dataclasses.replace(REGISTRY["grpo"], train_step=step_fn))
     monkeypatch.setattr(checkpoint.torch, "save", save)
 
 

@@ -11,9 +11,24 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rlnotes.commands.cli import UsageError, _launcher_overrides, _loader, _members, check, main
-from rlnotes.run.sweep import (RESULT_FILE, load_run, objective_metric, objective_value, optuna_history, seed_groups,
-                           summarize)
+from rlnotes.commands.cli import (
+    UsageError,
+    _launcher_overrides,
+    _loader,
+    _members,
+    check,
+    main,
+)
+from rlnotes.run.sweep import (
+    RESULT_FILE,
+    load_run,
+    objective_metric,
+    objective_value,
+    optuna_history,
+    seed_groups,
+    summarize,
+)
+from rlnotes.runners import REGISTRY
 from tests.conftest import compose
 
 TINY = ["trainer.steps=2", "logging.progress=false", "trainer.save_every=0"]
@@ -28,17 +43,22 @@ def _result(run_dir: Path) -> dict:
     return json.loads((run_dir / RESULT_FILE).read_text())
 
 
+def objective(cfg):
+    return objective_metric(cfg, REGISTRY[cfg.algo.name])
+
+
 # ---------------------------------------------------------------------------------------------
 # The objective
 
 
 def test_auto_objective_is_the_held_out_score_when_the_run_evaluates():
-    assert objective_metric(compose()) == ("reward/mean", "maximize")
-    assert objective_metric(compose("trainer.eval_every=5")) == ("eval/accuracy", "maximize")
-    assert objective_metric(compose("algo=sft")) == ("eval/sft_loss", "minimize")
-    assert objective_metric(compose("algo=dpo")) == ("eval/dpo_accuracy", "maximize")
-    assert objective_metric(compose("sweep.objective=kl/ref")) == ("kl/ref", "minimize")
-    assert objective_metric(compose("sweep.objective=kl/ref", "sweep.direction=maximize")) == ("kl/ref", "maximize")
+    assert objective(compose()) == ("reward/mean", "maximize")
+    assert objective(compose("trainer.eval_every=5")) == ("eval/accuracy", "maximize")
+    assert objective(compose("algo=sft")) == ("eval/sft_loss", "minimize")  # its preset evaluates
+    assert objective(compose("algo=sft", "trainer.eval_every=null")) == ("loss", "minimize")
+    assert objective(compose("algo=dpo")) == ("eval/dpo_accuracy", "maximize")
+    assert objective(compose("sweep.objective=kl/ref")) == ("kl/ref", "minimize")
+    assert objective(compose("sweep.objective=kl/ref", "sweep.direction=maximize")) == ("kl/ref", "maximize")
 
 
 def test_objective_value_final_eval_or_mean_of_the_last_steps():
@@ -162,10 +182,10 @@ def test_seeds_sweep_groups_members_and_a_failed_member_does_not_stop_it(tmp_pat
 
     train = common.train
 
-    def failing(cfg, run_dir, console):
+    def failing(cfg, algo, run_dir, console):
         if cfg.seed == 1 and cfg.algo.beta == 0.1:
             raise common.TrainingError("the loss is nan")
-        return train(cfg, run_dir, console)
+        return train(cfg, algo, run_dir, console)
 
     monkeypatch.setattr(common, "train", failing)
     code = main(["train", "-m", "sweep.seeds=2", "algo.beta=0,0.1", *TINY, f"hydra.sweep.dir={tmp_path}"])
@@ -221,11 +241,11 @@ def test_optuna_study_of_three_trials_survives_a_failed_trial(tmp_path, monkeypa
 
     train, calls = common.train, []
 
-    def second_fails(cfg, run_dir, console):
+    def second_fails(cfg, algo, run_dir, console):
         calls.append(run_dir)
         if len(calls) == 2:
             raise RuntimeError("out of memory")  # not an rlnotes error: a crash the study must survive
-        return train(cfg, run_dir, console)
+        return train(cfg, algo, run_dir, console)
 
     monkeypatch.setattr(common, "train", second_fails)
     code = main(["train", "-m", "hydra/sweeper=optuna", "hydra.sweeper.n_trials=3", "hydra.sweeper.n_jobs=1",

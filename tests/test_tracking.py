@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rlnotes.run import tracking
 from rlnotes.commands.cli import UsageError, check, main
-from rlnotes.core.config import ConfigError
+from rlnotes.core.errors import ConfigError
+from rlnotes.run import tracking
 from tests.conftest import compose
 
 ROWS = [{"step": 1, "reward/mean": 0.25, "kl/ref": None, "loss": -0.5},

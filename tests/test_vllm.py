@@ -13,8 +13,8 @@ import torch
 from omegaconf import open_dict
 
 from rlnotes.commands.cli import main
-from rlnotes.notes.tis import truncated_is_weights
 from rlnotes.engine.vllm_engine import Sample, export_adapter, to_rollout
+from rlnotes.notes.tis import truncated_is_weights
 
 
 def test_truncated_is_weights_by_hand():
@@ -123,7 +123,7 @@ class StandIn:
 def test_a_run_with_another_sampler_logs_the_mismatch_and_corrects_for_it(tmp_path, monkeypatch):
     from rich.console import Console
 
-    from rlnotes.training.loop import train
+    from rlnotes.commands.train import train
     from tests.conftest import compose
 
     monkeypatch.setattr("rlnotes.engine.vllm_engine.VLLMEngine", StandIn)

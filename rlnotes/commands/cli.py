@@ -54,7 +54,7 @@ def _loader(config_dir: Optional[str]):
     from hydra._internal.config_loader_impl import ConfigLoaderImpl
     from hydra._internal.utils import create_automatic_config_search_path
 
-    from rlnotes.core.config import register
+    from rlnotes.commands.validate import register
 
     register()
     search = create_automatic_config_search_path(None, None, f"pkg://{CONFIG_MODULE}")
@@ -122,7 +122,7 @@ def _explain(exc: BaseException, loader, overrides: List[str]) -> str:
 
     from omegaconf import OmegaConf
 
-    from rlnotes.core.config import ConfigError
+    from rlnotes.core.errors import ConfigError
 
     if isinstance(exc, ConfigError):
         return str(exc)
@@ -169,7 +169,8 @@ def check(overrides: List[str], multirun: bool, config_dir: Optional[str]) -> li
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from rlnotes.core.config import ConfigError, resolve_auto, validate
+    from rlnotes.commands.validate import resolve_auto, validate
+    from rlnotes.core.errors import ConfigError
 
     loader = _loader(config_dir)
     jobs = []
@@ -289,8 +290,8 @@ def claim_run_dirs(jobs: list, multirun: bool, now) -> List[str]:
     take theirs when they start. Returns overrides: a command that resumes runs in their dirs
     records itself in .hydra/resumed_<time>/, leaving the .hydra/ files of the command that
     started them (even if the resume is refused later)."""
+    from rlnotes.core.errors import ConfigError
     from rlnotes.run import rundir
-    from rlnotes.core.config import ConfigError
 
     held = []
     try:
@@ -378,11 +379,12 @@ def _launcher_overrides(jobs: list, overrides: List[str]) -> List[str]:
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     from rlnotes.run.sweep import objective_metric
+    from rlnotes.runners import algorithm
 
     cfg, extra = jobs[0], []
     given = {o.key_or_group: o for o in OverridesParser.create().parse_overrides(overrides)}
     if cfg.hydra.sweeper._target_.endswith("OptunaSweeper"):
-        senses = {objective_metric(job) for job in jobs}
+        senses = {objective_metric(job, algorithm(job.algo.name)) for job in jobs}
         if len({sense for _, sense in senses}) > 1:
             ways = ", ".join(f"{metric}: {sense}" for metric, sense in sorted(senses))
             raise UsageError(f"the members' objectives go different ways ({ways}); set sweep.objective (or "
@@ -421,7 +423,7 @@ def _train(argv: List[str]) -> int:
         argv = [*argv, *_launcher_overrides(jobs, args.overrides)]
         nproc = _processes(jobs)
         if "WORLD_SIZE" in os.environ:  # a process torchrun started (ours or the user's)
-            from rlnotes.core.config import ConfigError
+            from rlnotes.core.errors import ConfigError
 
             try:
                 argv = [*argv, *_rank_overrides(jobs)]
@@ -436,7 +438,7 @@ def _train(argv: List[str]) -> int:
 
     import hydra
 
-    from rlnotes.core.config import register
+    from rlnotes.commands.validate import register
     from rlnotes.run.sweep import SweepSummary
 
     register()
@@ -460,27 +462,33 @@ def train_job(cfg) -> Optional[float]:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
     from rich.console import Console
-
     from rich.markup import escape
 
+    from rlnotes.commands.validate import resolve_auto
+    from rlnotes.core.errors import ConfigError
     from rlnotes.engine import distributed
-    from rlnotes.run.checkpoint import resume_command
-    from rlnotes.core.config import ConfigError, resolve_auto
     from rlnotes.rewards.scoring import RewardFailure
+    from rlnotes.run.checkpoint import resume_command
+    from rlnotes.run.sweep import (
+        METRICS_FILE,
+        objective_metric,
+        objective_value,
+        read_metrics,
+        write_result,
+    )
     from rlnotes.training.loop import SaveFailed, TrainingError, train
-    from rlnotes.run.sweep import METRICS_FILE, objective_metric, objective_value, read_metrics, write_result
 
     # A message is one line, however narrow the screen; with several processes rank 0 speaks.
     console = Console(stderr=True, soft_wrap=True, quiet=not distributed.is_main())
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     member = HydraConfig.get().mode == RunMode.MULTIRUN
-    resolve_auto(cfg)
-    objective = objective_metric(cfg)
+    algo = resolve_auto(cfg)
+    objective = objective_metric(cfg, algo)
     try:
         if member and (cfg.hardware.nproc or 1) > 1 and "WORLD_SIZE" not in os.environ:
             _member_torchrun(cfg.hardware.nproc, run_dir)
         else:
-            train(cfg, run_dir, console)
+            train(cfg, algo, run_dir, console)
     except (TrainingError, ConfigError, RewardFailure) as e:
         console.print(f"[red]rlnotes: error:[/] {escape(str(e))}")
         if not isinstance(e, (ConfigError, SaveFailed)):  # a setting is fixed anew; SaveFailed says how
@@ -538,9 +546,10 @@ def _eval(argv: List[str]) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from rlnotes.core.config import ConfigError, resolve_auto, validate
-    from rlnotes.training.evaluation import run, with_run_settings
+    from rlnotes.commands.validate import resolve_auto, validate
+    from rlnotes.core.errors import ConfigError
     from rlnotes.rewards.scoring import RewardFailure
+    from rlnotes.training.evaluation import run, with_run_settings
 
     console = Console(stderr=True, soft_wrap=True)  # a message is one line, however narrow the screen
     cfg = _loader(args.config_dir).load_configuration("config", args.overrides, _run_mode())
@@ -607,8 +616,8 @@ def _export(argv: List[str]) -> int:
     args = parser.parse_args(argv)
     from rich.console import Console
 
-    from rlnotes.core.config import ConfigError
     from rlnotes.commands.export import export
+    from rlnotes.core.errors import ConfigError
 
     try:
         export(args.policy, args.out, args.dtype, Console(stderr=True))
@@ -639,7 +648,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"rlnotes: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:
-        from rlnotes.core.config import Interrupted
+        from rlnotes.core.errors import Interrupted
 
         signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT
         if os.environ.get("RANK", "0") == "0":  # under torchrun every rank stops; rank 0 says so

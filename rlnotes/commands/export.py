@@ -21,7 +21,7 @@ from typing import Iterator, Tuple, Union
 
 import torch
 
-from rlnotes.core.config import ConfigError
+from rlnotes.core.errors import ConfigError
 
 ADAPTER_FILE = "adapter_config.json"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -43,7 +43,7 @@ def model_config(config_path: Path):
     """The run's `model` section, filled with the schema's defaults for keys an older run lacks."""
     from omegaconf import OmegaConf
 
-    from rlnotes.core.config import ModelConfig
+    from rlnotes.core.schema import ModelConfig
 
     run = OmegaConf.load(config_path)
     if "model" not in run:
@@ -77,7 +77,7 @@ def base_config(adapter_dir: Path):
 
     from omegaconf import OmegaConf
 
-    from rlnotes.core.config import ModelConfig
+    from rlnotes.core.schema import ModelConfig
 
     try:
         return model_config(find_run_config(adapter_dir))

@@ -18,8 +18,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List, Optional, Sequence, Tuple, Union
 
-from rlnotes.run.sweep import (OPTUNA_FILE, Run, RunError, Summary, expand, is_sweep, labels, load_run, objective_sense,
-                           optuna_history, print_summary, summarize, sweep_dir_of, sweep_sections, write_summary)
+from rlnotes.run.sweep import (
+    OPTUNA_FILE,
+    Run,
+    RunError,
+    Summary,
+    expand,
+    is_sweep,
+    labels,
+    load_run,
+    objective_sense,
+    optuna_history,
+    print_summary,
+    summarize,
+    sweep_dir_of,
+    sweep_sections,
+    write_summary,
+)
 
 PathLike = Union[str, Path]
 

@@ -31,17 +31,15 @@ from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 from urllib.parse import urlparse
 
-from rlnotes.core.config import ALGO_SCHEMAS, ConfigError
+from rlnotes.core.algorithm import Algorithm
+from rlnotes.core.errors import ConfigError
 from rlnotes.data.tasks import TASKS, Row, Split, system_prompt
-from rlnotes.rewards.scoring import CALL_NAMES
 from rlnotes.engine.rollout import Prompt, encode_prompts
+from rlnotes.rewards.scoring import CALL_NAMES
 
 # File extension -> the `datasets` builder that reads it.
 FORMATS: Dict[str, str] = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 # Columns each algorithm reads besides its reward's (the algorithms that sample read `prompt`).
-ALGO_COLUMNS: Dict[str, Tuple[str, ...]] = {"dpo": ("prompt", "chosen", "rejected"),
-                                            "rm": ("prompt", "chosen", "rejected"),
-                                            "sft": ("prompt", "completion")}
 ANSWER_COLUMNS = ("completion", "chosen", "rejected")
 ROLES = ("system", "user", "assistant", "tool")
 # The most rows a file or hub dataset holds out for evaluation by default (default_held_out).
@@ -109,9 +107,8 @@ def default_held_out(n: int) -> int:
 
 
 def evaluates(cfg) -> bool:
-    """Whether a training run scores held-out rows: dpo, sft and rm now and then (algo.eval_every),
-    the algorithms that sample with trainer.eval_every."""
-    return not ALGO_SCHEMAS[cfg.algo.name].samples or bool(cfg.trainer.eval_every)
+    """Whether a training run scores held-out rows: every trainer.eval_every steps."""
+    return bool(cfg.trainer.eval_every)
 
 
 # ------------------------------------------------------------------------------------ reading
@@ -432,10 +429,11 @@ def reward_columns(fn, bound: Sequence[str] = ()) -> List[str]:
             and p.name not in CALL_NAMES and p.name not in bound]
 
 
-def needed_columns(algo: str, reward_fns: Sequence = ()) -> Dict[str, str]:
-    """Column -> what needs it: the algorithm's columns, then each reward function's (objects
-    with .name, .fn and .args, as rlnotes.rewards.scoring.Rewards holds them)."""
-    needs = {c: f"algo={algo}" for c in ALGO_COLUMNS.get(algo, ("prompt",))}
+def needed_columns(algo: Optional[Algorithm], reward_fns: Sequence = ()) -> Dict[str, str]:
+    """Column -> what needs it: the algorithm's columns (None: evaluation, which reads prompts), then
+    each reward function's (objects with .name, .fn and .args, as rlnotes.rewards.scoring.Rewards
+    holds them)."""
+    needs = {c: f"algo={algo.name}" for c in algo.columns} if algo else {"prompt": "evaluation"}
     for rf in reward_fns:
         for column in reward_columns(rf.fn, tuple(rf.args)):
             needs.setdefault(column, f"reward {rf.name}")
@@ -463,16 +461,17 @@ def require_prompts(table: Table, who: str) -> None:
                               "prompt column (or messages)")
 
 
-def load_checked(cfg, reward_fns: Sequence = (), generating: Optional[str] = None) -> Data:
-    """The run's rows, read and checked for what cfg.algo and the reward functions need, and for
-    prompts to sample from when something generates (`generating` names it; None: the algorithm,
-    when it samples, or trainer.eval_every): a mistake in the data fails here, before the model loads."""
+def load_checked(cfg, algo: Optional[Algorithm], reward_fns: Sequence = (), generating: Optional[str] = None) -> Data:
+    """The run's rows, read and checked for what the algorithm `algo` and the reward functions need,
+    and for prompts to sample from when something generates (`generating` names it; None: the
+    algorithm, when it samples, or trainer.eval_every): a mistake in the data fails here, before the
+    model loads. `algo` None: rows for evaluation alone."""
     data = read(cfg.data)
-    needs = needed_columns(cfg.algo.name, reward_fns)
-    if generating is None and ALGO_SCHEMAS[cfg.algo.name].samples:
+    needs = needed_columns(algo, reward_fns)
+    if generating is None and algo is not None and algo.samples:
         generating = f"algo={cfg.algo.name}"
-    elif generating is None and cfg.trainer.eval_every:
-        generating = "trainer.eval_every"
+    elif generating is None and cfg.trainer.eval_every and cfg.eval.generate:
+        generating = "eval.generate"
     for table in (data.train, data.eval):
         if table is not None:
             if generating:  # first: a file without prompts is the wrong file, whatever its columns
@@ -523,12 +522,13 @@ def max_positions(model) -> Optional[int]:
     return getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
 
 
-def fit_table(table: Table, cfg, lengths: PromptLengths, limit: Optional[int]) -> Tuple[Table, int, int]:
+def fit_table(table: Table, cfg, lengths: PromptLengths, limit: Optional[int],
+              samples: bool) -> Tuple[Table, int, int]:
     """(table, rows dropped, rows truncated): prompts over data.max_prompt_len dropped, truncated or
     an error (data.overlong); a row whose prompt and completion do not fit `limit` positions is an
-    error that names it."""
+    error that names it (`samples`: completions are sampled, rollout.max_new_tokens long at most;
+    else the row's own answer columns are its completions)."""
     d = cfg.data
-    samples = ALGO_SCHEMAS[cfg.algo.name].samples
     sizes = lengths([r["prompt"] for r in table.rows])
     rows, idx, dropped, truncated = [], [], 0, 0
     for i, (row, size) in enumerate(zip(table.rows, sizes)):
@@ -568,17 +568,18 @@ def _check_fits(table: Table, i: int, row: Row, size: int, limit: int, cfg, samp
 
 
 def fit_and_split(data: Data, cfg, tokenizer, limit: Optional[int], console=None,
-                  evaluating: Optional[bool] = None) -> Split:
+                  evaluating: Optional[bool] = None, samples: bool = True) -> Split:
     """(train rows, eval rows) that fit the model: prompts measured with the run's chat settings,
     long ones handled by data.overlong (the counts shown on `console`), then the eval rows held out
-    (`evaluating`: whether they will be scored; None: whether the training run `cfg` scores them)."""
+    (`evaluating`: whether they will be scored; None: whether the training run `cfg` scores them).
+    `samples`: whether completions are sampled (else the rows' answer columns must fit too)."""
     lengths = PromptLengths(tokenizer, cfg.model.chat_template, system_prompt(cfg))
     notes = []
-    train, dropped, cut = fit_table(data.train, cfg, lengths, limit)
+    train, dropped, cut = fit_table(data.train, cfg, lengths, limit, samples)
     notes += _fit_note("train", len(data.train.rows), dropped, cut, cfg.data)
     eval_table = data.eval
     if eval_table is not None:
-        eval_table, dropped, cut = fit_table(eval_table, cfg, lengths, limit)
+        eval_table, dropped, cut = fit_table(eval_table, cfg, lengths, limit, samples)
         notes += _fit_note("eval", len(data.eval.rows), dropped, cut, cfg.data)
     evaluating = evaluates(cfg) if evaluating is None else evaluating
     train_rows, eval_rows = replace(data, train=train, eval=eval_table).split(evaluating)

@@ -23,7 +23,7 @@ _OPS: Dict[str, Callable[[int, int], int]] = {"+": lambda a, b: a + b, "-": lamb
 def _check_ops(ops: str) -> Dict[str, Callable[[int, int], int]]:
     """The operators named by data.ops."""
     if not ops or set(ops) - set(_OPS):
-        from rlnotes.core.config import ConfigError
+        from rlnotes.core.errors import ConfigError
 
         raise ConfigError(f"data.ops={ops!r}: use a string of the operators {', '.join(_OPS)}")
     return {op: _OPS[op] for op in ops}
@@ -57,7 +57,7 @@ def arith(cfg) -> Split:
     if cfg.max_digits is None or cfg.max_digits == cfg.digits:
         return _arith(cfg, cfg.digits, cfg.train_size)
     if cfg.max_digits < cfg.digits:
-        from rlnotes.core.config import ConfigError
+        from rlnotes.core.errors import ConfigError
 
         raise ConfigError(f"data.max_digits={cfg.max_digits} is below data.digits={cfg.digits}; raise it or set "
                           "it to null (one operand size)")
@@ -154,7 +154,7 @@ def countdown(cfg) -> Split:
         misses = 0 if new else misses + 1
     space = list(rows.values())
     if len(space) < wanted:
-        from rlnotes.core.config import ConfigError
+        from rlnotes.core.errors import ConfigError
 
         raise ConfigError(f"data.train_size + data.eval_size = {wanted} is more than the {len(space)} distinct "
                           "countdown problems found; lower them or raise data.digits")
@@ -197,7 +197,8 @@ def system_prompt(cfg) -> Optional[str]:
 
 def check_data_config(cfg) -> None:
     """The data settings a schema type cannot check, before anything loads."""
-    from rlnotes.core.config import ALGO_SCHEMAS, ConfigError, check_choice
+    from rlnotes.core.checks import check_choice
+    from rlnotes.core.errors import ConfigError
 
     d = cfg.data
     check_choice("data.source", d.source, SOURCES)
@@ -225,14 +226,10 @@ def check_data_config(cfg) -> None:
     if d.eval_size is not None and d.eval_size < 0:
         raise ConfigError(f"data.eval_size={d.eval_size} must be 0 or more (or null: the default)")
     held_out = d.eval_path is not None or d.eval_split is not None
-    if d.eval_size == 0 and not held_out:
-        if not ALGO_SCHEMAS[cfg.algo.name].samples:
-            raise ConfigError(f"algo={cfg.algo.name} scores held-out rows now and then: set data.eval_size to 1 or "
-                              "more (or null) or give data.eval_path (a hub dataset: data.eval_split)")
-        if cfg.trainer.eval_every:
-            raise ConfigError(f"trainer.eval_every={cfg.trainer.eval_every} evaluates held-out rows and "
-                              "data.eval_size=0 holds out none; set data.eval_size to 1 or more (or null) or give "
-                              "data.eval_path")
+    if d.eval_size == 0 and not held_out and cfg.trainer.eval_every:
+        raise ConfigError(f"trainer.eval_every={cfg.trainer.eval_every} evaluates held-out rows and data.eval_size=0 "
+                          "holds out none; set data.eval_size to 1 or more (or null), give data.eval_path (a hub "
+                          "dataset: data.eval_split) or set trainer.eval_every=null")
 
 
 class PromptSampler:

@@ -13,8 +13,8 @@ from typing import Optional
 
 import torch
 
-from rlnotes.notes import masked_mean
 from rlnotes.engine.policy import completion_states, head_logprobs
+from rlnotes.notes import masked_mean
 
 
 def value_head(hidden_size: int, device: torch.device) -> torch.nn.Linear:

@@ -70,7 +70,7 @@ def init(device: torch.device) -> torch.device:
         return device
     if device.type == "cuda":
         if local_rank() >= torch.cuda.device_count():
-            from rlnotes.core.config import ConfigError
+            from rlnotes.core.errors import ConfigError
 
             raise ConfigError(f"{world_size()} processes on this machine but torch sees {torch.cuda.device_count()} "
                               "GPUs; start one process per GPU (hardware.nproc, torchrun's --nproc_per_node)")
@@ -355,14 +355,20 @@ def full_state(model: torch.nn.Module) -> Optional[Dict[str, torch.Tensor]]:
     must call it. None when the model is not sharded: it saves itself."""
     if not is_sharded(model):
         return None
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+    )
 
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
 def load_full_state(model: torch.nn.Module, state: Dict[str, torch.Tensor]) -> None:
     """Copy a full state dict into a sharded `model` (each rank keeps its shards)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+    )
 
     set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=False))
 

@@ -10,7 +10,7 @@ import struct
 from pathlib import Path
 from typing import List, Optional
 
-from rlnotes.core.config import ConfigError
+from rlnotes.core.errors import ConfigError
 
 TINY, SMOLLM2 = "tiny", "smollm2-135m"  # the models built in (see rlnotes.engine.models)
 # A model dir as save_pretrained writes it: its config, its weights (one file or an index of

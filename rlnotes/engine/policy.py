@@ -24,7 +24,6 @@ from transformers.cache_utils import DynamicLayer
 
 from rlnotes.engine.models import load_base, usual_modes
 
-
 # Logits of at most this many floats exist at once in head_logprobs (64 MB in float32): 341 positions
 # of a 49k vocabulary, every position of a small one.
 LOGIT_CHUNK = 2**24

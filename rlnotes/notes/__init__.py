@@ -22,7 +22,13 @@ from rlnotes.notes.dpo import DPO_LOSS_TYPES, dpo_implicit_rewards, dpo_loss
 from rlnotes.notes.gae import gae
 from rlnotes.notes.grpo import group_advantages, grpo_loss
 from rlnotes.notes.kl import KL_ESTIMATORS, kl_penalty
-from rlnotes.notes.masked import AGGREGATIONS, aggregate, masked_mean, masked_sum, masked_whiten
+from rlnotes.notes.masked import (
+    AGGREGATIONS,
+    aggregate,
+    masked_mean,
+    masked_sum,
+    masked_whiten,
+)
 from rlnotes.notes.policy_gradient import policy_gradient_loss
 from rlnotes.notes.ppo import ppo_clip_fraction, ppo_clip_loss, value_loss
 from rlnotes.notes.reinforce import returns_to_go

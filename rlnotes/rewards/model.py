@@ -48,7 +48,8 @@ def load(path: Path, device: torch.device):
     from peft import PeftModel
     from safetensors.torch import load_file
 
-    from rlnotes.core.config import ConfigError, saved_run_config
+    from rlnotes.core.errors import ConfigError
+    from rlnotes.core.schema import saved_run_config
     from rlnotes.engine.models import load_base
 
     path = Path(path)
@@ -71,7 +72,7 @@ Scorer = Callable[[Sequence, Sequence[str]], torch.Tensor]
 def kind(path) -> str:
     """"rm" for the final/ dir of an algo=rm run, "hf" for a Hugging Face model dir; anything else
     is a config mistake, reported before a model loads."""
-    from rlnotes.core.config import ConfigError
+    from rlnotes.core.errors import ConfigError
 
     path = Path(path)
     if (path / f"{HEAD}.safetensors").is_file():
@@ -96,7 +97,7 @@ def _rm_scorer(path: Path, device: torch.device, batch_size: int) -> Scorer:
     from rlnotes.training.offline import encode
 
     model, head, tokenizer, model_cfg = load(path, device)
-    from rlnotes.core.config import saved_run_config
+    from rlnotes.core.schema import saved_run_config
 
     data_system = OmegaConf.select(saved_run_config(path), "data.system_prompt")
     system = data_system if data_system is not None else model_cfg.system_prompt
@@ -117,7 +118,7 @@ def _hf_scorer(path: Path, device: torch.device, batch_size: int) -> Scorer:
     [user: x, assistant: y] rendered with its tokenizer's chat template (x + y without one)."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from rlnotes.core.config import ConfigError
+    from rlnotes.core.errors import ConfigError
 
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     model = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32, local_files_only=True)

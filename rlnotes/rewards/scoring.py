@@ -297,7 +297,7 @@ REWARDS: Dict[str, Callable] = {"number_match": number_match, "letter_share": le
 
 
 def _check_format(args: dict) -> None:
-    from rlnotes.core.config import ConfigError
+    from rlnotes.core.errors import ConfigError
 
     try:
         re.compile(args["pattern"])
@@ -306,7 +306,8 @@ def _check_format(args: dict) -> None:
 
 
 def _check_length(args: dict) -> None:
-    from rlnotes.core.config import ConfigError, check_choice
+    from rlnotes.core.checks import check_choice
+    from rlnotes.core.errors import ConfigError
 
     check_choice("length_penalty args.unit", args.get("unit", "chars"), LENGTH_UNITS)
     if args["target"] < 0 or (args.get("slope") or 0) < 0:
@@ -315,7 +316,7 @@ def _check_length(args: dict) -> None:
 
 
 def _check_math(args: dict) -> None:
-    from rlnotes.core.config import ConfigError
+    from rlnotes.core.errors import ConfigError
 
     if importlib.util.find_spec("math_verify") is None:
         raise ConfigError(MATH_HINT)
@@ -337,7 +338,7 @@ ARG_CHECKS = {"format_match": _check_format, "length_penalty": _check_length, "m
 
 def check_builtin_args(name: str, args: dict) -> None:
     """A built-in's args: known names, required ones set, values that can work."""
-    from rlnotes.core.config import ConfigError
+    from rlnotes.core.errors import ConfigError
 
     params = [p for p in list(inspect.signature(REWARDS[name]).parameters)[2:] if p != "_"]
     unknown = [a for a in args if a not in params]
@@ -356,7 +357,7 @@ def check_builtin_args(name: str, args: dict) -> None:
 def _import_file(path: str, target: str):
     """The module in file `path` (relative to the working directory), its folder on sys.path (as
     `python path/to/rewards.py` would have it) so that it can import its neighbours."""
-    from rlnotes.core.config import ConfigError
+    from rlnotes.core.errors import ConfigError
 
     file = Path(path).resolve()
     if not file.is_file():
@@ -409,7 +410,7 @@ def resolve(name: str) -> Callable:
     """A built-in reward by name, or a user's function: 'pkg.module.fn' or 'pkg.module:fn' (found
     as `python -m` finds modules: installed, on PYTHONPATH, or in the working directory) or
     'path/to/rewards.py:fn' (a file)."""
-    from rlnotes.core.config import ConfigError
+    from rlnotes.core.errors import ConfigError
 
     if name in REWARDS:
         return REWARDS[name]
@@ -455,7 +456,7 @@ def check_signature(name: str, fn) -> None:
     """A reward function is called by keyword only: a required positional-only parameter (before
     '/') can never be given. (Required parameters that no column fills are found when the data
     is read: rlnotes.data.datasets.reward_columns.)"""
-    from rlnotes.core.config import ConfigError
+    from rlnotes.core.errors import ConfigError
 
     try:
         params = inspect.signature(fn).parameters.values()
@@ -475,7 +476,7 @@ def is_async(fn) -> bool:
 
 def function_specs(cfg) -> List[tuple[str, float, dict, Optional[str]]]:
     """(fn, weight, args, name) of every configured function; `reward.target` adds one of weight 1."""
-    from rlnotes.core.config import ConfigError
+    from rlnotes.core.errors import ConfigError
 
     if cfg.name == "custom" and not cfg.target:
         raise ConfigError("reward=custom needs the import path of your function: reward.target=mypkg.rewards.my_fn")
@@ -507,7 +508,7 @@ def metric_names(fns: Sequence[str], names: Sequence[Optional[str]]) -> List[str
     its import path, lengthened part by part while another function's name is the same ("a.score"
     and "b.score" rather than "score" twice); the same function twice gets "_2", "_3", ...
     Names the runners use under reward/ (RESERVED) are never taken."""
-    from rlnotes.core.config import ConfigError
+    from rlnotes.core.errors import ConfigError
 
     given = [n for n in names if n]
     for n in given:
@@ -566,7 +567,7 @@ def build(cfg) -> List[RewardFn]:
 
 
 def check_reward_config(cfg) -> None:
-    from rlnotes.core.config import ConfigError
+    from rlnotes.core.errors import ConfigError
 
     if cfg.timeout_s is not None and not cfg.timeout_s > 0:
         raise ConfigError(f"reward.timeout_s={cfg.timeout_s} must be > 0 (seconds a call may take; null: no limit)")

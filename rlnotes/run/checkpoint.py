@@ -45,7 +45,7 @@ import torch
 from omegaconf import OmegaConf
 from safetensors.torch import load_file, save_file
 
-from rlnotes.core.config import ConfigError, Interrupted
+from rlnotes.core.errors import ConfigError, Interrupted
 from rlnotes.engine.models import usual_modes
 
 CHECKPOINTS = "checkpoints"

@@ -1,6 +1,6 @@
 """Why is my reward not increasing? The batch arithmetic of a run, and the warnings that watch it.
 
-`batch_arithmetic(cfg)` derives from the config alone what a run will do: prompts and completions
+`batch_arithmetic(cfg, shape)` derives from the config and the algorithm alone what a run will do: prompts and completions
 per batch, micro-batches, minibatches, policy updates per sampled batch, sampled batches, the
 completion tokens of a batch at most, and the prompts it will see (and so the epochs over the
 train set). The run prints it at the start (`describe_batches`).
@@ -40,7 +40,10 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable, Dict, List, Mapping, Optional, Sequence
+
+from rlnotes.core.algorithm import Algorithm, Shape
 
 # Steps (sampled batches) over which a condition must hold, as a mean, and the lines (see above).
 WINDOW = 5
@@ -52,9 +55,6 @@ FAILURE_FRAC = 0.1
 CLIP_FRAC = 0.3
 
 # What a batch row is, by algorithm: prompts for the sampling algorithms, pairs for DPO and RM.
-BATCH_UNITS = {"dpo": "pairs", "rm": "pairs", "sft": "rows"}
-
-
 # ---------------------------------------------------------------------------------------------
 # batch arithmetic
 
@@ -63,7 +63,7 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def batch_arithmetic(cfg, train_rows: Optional[int] = None) -> Dict[str, object]:
+def batch_arithmetic(cfg, shape: Shape, train_rows: Optional[int] = None) -> Dict[str, object]:
     """The numbers a run derives from its config, before any model loads.
 
     Keys: unit (what a batch row is: prompts, pairs or rows), prompts_per_batch, completions_per_batch
@@ -73,29 +73,20 @@ def batch_arithmetic(cfg, train_rows: Optional[int] = None) -> Dict[str, object]
     read; PPO: at least, target_kl can stop a batch early), optimizer_steps, max_tokens_per_batch
     (completion tokens of a batch at most; None without sampling), prompts_seen (and
     prompts_seen_max with DAPO dynamic sampling), and epochs (over `train_rows`: the train split's
-    size, default data.train_size for a built-in task; None when unknown).
+    size, default data.train_size for a built-in task; None when unknown). `shape`: the
+    algorithm's own arithmetic of a step (its declaration's shape(cfg)).
     """
-    algo, trainer = cfg.algo, cfg.trainer
+    trainer = cfg.trainer
     b, steps = trainer.batch_size, trainer.steps
-    samples = BATCH_UNITS.get(algo.name) is None
-    g = algo.group_size if samples else 1
-    completions = b * g if samples else (2 * b if BATCH_UNITS[algo.name] == "pairs" else b)
-    minibatches, updates = 1, 1
-    if algo.name == "grpo":
-        updates = algo.epochs
-    elif algo.name == "ppo":
-        minibatches = completions // algo.minibatch_size
-        updates = algo.epochs * minibatches
-    # Rows one forward/backward pass takes: completions (split per minibatch in PPO) or batch rows.
-    per_update = algo.minibatch_size if algo.name == "ppo" else (completions if samples else b)
+    completions, minibatches, updates, per_update = shape.sequences, shape.minibatches, shape.updates, shape.per_update
     micro = trainer.micro_batch_size or per_update
     batches = _ceil_div(steps, updates)
     seen = batches * b
-    rounds = 1 + algo.max_resample_rounds if algo.name == "grpo" and algo.dynamic_sampling else 1
+    rounds = shape.rounds
     if train_rows is None and getattr(cfg.data, "source", "task") == "task":
         train_rows = cfg.data.train_size
     return {
-        "unit": BATCH_UNITS.get(algo.name, "prompts"),
+        "unit": shape.unit,
         "prompts_per_batch": b,
         "completions_per_batch": completions,
         "micro_batch_size": micro,
@@ -104,7 +95,7 @@ def batch_arithmetic(cfg, train_rows: Optional[int] = None) -> Dict[str, object]
         "updates_per_batch": updates,
         "batches": batches,
         "optimizer_steps": steps,
-        "max_tokens_per_batch": completions * cfg.rollout.max_new_tokens if samples else None,
+        "max_tokens_per_batch": completions * shape.max_new_tokens if shape.max_new_tokens else None,
         "prompts_seen": seen,
         "prompts_seen_max": seen * rounds,
         "epochs": seen / train_rows if train_rows else None,
@@ -222,14 +213,11 @@ def reward_flat(history: History) -> Optional[bool]:
     return history.recent("reward/mean") - history.start("reward/mean") <= tolerance
 
 
-def group_relative(cfg) -> bool:
-    """Whether the advantage is relative to the prompt's group (GRPO, REINFORCE with baseline=group)."""
-    return cfg.algo.name == "grpo" or (cfg.algo.name == "reinforce" and cfg.algo.baseline == "group")
-
-
-def check_zero_variance(history, cfg) -> Optional[str]:
+def check_zero_variance(history, cfg, group_relative: bool = True) -> Optional[str]:
+    """`group_relative`: the algorithm's advantage is relative to the prompt's group (GRPO, RLOO),
+    so a group whose rewards are all equal teaches nothing."""
     frac = history.recent("reward/zero_std_frac")
-    if frac is None or frac < ZERO_STD_FRAC or not group_relative(cfg):
+    if frac is None or frac < ZERO_STD_FRAC or not group_relative:
         return None
     return (f"{frac:.0%} of groups over the last {history.window} steps got the same reward for every completion: "
             f"their advantage is 0 and they teach nothing. Try a larger algo.group_size (now {cfg.algo.group_size}) or "
@@ -268,11 +256,11 @@ def check_truncation(history, cfg) -> Optional[str]:
             "Try a larger rollout.max_new_tokens, or a length penalty in the reward")
 
 
-def check_reward_failures(history, cfg) -> Optional[str]:
+def check_reward_failures(history, cfg, completions_per_batch: int = 1) -> Optional[str]:
     failed = history.recent_sum("reward/failures")
     if failed is None:
         return None
-    share = failed / (history.window * batch_arithmetic(cfg)["completions_per_batch"])
+    share = failed / (history.window * completions_per_batch)
     if share < FAILURE_FRAC:
         return None
     return (f"the reward failed on {share:.0%} of the completions of the last {history.window} steps (they got "
@@ -303,9 +291,14 @@ CHECKS: Dict[str, Callable[[History, object], Optional[str]]] = {
 class Watcher:
     """Feeds each step's metrics to the CHECKS and returns the warnings that fire, once per kind."""
 
-    def __init__(self, cfg, checks: Optional[Mapping[str, Callable]] = None):
+    def __init__(self, cfg, algo: Optional[Algorithm] = None, checks: Optional[Mapping[str, Callable]] = None):
+        """`algo`: the run's algorithm, whose group-relative advantage and batch size two checks read."""
         self.cfg = cfg
         self.checks = dict(CHECKS if checks is None else checks)
+        if algo is not None and checks is None:
+            self.checks["zero_variance"] = partial(check_zero_variance, group_relative=algo.group_relative(cfg.algo))
+            self.checks["reward_failures"] = partial(check_reward_failures,
+                                                     completions_per_batch=algo.shape(cfg).sequences)
         self.history = History()
         self.fired: List[Alert] = []
 

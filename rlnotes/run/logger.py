@@ -236,13 +236,13 @@ class MetricsLogger:
             self.progress.start()
 
     @classmethod
-    def for_run(cls, cfg, run_dir: Path, console: Console, sinks: Sequence[object] = ()) -> "MetricsLogger":
+    def for_run(cls, cfg, algo, run_dir: Path, console: Console, sinks: Sequence[object] = ()) -> "MetricsLogger":
         """The logger a training run gets from its config (logging.*), with the diagnostics watcher."""
         from rlnotes.run.diagnostics import Watcher
 
         log = cfg.logging
         return cls(run_dir, cfg.trainer.steps, console, log.progress, sinks=sinks, samples_every=log.samples_every,
-                   samples_shown=log.samples_shown, print_every=log.print_every, watcher=Watcher(cfg))
+                   samples_shown=log.samples_shown, print_every=log.print_every, watcher=Watcher(cfg, algo))
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.start

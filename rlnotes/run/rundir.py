@@ -18,8 +18,14 @@ import os
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from rlnotes.run.checkpoint import CHECKPOINTS, checkpoints, last_logged, resolve, step_of
-from rlnotes.core.config import ConfigError
+from rlnotes.core.errors import ConfigError
+from rlnotes.run.checkpoint import (
+    CHECKPOINTS,
+    checkpoints,
+    last_logged,
+    resolve,
+    step_of,
+)
 
 # The owner's lock file in a run dir.
 LOCK = ".lock"

@@ -253,15 +253,13 @@ def sort_metric(runs: Sequence[Run], sort_by: Optional[str]) -> Optional[str]:
 # The objective a sweep member returns to its sweeper
 
 # The held-out score an algorithm's runs always log (their own eval_every): the auto objective.
-EVAL_OBJECTIVES = {"dpo": "eval/dpo_accuracy", "rm": "eval/rm_accuracy", "sft": "eval/sft_loss"}
-
-
-def objective_metric(cfg) -> Tuple[str, str]:
-    """(metric, "maximize" or "minimize") of sweep.objective and sweep.direction, auto resolved:
-    the held-out score when the run evaluates, else reward/mean; the sense follows the metric."""
+def objective_metric(cfg, algo) -> Tuple[str, str]:
+    """(metric, "maximize" or "minimize") of sweep.objective and sweep.direction, auto resolved: the
+    algorithm `algo`'s held-out score when the run evaluates, else its training metric
+    (reward/mean when it samples); the sense follows the metric."""
     metric = cfg.sweep.objective
     if metric == "auto":
-        metric = EVAL_OBJECTIVES.get(cfg.algo.name) or ("eval/accuracy" if cfg.trainer.eval_every else "reward/mean")
+        metric = algo.objective if cfg.trainer.eval_every else algo.train_objective
     return metric, cfg.sweep.direction or ("maximize" if direction(metric) == "max" else "minimize")
 
 

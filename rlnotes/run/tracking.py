@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Protocol
 
-from rlnotes.core.config import ConfigError
+from rlnotes.core.errors import ConfigError
 from rlnotes.run.sweep import read_overrides, sweep_dir_of, swept_overrides
 
 # Tracker -> the module it needs (each installed by the pip extra of the tracker's name).

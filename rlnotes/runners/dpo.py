@@ -7,22 +7,41 @@ For each batch of preference pairs (x, y_w, y_l), micro-batch by micro-batch:
   3. minimise the mean over pairs of -log sigma(beta [log pi/pi_ref (y_w) - log pi/pi_ref (y_l)])
      (Eq. 7), one optimizer step per batch;
   4. report the implicit rewards r = beta log pi/pi_ref (Eq. 5) and how often r(y_w) > r(y_l),
-     on the batch and, now and then, on held-out pairs (eval/* in a step's row is measured before
-     its update, so the first row shows the initial policy; the last row shows the final one).
+     on the batch and, every trainer.eval_every steps, on held-out pairs
+     (the train loop's schedule: before the first step, then after every N steps and the last).
 With several processes each rank takes 1/N of the pairs; every mean is over the global batch.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Dict, List
 
 import torch
 
-from rlnotes.engine import distributed
+from rlnotes.core.algorithm import Algorithm, Shape
+from rlnotes.core.errors import ConfigError
+from rlnotes.core.schema import AlgoConfig
 from rlnotes.data.tasks import Row
-from rlnotes.notes import dpo_implicit_rewards, dpo_loss
-from rlnotes.training.offline import Sequences, chunks, encode_pairs, eval_due, summed_logprobs
+from rlnotes.engine import distributed
+from rlnotes.notes import DPO_LOSS_TYPES, dpo_implicit_rewards, dpo_loss
 from rlnotes.training.loop import Context, next_rows, optimizer_step
+from rlnotes.training.offline import Sequences, chunks, encode_pairs, summed_logprobs
+
+
+@dataclass
+class DPOConfig(AlgoConfig):
+    name: str = "dpo"
+    # beta: strength of the implicit KL to the reference; the implicit reward is
+    # beta log pi/pi_ref (Rafailov et al. 2023 use 0.1 and 0.5).
+    beta: float = 0.1
+    # sigmoid (the paper's -log sigma(beta h)) or ipo (Azar et al. 2023: (h - 1/(2 beta))^2).
+    loss_type: str = "sigmoid"
+    # Probability that a pair's label is flipped (conservative DPO); 0 is the paper's loss.
+    label_smoothing: float = 0.0
+    # Compute the reference log-probs of the whole train set once at the start instead of one
+    # reference pass per step: same loss, one forward per step saved once rows repeat.
+    precompute_ref: bool = False
 
 
 def ref_logprobs(ctx: Context, rows: List[Row], seqs: Sequences) -> torch.Tensor:
@@ -60,8 +79,8 @@ def precompute_reference(ctx: Context) -> None:
 
 @torch.no_grad()
 def evaluate(ctx: Context) -> Dict[str, float]:
-    """Held-out implicit-reward margin and pairwise accuracy on up to algo.eval_rows pairs."""
-    rows = ctx.eval_rows[:ctx.cfg.algo.eval_rows]
+    """Held-out implicit-reward margin and pairwise accuracy on the first eval.size pairs (all: null)."""
+    rows = ctx.eval_rows[:ctx.cfg.eval.size]
     ctx.policy.model.eval()
     margins = []
     refs = ctx.cache.setdefault("eval_ref", {})  # the reference never changes: one pass per eval chunk
@@ -84,8 +103,6 @@ def train_step(ctx: Context) -> Dict[str, float]:
     if algo.precompute_ref and "ref" not in ctx.cache:
         with ctx.timed("reference"):
             precompute_reference(ctx)
-    if eval_due(ctx):
-        metrics.update(evaluate(ctx))
 
     rows = next_rows(ctx)
     scale = len(rows) / cfg.trainer.batch_size  # this rank's share of the global batch
@@ -117,6 +134,22 @@ def train_step(ctx: Context) -> Dict[str, float]:
         tokens += seqs.tokens()
     metrics.update(distributed.sum_shares(sums), **{"perf/tokens": tokens})  # tokens: summed by the train loop
     metrics.update(optimizer_step(ctx))
-    if ctx.step == cfg.trainer.steps:
-        metrics.update(evaluate(ctx))
     return metrics
+
+
+def check(cfg) -> None:
+    if cfg.algo.loss_type == "ipo" and cfg.algo.label_smoothing != 0:
+        raise ConfigError("algo.label_smoothing applies to algo.loss_type=sigmoid only; set it to 0 for ipo")
+
+
+def shape(cfg) -> Shape:
+    b = cfg.trainer.batch_size
+    return Shape("pairs", 2 * b, b, "pairs of a step (trainer.batch_size)")
+
+
+ALGORITHM = Algorithm(name="dpo", schema=DPOConfig, train_step=train_step, samples=False,
+                      default_task="arith_pairs", columns=("prompt", "chosen", "rejected"), shape=shape, check=check,
+                      evaluate=evaluate, objective="eval/dpo_accuracy", train_objective="dpo/accuracy",
+                      choices={"algo.loss_type": DPO_LOSS_TYPES},
+                      ranges={"algo.beta": ("> 0", "the strength of DPO's implicit KL; its loss is flat at 0 and "
+                                                   "IPO's divides by it")})

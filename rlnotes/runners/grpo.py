@@ -20,15 +20,68 @@ gradient is the policy gradient), and with mu > 1 it is the log-prob recorded wh
 
 from __future__ import annotations
 
-from typing import Dict
+from dataclasses import dataclass
+from typing import Dict, Optional
 
 import torch
 
+from rlnotes.core.algorithm import Algorithm, Shape
+from rlnotes.core.checks import planned_world_size
+from rlnotes.core.errors import ConfigError
+from rlnotes.core.schema import AlgoConfig
 from rlnotes.engine import distributed
-from rlnotes.notes import group_advantages, grpo_loss, kl_penalty, masked_mean, ppo_clip_fraction
 from rlnotes.engine.rollout import Rollout, concat_rollouts
-from rlnotes.training.loop import (Context, batch_totals, informative_groups, micro_batch_weight, micro_batches,
-                                    next_rows, optimizer_step, rollout_metrics, sample_and_score, tis_weights)
+from rlnotes.notes import (
+    AGGREGATIONS,
+    KL_ESTIMATORS,
+    group_advantages,
+    grpo_loss,
+    kl_penalty,
+    masked_mean,
+    ppo_clip_fraction,
+)
+from rlnotes.training.loop import (
+    Context,
+    batch_totals,
+    eval_metrics,
+    informative_groups,
+    micro_batch_weight,
+    micro_batches,
+    next_rows,
+    optimizer_step,
+    rollout_metrics,
+    sample_and_score,
+    tis_weights,
+)
+
+
+@dataclass
+class GRPOConfig(AlgoConfig):
+    name: str = "grpo"
+    # G: completions sampled per prompt (DeepSeekMath uses 64; small runs use 4-16).
+    group_size: int = 4
+    # Weight of the KL(pi || pi_ref) term inside the loss (DeepSeekMath: 0.04). 0 skips the
+    # reference forward pass entirely.
+    beta: float = 0.04
+    # PPO clip range epsilon for the ratio pi/pi_old (DeepSeekMath: 0.2).
+    clip_eps: float = 0.2
+    # Upper clip range (DAPO "clip-higher", 0.28); null means the same as clip_eps.
+    clip_eps_high: Optional[float] = None
+    # Per-token KL estimator: k1, k2 or k3 (DeepSeekMath uses k3).
+    kl_estimator: str = "k3"
+    # How per-token losses become one number: seq-mean-token-mean is the paper's
+    # 1/G sum_i 1/|o_i| sum_t; token-mean (DAPO), seq-mean-token-sum-norm (Dr. GRPO).
+    aggregation: str = "seq-mean-token-mean"
+    # Divide group-centred rewards by the group's std (false = Dr. GRPO).
+    scale_by_std: bool = True
+    # mu: policy updates (passes) per sampled batch (DeepSeekMath: 1).
+    epochs: int = 1
+    # DAPO dynamic sampling (Yu et al. 2025, Sec. 3.2): drop groups whose rewards are all equal
+    # (A = 0, no signal) and sample more prompts until trainer.batch_size groups carry signal.
+    dynamic_sampling: bool = False
+    # Extra sampling rounds at most per step with dynamic_sampling; the step then trains on the
+    # informative groups it has (all of the last round's if none).
+    max_resample_rounds: int = 4
 
 
 def kept_groups(flags: torch.Tensor, start: int, wanted: int) -> torch.Tensor:
@@ -125,3 +178,31 @@ def train_step(ctx: Context) -> Dict[str, float]:
         sums["kl/ref"] = float("nan")  # no reference pass was made
     metrics.update(sums)
     return metrics
+
+
+def check(cfg) -> None:
+    if cfg.algo.group_size < 2:
+        raise ConfigError(f"algo.group_size={cfg.algo.group_size}: GRPO needs at least 2 completions per prompt "
+                          "to normalise rewards within a group")
+    if cfg.trainer.steps % cfg.algo.epochs:
+        raise ConfigError(f"trainer.steps={cfg.trainer.steps} counts optimizer steps and must be a multiple of "
+                          f"algo.epochs={cfg.algo.epochs} (one step per pass over a batch)")
+    if cfg.algo.dynamic_sampling and cfg.algo.max_resample_rounds < 0:
+        raise ConfigError(f"algo.max_resample_rounds={cfg.algo.max_resample_rounds} counts extra sampling rounds "
+                          "per step with algo.dynamic_sampling and must be at least 0")
+    if cfg.algo.dynamic_sampling and cfg.hardware.strategy == "fsdp" and planned_world_size(cfg.hardware) > 1:
+        raise ConfigError("algo.dynamic_sampling keeps a different number of groups on each process, which FSDP's "
+                          "lock-step passes cannot follow; use hardware.strategy=ddp")
+
+
+def shape(cfg) -> Shape:
+    b, g, algo = cfg.trainer.batch_size, cfg.algo.group_size, cfg.algo
+    return Shape("prompts", b * g, b * g, f"completions of a step (trainer.batch_size={b} x algo.group_size={g})",
+                 updates=algo.epochs, rounds=1 + algo.max_resample_rounds if algo.dynamic_sampling else 1,
+                 max_new_tokens=cfg.rollout.max_new_tokens)
+
+
+ALGORITHM = Algorithm(name="grpo", schema=GRPOConfig, train_step=train_step, samples=True, default_task="letters",
+                      shape=shape, check=check, evaluate=eval_metrics, objective="eval/accuracy",
+                      train_objective="reward/mean", group_relative=lambda algo: True,
+                      choices={"algo.aggregation": AGGREGATIONS, "algo.kl_estimator": KL_ESTIMATORS})

@@ -20,17 +20,88 @@ whitening, the explained variance and the early stop on target_kl use the global
 
 from __future__ import annotations
 
-from typing import Dict
+from dataclasses import dataclass
+from typing import Dict, Optional
 
 import torch
 
+from rlnotes.core.algorithm import Algorithm, Shape
+from rlnotes.core.checks import planned_world_size
+from rlnotes.core.errors import ConfigError
+from rlnotes.core.schema import AlgoConfig
 from rlnotes.engine import distributed
-from rlnotes.engine.critic import explained_variance, logprobs_and_values, value_head, values
-from rlnotes.notes import (aggregate, gae, kl_penalty, masked_mean, masked_whiten, ppo_clip_fraction, ppo_clip_loss,
-                           value_loss)
-from rlnotes.training.loop import (Context, add_head, batch_totals, micro_batch_weight, micro_batches, next_rows,
-                                    optimizer_step, penalized_token_rewards, rollout_metrics, sample_and_score,
-                                    tis_weights)
+from rlnotes.engine.critic import (
+    explained_variance,
+    logprobs_and_values,
+    value_head,
+    values,
+)
+from rlnotes.notes import (
+    AGGREGATIONS,
+    KL_ESTIMATORS,
+    aggregate,
+    gae,
+    kl_penalty,
+    masked_mean,
+    masked_whiten,
+    ppo_clip_fraction,
+    ppo_clip_loss,
+    value_loss,
+)
+from rlnotes.training.loop import (
+    Context,
+    add_head,
+    batch_totals,
+    eval_metrics,
+    micro_batch_weight,
+    micro_batches,
+    next_rows,
+    optimizer_step,
+    penalized_token_rewards,
+    rollout_metrics,
+    sample_and_score,
+    tis_weights,
+)
+
+
+@dataclass
+class PPOConfig(AlgoConfig):
+    name: str = "ppo"
+    # Completions per prompt (InstructGPT: 1; any G works). 4 keeps the batch shape of the
+    # other runners: 32 completions per batch by default.
+    group_size: int = 4
+    # Weight of the per-token KL(pi || pi_ref) penalty in the reward (InstructGPT: 0.02; 0 skips
+    # the reference pass).
+    beta: float = 0.05
+    # Per-token KL estimator of that penalty. InstructGPT uses k1 = log pi - log pi_ref; k3 is
+    # never negative and has far less variance, which a small model's reward cannot absorb
+    # (on the letters task k1 at 0.05 drowned the reward signal, k3 learned).
+    kl_estimator: str = "k3"
+    # Discount gamma and GAE lambda (Schulman et al. 2015; RLHF PPO uses 1.0 and 0.95).
+    gamma: float = 1.0
+    lam: float = 0.95
+    # Clip range epsilon of the ratio pi/pi_old (PPO paper: 0.2).
+    clip_eps: float = 0.2
+    # Clip range of V around V_old in the value loss (OpenAI baselines: 0.2); null = plain MSE.
+    value_clip_eps: Optional[float] = 0.2
+    # Weight of the value loss c1 (PPO paper: 0.5 or 1).
+    vf_coef: float = 0.5
+    # Weight c2 of the entropy bonus, the exact entropy from full logits (PPO paper: 0.01);
+    # 0 skips computing it.
+    entropy_coef: float = 0.0
+    # K: passes over each sampled batch (PPO paper: 3-10). 2 x 2 minibatches = 4 optimizer
+    # steps per batch, so a default 60-step run samples 15 batches (the tiny model's letters
+    # reward went 0.02 -> 0.44; 4 epochs x 8 minibatches saw 2 batches and learned nothing).
+    epochs: int = 2
+    # Completions per optimizer step; must divide trainer.batch_size * group_size.
+    minibatch_size: int = 16
+    # Normalise advantages over the batch's real tokens (mean 0, std 1).
+    whiten_advantages: bool = True
+    # Stop a batch's epochs early when the mean k3 KL(pi_old || pi) of an epoch exceeds this;
+    # null = never (Spinning Up uses 0.01-0.05).
+    target_kl: Optional[float] = None
+    # How per-token losses become one number (see rlnotes.notes.AGGREGATIONS).
+    aggregation: str = "token-mean"
 
 
 def whiten(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -132,3 +203,27 @@ def train_step(ctx: Context) -> Dict[str, float]:
     metrics.update({key: value / updates for key, value in distributed.sum_shares(sums).items()})
     metrics["policy/updates"] = float(updates)
     return metrics
+
+
+def check(cfg) -> None:
+    n = cfg.trainer.batch_size * cfg.algo.group_size
+    if n % cfg.algo.minibatch_size:
+        raise ConfigError(f"algo.minibatch_size={cfg.algo.minibatch_size} must divide trainer.batch_size * "
+                          f"algo.group_size = {n} completions")
+    world = planned_world_size(cfg.hardware)
+    if world > 1 and cfg.algo.minibatch_size % world:
+        raise ConfigError(f"algo.minibatch_size={cfg.algo.minibatch_size} does not split evenly over {world} "
+                          f"processes; use a multiple of {world}")
+
+
+def shape(cfg) -> Shape:
+    n, algo = cfg.trainer.batch_size * cfg.algo.group_size, cfg.algo
+    minibatches = n // algo.minibatch_size
+    return Shape("prompts", n, algo.minibatch_size, "completions of one PPO update (algo.minibatch_size)",
+                 minibatches=minibatches, updates=algo.epochs * minibatches, max_new_tokens=cfg.rollout.max_new_tokens)
+
+
+ALGORITHM = Algorithm(name="ppo", schema=PPOConfig, train_step=train_step, samples=True, default_task="letters",
+                      shape=shape, check=check, evaluate=eval_metrics, objective="eval/accuracy",
+                      train_objective="reward/mean",
+                      choices={"algo.aggregation": AGGREGATIONS, "algo.kl_estimator": KL_ESTIMATORS})

@@ -15,17 +15,66 @@ the reward R itself.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Dict
 
 import torch
 
+from rlnotes.core.algorithm import Algorithm, Shape
+from rlnotes.core.errors import ConfigError
+from rlnotes.core.schema import AlgoConfig
 from rlnotes.engine import distributed
 from rlnotes.engine.critic import explained_variance, logprobs_and_values, value_head
-from rlnotes.notes import aggregate, policy_gradient_loss, returns_to_go, value_loss
+from rlnotes.notes import (
+    AGGREGATIONS,
+    KL_ESTIMATORS,
+    aggregate,
+    policy_gradient_loss,
+    returns_to_go,
+    value_loss,
+)
 from rlnotes.notes.reinforce import leave_one_out_baseline
-from rlnotes.training.loop import (Context, add_head, batch_totals, micro_batch_weight, micro_batches, next_rows,
-                                    optimizer_step, penalized_token_rewards, rollout_metrics, sample_and_score,
-                                    tis_weights)
+from rlnotes.training.loop import (
+    Context,
+    add_head,
+    batch_totals,
+    eval_metrics,
+    micro_batch_weight,
+    micro_batches,
+    next_rows,
+    optimizer_step,
+    penalized_token_rewards,
+    rollout_metrics,
+    sample_and_score,
+    tis_weights,
+)
+
+# Baselines b subtracted from the return G_t in REINFORCE (algo.baseline).
+REINFORCE_BASELINES = ("none", "mean", "group", "value")
+
+
+@dataclass
+class ReinforceConfig(AlgoConfig):
+    name: str = "reinforce"
+    # G: completions sampled per prompt (RLOO, Ahmadian et al. 2024, uses 2-4).
+    group_size: int = 4
+    # Weight of the per-token KL(pi || pi_ref) penalty subtracted from the reward. 0 by default:
+    # the notes' REINFORCE has none, and 0 skips the reference pass (RLOO's paper uses ~0.05).
+    beta: float = 0.0
+    # Per-token KL estimator of the penalty: k1 = log pi - log pi_ref, the InstructGPT reward term.
+    kl_estimator: str = "k1"
+    # Discount gamma of the returns-to-go (1.0: the whole completion is one episode).
+    gamma: float = 1.0
+    # b: none (b = 0), mean (running mean of sequence returns), group (mean of the other G-1
+    # completions of the prompt: RLOO), value (a learned V(s_t), trained toward G_t).
+    baseline: str = "mean"
+    # Weight of the previous running mean in baseline=mean: b <- m b + (1 - m) mean(G_0).
+    baseline_momentum: float = 0.9
+    # Weight of the value loss when baseline=value.
+    vf_coef: float = 0.5
+    # How per-token losses become one number (see rlnotes.notes.AGGREGATIONS); token-mean weighs
+    # every token alike, like the notes' E[sum_t ...] up to a constant.
+    aggregation: str = "token-mean"
 
 
 def mean_baseline(state: dict, returns: torch.Tensor, momentum: float) -> torch.Tensor:
@@ -103,3 +152,23 @@ def train_step(ctx: Context) -> Dict[str, float]:
         del sums["value/loss"], sums["value/explained_variance"]
     metrics.update(distributed.sum_shares(sums))
     return metrics
+
+
+def check(cfg) -> None:
+    if cfg.algo.baseline == "group" and cfg.algo.group_size < 2:
+        raise ConfigError(f"algo.group_size={cfg.algo.group_size}: baseline=group (RLOO) needs at least 2 "
+                          "completions per prompt to average the others")
+
+
+def shape(cfg) -> Shape:
+    b, g = cfg.trainer.batch_size, cfg.algo.group_size
+    return Shape("prompts", b * g, b * g, f"completions of a step (trainer.batch_size={b} x algo.group_size={g})",
+                 max_new_tokens=cfg.rollout.max_new_tokens)
+
+
+ALGORITHM = Algorithm(name="reinforce", schema=ReinforceConfig, train_step=train_step, samples=True,
+                      default_task="letters", shape=shape, check=check, evaluate=eval_metrics,
+                      objective="eval/accuracy", train_objective="reward/mean",
+                      group_relative=lambda algo: algo.baseline == "group",
+                      choices={"algo.aggregation": AGGREGATIONS, "algo.kl_estimator": KL_ESTIMATORS,
+                               "algo.baseline": REINFORCE_BASELINES})

@@ -5,7 +5,7 @@ For each batch of pairs (x, y_w, y_l), micro-batch by micro-batch:
      last token (EOS) of [x | y], on the base model with LoRA;
   2. minimise the mean over pairs of the Bradley-Terry loss -log sigma(r(x, y_w) - r(x, y_l))
      (Eq. 1), head and adapter together, one optimizer step per batch;
-  3. report how often r(y_w) > r(y_l), on the batch and, now and then, on held-out pairs.
+  3. report how often r(y_w) > r(y_l), on the batch and, every trainer.eval_every steps, on held-out pairs.
 Rewards are defined up to a constant (only differences enter the loss); InstructGPT normalises
 them afterwards so that the demonstrations score 0 on average; this runner does not.
 With several processes each rank takes 1/N of the pairs; every mean is over the global batch.
@@ -13,29 +13,45 @@ With several processes each rank takes 1/N of the pairs; every mean is over the 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Dict
 
 import torch
 
+from rlnotes.core.algorithm import Algorithm, Shape
+from rlnotes.core.schema import AlgoConfig
 from rlnotes.engine import distributed
 from rlnotes.notes import bradley_terry_loss
-from rlnotes.training.offline import chunks, encode_pairs, eval_due
 from rlnotes.rewards.model import HEAD, make_head, sequence_rewards
 from rlnotes.training.loop import Context, add_head, next_rows, optimizer_step
+from rlnotes.training.offline import chunks, encode_pairs
+
+
+@dataclass
+class RMConfig(AlgoConfig):
+    name: str = "rm"
+
+
+def reward_head(ctx: Context) -> torch.nn.Module:
+    """The scalar head, made when first needed (the first evaluation or step); trained and saved
+    with the adapter."""
+    if HEAD not in ctx.heads:
+        add_head(ctx, HEAD, make_head(ctx.policy.model).to(ctx.device))
+    return ctx.heads[HEAD]
 
 
 def pair_rewards(ctx: Context, rows) -> tuple[torch.Tensor, torch.Tensor, float]:
     """(r chosen [n], r rejected [n], tokens) of the pairs `rows`."""
     seqs = encode_pairs(ctx, rows)
-    r = sequence_rewards(ctx.policy.model, ctx.heads[HEAD], seqs)
+    r = sequence_rewards(ctx.policy.model, reward_head(ctx), seqs)
     return r[:len(rows)], r[len(rows):], seqs.tokens()
 
 
 @torch.no_grad()
 def evaluate(ctx: Context) -> Dict[str, float]:
-    """Held-out pairwise accuracy and mean margin on up to algo.eval_rows pairs."""
+    """Held-out pairwise accuracy and mean margin on the first eval.size pairs (all: null)."""
     ctx.policy.model.eval()
-    rows = ctx.eval_rows[:ctx.cfg.algo.eval_rows]
+    rows = ctx.eval_rows[:ctx.cfg.eval.size]
     margins = []
     for chunk, _ in chunks(rows, ctx.cfg.trainer.micro_batch_size or ctx.cfg.trainer.batch_size):
         chosen, rejected, _ = pair_rewards(ctx, chunk)
@@ -46,9 +62,7 @@ def evaluate(ctx: Context) -> Dict[str, float]:
 
 def train_step(ctx: Context) -> Dict[str, float]:
     cfg = ctx.cfg
-    if HEAD not in ctx.heads:  # made on the first step; trained and saved with the adapter
-        add_head(ctx, HEAD, make_head(ctx.policy.model).to(ctx.device))
-    metrics: Dict[str, float] = evaluate(ctx) if eval_due(ctx) else {}
+    metrics: Dict[str, float] = {}
 
     rows = next_rows(ctx)
     scale = len(rows) / cfg.trainer.batch_size  # this rank's share of the global batch
@@ -71,6 +85,14 @@ def train_step(ctx: Context) -> Dict[str, float]:
             tokens += chunk_tokens
     metrics.update(distributed.sum_shares(sums), **{"perf/tokens": tokens})  # tokens: summed by the train loop
     metrics.update(optimizer_step(ctx))
-    if ctx.step == cfg.trainer.steps:
-        metrics.update(evaluate(ctx))
     return metrics
+
+
+def shape(cfg) -> Shape:
+    b = cfg.trainer.batch_size
+    return Shape("pairs", 2 * b, b, "pairs of a step (trainer.batch_size)")
+
+
+ALGORITHM = Algorithm(name="rm", schema=RMConfig, train_step=train_step, samples=False, default_task="arith_pairs",
+                      columns=("prompt", "chosen", "rejected"), shape=shape, evaluate=evaluate,
+                      objective="eval/rm_accuracy", train_objective="rm/accuracy")

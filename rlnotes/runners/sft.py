@@ -5,7 +5,7 @@ For each batch of (prompt x, completion y) rows, micro-batch by micro-batch:
   2. minimise the negative log-likelihood -log pi(y_t | ...), averaged by algo.aggregation
      (token-mean: every completion token of the batch weighs the same); the prompt is context
      only and gets no loss;
-  3. one optimizer step per batch; now and then, the same loss on held-out rows.
+  3. one optimizer step per batch; every trainer.eval_every steps, the same loss on held-out rows.
 With several processes each rank takes 1/N of the rows; the token count that token-mean divides
 by (or the number of rows, for seq-mean-token-mean) is the global batch's.
 """
@@ -13,14 +13,32 @@ by (or the number of rows, for seq-mean-token-mean) is the global batch's.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Dict
 
 import torch
 
+from rlnotes.core.algorithm import Algorithm, Shape
+from rlnotes.core.schema import AlgoConfig
 from rlnotes.engine import distributed
-from rlnotes.notes import aggregate
-from rlnotes.training.offline import Sequences, encode_rows, eval_due
-from rlnotes.training.loop import Context, batch_totals, micro_batch_weight, micro_batches, next_rows, optimizer_step
+from rlnotes.notes import AGGREGATIONS, aggregate
+from rlnotes.training.loop import (
+    Context,
+    batch_totals,
+    micro_batch_weight,
+    micro_batches,
+    next_rows,
+    optimizer_step,
+)
+from rlnotes.training.offline import Sequences, encode_rows
+
+
+@dataclass
+class SFTConfig(AlgoConfig):
+    name: str = "sft"
+    # How per-token NLLs become the loss: token-mean (every completion token weighs the same)
+    # or seq-mean-token-mean (every completion weighs the same); see rlnotes.notes.AGGREGATIONS.
+    aggregation: str = "token-mean"
 
 
 def nll(ctx: Context, seqs: Sequences) -> torch.Tensor:
@@ -31,15 +49,15 @@ def nll(ctx: Context, seqs: Sequences) -> torch.Tensor:
 
 @torch.no_grad()
 def evaluate(ctx: Context) -> Dict[str, float]:
-    """Held-out loss on up to algo.eval_rows rows (one batch, exact for either aggregation)."""
+    """Held-out loss on the first eval.size rows (all: null) (one batch, exact for either aggregation)."""
     ctx.policy.model.eval()
-    loss = float(nll(ctx, encode_rows(ctx, ctx.eval_rows[:ctx.cfg.algo.eval_rows], "completion")))
+    loss = float(nll(ctx, encode_rows(ctx, ctx.eval_rows[:ctx.cfg.eval.size], "completion")))
     return {"eval/sft_loss": loss, "eval/sft_ppl": math.exp(min(loss, 50.0))}
 
 
 def train_step(ctx: Context) -> Dict[str, float]:
     cfg, algo, policy = ctx.cfg, ctx.cfg.algo, ctx.policy
-    metrics: Dict[str, float] = evaluate(ctx) if eval_due(ctx) else {}
+    metrics: Dict[str, float] = {}
 
     seqs = encode_rows(ctx, next_rows(ctx), "completion")
     totals = batch_totals(seqs.completion_mask)  # the global batch's tokens and rows
@@ -57,6 +75,14 @@ def train_step(ctx: Context) -> Dict[str, float]:
     metrics.update(optimizer_step(ctx))
     loss_sum = distributed.sum_over_ranks([loss_sum])[0]  # the ranks' shares of the batch's loss
     metrics.update({"loss": loss_sum, "sft/ppl": math.exp(min(loss_sum, 50.0)), "perf/tokens": seqs.tokens()})
-    if ctx.step == cfg.trainer.steps:
-        metrics.update(evaluate(ctx))
     return metrics
+
+
+def shape(cfg) -> Shape:
+    b = cfg.trainer.batch_size
+    return Shape("rows", b, b, "rows of a step (trainer.batch_size)")
+
+
+ALGORITHM = Algorithm(name="sft", schema=SFTConfig, train_step=train_step, samples=False, default_task="arith_sft",
+                      columns=("prompt", "completion"), shape=shape, evaluate=evaluate, objective="eval/sft_loss",
+                      train_objective="loss", choices={"algo.aggregation": AGGREGATIONS})

@@ -45,14 +45,14 @@ def eval_rows(cfg, tokenizer, limit: Optional[int], console=None) -> List[dict]:
     from rlnotes.data.datasets import fit_and_split, load_checked
 
     if not cfg.eval.data:
-        data = load_checked(cfg, generating="evaluation")
+        data = load_checked(cfg, None, generating="evaluation")
         return fit_and_split(data, cfg, tokenizer, limit, console, evaluating=True)[1]
     from omegaconf import open_dict
 
     other = cfg.copy()
     with open_dict(other):
         other.data = eval_data(cfg)
-    rows = fit_and_split(load_checked(other, generating="evaluation"), other, tokenizer, limit, evaluating=True)[1]
+    rows = fit_and_split(load_checked(other, None, generating="evaluation"), other, tokenizer, limit, evaluating=True)[1]
     if console is not None:
         console.print(f"eval: {len(rows)} rows of data + eval.data {OmegaConf.to_container(cfg.eval.data)}")
     return rows
@@ -142,7 +142,7 @@ def with_run_settings(cfg, overrides: List[str]):
     dotted overrides (`data.digits=2`) on top."""
     if not cfg.eval.policy:
         return cfg
-    from rlnotes.core.config import saved_run_config
+    from rlnotes.core.schema import saved_run_config
 
     trained = saved_run_config(cfg.eval.policy)
     if trained is None:
@@ -168,7 +168,12 @@ def run(cfg, console) -> tuple[Evaluation, Path]:
     """`rlnotes eval`: load the policy, evaluate it on the task's eval split, write the results."""
     import time
 
-    from rlnotes.engine.models import configure_backends, load_base, mixed_precision, resolve_device
+    from rlnotes.engine.models import (
+        configure_backends,
+        load_base,
+        mixed_precision,
+        resolve_device,
+    )
     from rlnotes.engine.policy import Policy
     from rlnotes.rewards.scoring import Rewards, TrainerState
 
@@ -181,11 +186,11 @@ def run(cfg, console) -> tuple[Evaluation, Path]:
     from rlnotes.data.datasets import load_checked
 
     # Rows to sample from, and the columns a checker needs: a mistake fails now, before the model loads.
-    load_checked(OmegaConf.merge(cfg, {"data": eval_data(cfg)}), scorer.fns, generating="evaluation")
+    load_checked(OmegaConf.merge(cfg, {"data": eval_data(cfg)}), None, scorer.fns, generating="evaluation")
     if cfg.eval.policy:
         path = Path(cfg.eval.policy)
         if not path.is_dir():
-            from rlnotes.core.config import ConfigError
+            from rlnotes.core.errors import ConfigError
 
             raise ConfigError(f"eval.policy={cfg.eval.policy!r} is not a directory; pass a run's final/ dir or a "
                               "checkpoint dir")

@@ -18,32 +18,26 @@ import torch
 from omegaconf import OmegaConf
 from rich.console import Console
 
-from rlnotes.run import checkpoint
-from rlnotes.engine import distributed
-from rlnotes.run import rundir
-from rlnotes.data.tasks import PromptSampler, Row, system_prompt
+from rlnotes.core.algorithm import Algorithm
+from rlnotes.core.errors import SaveFailed, TrainingError
+from rlnotes.core.schema import preset_name
 from rlnotes.data.datasets import fit_and_split, load_checked, max_positions
-from rlnotes.training.evaluation import checker_config, evaluate
-from rlnotes.training.evaluation import eval_rows as held_out_rows
-from rlnotes.training.evaluation import write as write_eval
+from rlnotes.data.tasks import PromptSampler, Row, system_prompt
+from rlnotes.engine import distributed
+from rlnotes.engine.models import configure_backends, mixed_precision, resolve_device
+from rlnotes.engine.policy import Policy
+from rlnotes.engine.rollout import Rollout, completion_keys, encode_prompts, generate
+from rlnotes.notes import kl_penalty, masked_mean
+from rlnotes.notes.reinforce import terminal_rewards
+from rlnotes.notes.tis import truncated_is_weights
+from rlnotes.rewards.scoring import Rewards, TrainerState
+from rlnotes.run import checkpoint, rundir
 from rlnotes.run.diagnostics import batch_arithmetic, describe_batches
 from rlnotes.run.logger import MetricsLogger, NullLogger, passed_multiple
 from rlnotes.run.tracking import open_sinks
-from rlnotes.engine.models import configure_backends, mixed_precision, resolve_device
-from rlnotes.notes import kl_penalty, masked_mean
-from rlnotes.notes.tis import truncated_is_weights
-from rlnotes.notes.reinforce import terminal_rewards
-from rlnotes.engine.policy import Policy
-from rlnotes.rewards.scoring import Rewards, TrainerState
-from rlnotes.engine.rollout import Rollout, completion_keys, encode_prompts, generate
-
-
-class TrainingError(RuntimeError):
-    """A run that cannot go on; its message says what to try."""
-
-
-class SaveFailed(TrainingError):
-    """A checkpoint could not be written (a full disk); the message says how to resume."""
+from rlnotes.training.evaluation import checker_config, evaluate
+from rlnotes.training.evaluation import eval_rows as held_out_rows
+from rlnotes.training.evaluation import write as write_eval
 
 
 @dataclass
@@ -104,7 +98,7 @@ def lr_lambda(schedule: str, warmup: int, total: int):
     return factor
 
 
-def setup(cfg, run_dir: Path, console: Console, resume_from: Optional[Path] = None) -> Context:
+def setup(cfg, algo: Algorithm, run_dir: Path, console: Console, resume_from: Optional[Path] = None) -> Context:
     """Seeds, device, policy/reference, data, rewards, optimizer and the metrics log. The weights of
     `resume_from` are loaded before FSDP (hardware.strategy=fsdp) shards them."""
     if cfg.hardware.threads:
@@ -113,18 +107,17 @@ def setup(cfg, run_dir: Path, console: Console, resume_from: Optional[Path] = No
     torch.manual_seed(cfg.seed)
     device = distributed.init(resolve_device(cfg.hardware.device))
     configure_backends(cfg.hardware, device)
-    from rlnotes.core.config import ALGO_SCHEMAS, preset_name
-
-    rewards = Rewards(cfg.reward, console) if ALGO_SCHEMAS[cfg.algo.name].samples else None
+    rewards = Rewards(cfg.reward, console) if algo.samples else None
     with distributed.main_first():  # caches (a converted model, a downloaded dataset) are written once
-        data = load_checked(cfg, rewards.fns if rewards else [])  # a data mistake fails before the model loads
+        data = load_checked(cfg, algo, rewards.fns if rewards else [])  # a data mistake fails before the model loads
         policy = Policy.from_config(cfg.model, device)
     policy.share_prompts = cfg.trainer.shared_prompt
     if resume_from is not None:
         checkpoint.load_policy(policy, resume_from)
     if distributed.active() and cfg.hardware.strategy == "fsdp":
         shard_policy(policy)
-    train_rows, eval_rows = fit_and_split(data, cfg, policy.tokenizer, max_positions(policy.model), console)
+    train_rows, eval_rows = fit_and_split(data, cfg, policy.tokenizer, max_positions(policy.model), console,
+                                          samples=algo.samples)
     if cfg.eval.data:
         eval_rows = held_out_rows(cfg, policy.tokenizer, max_positions(policy.model), console)
     params = policy.trainable_parameters()
@@ -144,9 +137,10 @@ def setup(cfg, run_dir: Path, console: Console, resume_from: Optional[Path] = No
         console.print(f"{world} processes ({cfg.hardware.strategy}, {distributed.backend()} on {device.type}): each "
                       f"trains on {cfg.trainer.batch_size // world} of the {cfg.trainer.batch_size} "
                       f"{'prompts' if rewards else 'rows'} of a step", highlight=False)
-    console.print(describe_batches(batch_arithmetic(cfg, len(train_rows))), highlight=False, soft_wrap=True)
-    scorer = Rewards(checker_config(cfg), console) if cfg.trainer.eval_every else None
-    logger = MetricsLogger.for_run(cfg, run_dir, console, sinks=open_sinks(cfg, run_dir)) if main else NullLogger()
+    console.print(describe_batches(batch_arithmetic(cfg, algo.shape(cfg), len(train_rows))), highlight=False,
+                  soft_wrap=True)
+    scorer = Rewards(checker_config(cfg), console) if cfg.trainer.eval_every and generates(cfg, algo) else None
+    logger = MetricsLogger.for_run(cfg, algo, run_dir, console, sinks=open_sinks(cfg, run_dir)) if main else NullLogger()
     engine = None
     if rewards is not None and cfg.rollout.engine == "vllm":
         from rlnotes.engine.vllm_engine import VLLMEngine
@@ -364,14 +358,13 @@ def rollout_metrics(rollout: Rollout, rewards: torch.Tensor, group_size: int) ->
 
 def eval_metrics(ctx: Context) -> Dict[str, float]:
     """Evaluate the current policy on the eval split (trainer.eval_every); samples go to eval/step_N.jsonl."""
-    start = time.perf_counter()
     # Every rank evaluates the same rows (same numbers, same passes, nothing to wait for); rank 0 writes.
     ctx.scorer.state = trainer_state(ctx)
     with distributed.gathered(ctx.policy.model):
         evaluation = evaluate(ctx.policy, ctx.cfg, ctx.eval_rows, ctx.scorer, ctx.step)
     if distributed.is_main():
         write_eval(evaluation, ctx.run_dir, ctx.step)
-    return {**evaluation.metrics, "time/eval_s": time.perf_counter() - start}
+    return evaluation.metrics
 
 
 def eval_due(previous: int, step: int, every: Optional[int], total: int) -> bool:
@@ -513,27 +506,41 @@ def rescue(ctx: Context, boundary: checkpoint.Boundary, error: Exception) -> Non
                       f"in {path}[/]", soft_wrap=True, highlight=False)
 
 
-def train(cfg, run_dir: Path, console: Console) -> Dict[str, float]:
+def train(cfg, algo: Algorithm, run_dir: Path, console: Console) -> Dict[str, float]:
     """`_train` as the owner of `run_dir` (start_point takes its lock on rank 0; see rundir.own),
     which it gives up when the run ends, however it ends."""
     try:
-        return _train(cfg, run_dir, console)
+        return _train(cfg, algo, run_dir, console)
     finally:
         rundir.release(run_dir)
 
 
-def _train(cfg, run_dir: Path, console: Console) -> Dict[str, float]:
-    """Run `cfg.algo.name`'s train_step until `trainer.steps` optimizer steps; save the policy.
+def generates(cfg, algo: Algorithm) -> bool:
+    """Whether the run's evaluations generate and score completions (eval.generate; null: when the
+    algorithm samples, its own evaluation does)."""
+    return algo.samples if cfg.eval.generate is None else bool(cfg.eval.generate)
+
+
+def held_out(ctx: Context, algo: Algorithm) -> Dict[str, float]:
+    """The algorithm's held-out metrics and, with eval.generate, those of generated completions
+    (an algorithm that samples evaluates that way itself), timed as time/eval_s."""
+    start = time.perf_counter()
+    with ctx.precision():
+        metrics = algo.evaluate(ctx)
+        if not algo.samples and ctx.scorer is not None:
+            metrics.update(eval_metrics(ctx))
+    return {"time/eval_s": time.perf_counter() - start, **metrics}
+
+
+def _train(cfg, algo: Algorithm, run_dir: Path, console: Console) -> Dict[str, float]:
+    """Run the algorithm's train_step until `trainer.steps` optimizer steps; save the policy.
 
     A checkpoint every trainer.save_every steps and at the end; trainer.resume starts from one.
     Ctrl-C or SIGTERM saves a checkpoint of the last completed step, then raises
     config.Interrupted (a KeyboardInterrupt; see checkpoint.StopSignals).
     """
-    from rlnotes.runners import get_runner
-
-    train_step = get_runner(cfg.algo.name)
     resume_from = start_point(cfg, run_dir, console)
-    ctx = setup(cfg, run_dir, console, resume_from)
+    ctx = setup(cfg, algo, run_dir, console, resume_from)
     if resume_from is not None:
         resume(ctx, resume_from)
     ctx.logger.begin(ctx.step)  # the progress bar, speed and schedules start here
@@ -543,24 +550,22 @@ def _train(cfg, run_dir: Path, console: Console) -> Dict[str, float]:
     with stop:
         try:
             if ctx.step == 0 and cfg.trainer.eval_every:
-                with ctx.precision():
-                    ctx.logger.log(0, eval_metrics(ctx))  # the starting point of every eval curve
+                ctx.logger.log(0, held_out(ctx, algo))  # the starting point of every eval curve
             while ctx.step < cfg.trainer.steps:
                 ctx.timers = {}
                 start = time.perf_counter()
                 with ctx.precision():
-                    metrics = train_step(ctx)
+                    metrics = algo.train_step(ctx)
                 metrics.update(ctx.timers, **{"time/step_s": time.perf_counter() - start})
                 # Ranks wait for the slowest; their tokens add up (all else is already the batch's).
                 metrics = distributed.reduce_metrics(metrics, {**{k: "max" for k in metrics if k.startswith("time/")},
                                                                "perf/tokens": "sum"})
                 metrics["perf/tokens_per_s"] = metrics.pop("perf/tokens") / metrics["time/step_s"]
                 if eval_due(boundary.step, ctx.step, cfg.trainer.eval_every, cfg.trainer.steps):
-                    with ctx.precision():
-                        metrics.update(eval_metrics(ctx))  # after time/step_s: the step's time excludes evaluation
+                    metrics.update(held_out(ctx, algo))  # after time/step_s: the step's time excludes it
                 ctx.logger.observe(ctx.step, metrics, ctx.samples)  # progress, warnings, samples table
                 if (ctx.step % cfg.trainer.log_every == 0 or ctx.step >= cfg.trainer.steps
-                        or "eval/accuracy" in metrics):
+                        or any(key.startswith("eval/") for key in metrics)):
                     ctx.logger.log(ctx.step, metrics)
                 last = metrics
                 previous, boundary, ctx.updating = boundary.step, checkpoint.capture(ctx), False

@@ -14,9 +14,9 @@ from typing import Optional, Sequence
 import torch
 
 from rlnotes.data.tasks import system_prompt
+from rlnotes.engine.rollout import Prompt, encode_prompts, left_pad
 from rlnotes.notes import masked_sum
 from rlnotes.rewards.scoring import completion_text
-from rlnotes.engine.rollout import Prompt, encode_prompts, left_pad
 
 
 @dataclass
@@ -84,8 +84,3 @@ def chunks(rows: list, size: Optional[int]) -> list[tuple[list, float]]:
     chunk by chunk, each chunk's mean times its share, equals the mean over the whole batch."""
     size = size or len(rows)
     return [(rows[i:i + size], len(rows[i:i + size]) / len(rows)) for i in range(0, len(rows), size)]
-
-
-def eval_due(ctx) -> bool:
-    """Evaluate before the first update and every algo.eval_every steps (runners add the final policy)."""
-    return ctx.step % ctx.cfg.algo.eval_every == 0

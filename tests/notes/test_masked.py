@@ -3,7 +3,13 @@ import math
 import pytest
 import torch
 
-from rlnotes.notes import AGGREGATIONS, aggregate, masked_mean, masked_sum, masked_whiten
+from rlnotes.notes import (
+    AGGREGATIONS,
+    aggregate,
+    masked_mean,
+    masked_sum,
+    masked_whiten,
+)
 
 from .helpers import (
     DTYPES,

@@ -7,7 +7,7 @@ import math
 import pytest
 from rich.console import Console
 
-from rlnotes.training.loop import train
+from rlnotes.commands.train import train
 from tests.conftest import compose
 
 
@@ -20,7 +20,7 @@ def run(tmp_path, *overrides):
 def test_dpo_learns_held_out_preferences(tmp_path):
     # letters_pairs: "aaaa" preferred to another letter repeated; the tiny model separates it in
     # seconds (arith_pairs, the default task, needs a real model).
-    rows = run(tmp_path, "data=letters_pairs", "trainer.steps=30", "algo.eval_every=10", "data.eval_size=32")
+    rows = run(tmp_path, "data=letters_pairs", "trainer.steps=30", "trainer.eval_every=10", "data.eval_size=32")
     first, last = rows[0], rows[-1]
     assert first["eval/dpo_margin"] == pytest.approx(0.0, abs=1e-5)  # policy == reference at init
     assert last["eval/dpo_accuracy"] > 0.8
@@ -31,7 +31,7 @@ def test_dpo_learns_held_out_preferences(tmp_path):
 
 def test_first_loss_is_log_2(tmp_path):
     """LoRA's B starts at zero, so pi == pi_ref and h = 0: -log sigma(0) = log 2."""
-    (row,) = run(tmp_path, "trainer.steps=1")
+    row = run(tmp_path, "trainer.steps=1")[-1]  # the row of step 1 (row 0: the evaluation before it)
     assert row["loss"] == pytest.approx(math.log(2), abs=1e-6)
     assert row["dpo/margin"] == pytest.approx(0.0, abs=1e-6)
     assert row["optim/grad_norm"] > 0
@@ -41,7 +41,7 @@ def test_precomputed_reference_gives_the_same_step(tmp_path):
     per_batch = run(tmp_path / "a", "trainer.steps=2", "trainer.batch_size=4", "data.train_size=16")
     table = run(tmp_path / "b", "trainer.steps=2", "trainer.batch_size=4", "data.train_size=16",
                 "algo.precompute_ref=true")
-    for a, b in zip(per_batch, table):
+    for a, b in zip(per_batch[1:], table[1:]):  # the steps' rows, after the evaluation of step 0
         for key in ("loss", "optim/grad_norm", "dpo/margin", "dpo/chosen_reward"):
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), key
 
@@ -49,7 +49,7 @@ def test_precomputed_reference_gives_the_same_step(tmp_path):
 def test_micro_batches_give_the_same_step(tmp_path):
     whole = run(tmp_path / "a", "trainer.steps=2", "trainer.batch_size=6")
     split = run(tmp_path / "b", "trainer.steps=2", "trainer.batch_size=6", "trainer.micro_batch_size=3")
-    for a, b in zip(whole, split):
+    for a, b in zip(whole[1:], split[1:]):
         for key in ("loss", "optim/grad_norm", "dpo/margin", "dpo/accuracy"):
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), key
 
@@ -63,7 +63,7 @@ def test_ipo_with_label_smoothing_is_refused():
 
 @pytest.mark.slow
 def test_dpo_smollm2_two_steps(tmp_path):
-    rows = run(tmp_path, "model=smollm2-135m", "trainer.steps=2", "trainer.batch_size=4", "algo.eval_rows=4")
+    rows = run(tmp_path, "model=smollm2-135m", "trainer.steps=2", "trainer.batch_size=4", "eval.size=4")
     assert rows[0]["loss"] == pytest.approx(math.log(2), abs=1e-4)
-    assert all(math.isfinite(r["loss"]) and r["optim/grad_norm"] > 0 for r in rows)
+    assert all(math.isfinite(r["loss"]) and r["optim/grad_norm"] > 0 for r in rows[1:])
     assert (tmp_path / "final" / "adapter_config.json").exists()

