@@ -15,7 +15,7 @@ from rich.console import Console
 from rlnotes.commands.cli import UsageError
 from rlnotes.commands.train import train
 from rlnotes.core.errors import ConfigError
-from rlnotes.run import checkpoint
+from rlnotes.run import checkpoint, restore
 from rlnotes.runners import REGISTRY
 from tests.conftest import compose
 
@@ -155,7 +155,7 @@ def test_a_finished_run_extends_and_a_path_carries_its_history(tmp_path):
     assert run(tmp_path / "long", "trainer.steps=6", f"trainer.resume={source}") == whole
     assert [r["step"] for r in rows(tmp_path / "short")] == [1, 2, 3]  # the source run is left alone
     # A run dir also works as the path: its latest checkpoint.
-    assert checkpoint.resolve(str(tmp_path / "long")) == tmp_path / "long" / "checkpoints" / "step_000006"
+    assert restore.resolve(str(tmp_path / "long")) == tmp_path / "long" / "checkpoints" / "step_000006"
 
 
 def test_resuming_an_earlier_checkpoint_drops_later_rows_and_checkpoints(tmp_path):
@@ -251,7 +251,7 @@ def test_a_crash_mid_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
             run(tmp_path / "crash", *overrides)
     root = tmp_path / "crash" / "checkpoints"
     assert sorted(p.name for p in root.iterdir()) == ["step_000002"]  # the failed save's temporary dir is removed
-    assert checkpoint.locate("auto", tmp_path / "crash") == root / "step_000002"
+    assert restore.locate("auto", tmp_path / "crash") == root / "step_000002"
     assert run(tmp_path / "crash", *overrides, "trainer.resume=auto") == whole
     assert sorted(p.name for p in root.iterdir()) == ["step_000004", "step_000006"]  # leftovers pruned
 

@@ -71,7 +71,7 @@ def test_a_sweep_over_presets_shares_one_sweep_dir_named_for_them(tmp_path, monk
     from rlnotes.run.tracking import run_info
 
     member = sweeps[0] / "1"
-    name = run_info(OmegaConf.load(member / "config.yaml"), member).name  # the trackers' run name
+    name = run_info(OmegaConf.load(member / "config.yaml").logging, member, {}).name  # the trackers' run name
     assert name == f"{sweeps[0].name}/1 algo=dapo" and name.split("-", 3)[-1].startswith("dr_grpo+dapo/1")
 
 

@@ -11,6 +11,7 @@ from rlnotes.commands.train import train
 from rlnotes.run.diagnostics import (
     CHECKS,
     History,
+    Settings,
     Watcher,
     batch_arithmetic,
     check_clip_fraction,
@@ -30,8 +31,9 @@ from tests.conftest import compose
 
 
 def arith(cfg, train_rows=None):
-    """batch_arithmetic of a composed config, with its algorithm's shape."""
-    return batch_arithmetic(cfg, REGISTRY[cfg.algo.name].shape(cfg), train_rows)
+    """batch_arithmetic of a composed config, with its algorithm's shape; train_rows defaults to
+    data.train_size (the train split of a built-in task)."""
+    return batch_arithmetic(cfg.trainer, REGISTRY[cfg.algo.name].shape(cfg), train_rows or cfg.data.train_size)
 
 
 def test_grpo_default_batches():
@@ -127,8 +129,13 @@ def history(**series):
     return History.of([{k: v[i] for k, v in series.items() if v[i] is not None} for i in range(n)])
 
 
+def settings(cfg):
+    """The Settings the watcher of a run of the composed config gets."""
+    return Settings.of(cfg, REGISTRY[cfg.algo.name])
+
+
 def zero_variance(history, cfg):
-    return check_zero_variance(history, cfg, REGISTRY[cfg.algo.name].group_relative(cfg.algo))
+    return check_zero_variance(history, settings(cfg))
 
 
 def test_zero_variance_needs_a_window_at_the_line_and_group_advantages():
@@ -145,23 +152,23 @@ def test_zero_variance_needs_a_window_at_the_line_and_group_advantages():
 
 def test_entropy_collapse_below_a_tenth_of_a_nat():
     cfg = compose()
-    assert check_entropy_collapse(history(**{"policy/entropy": [0.1] * 5}), cfg) is None
-    fired = check_entropy_collapse(history(**{"policy/entropy": [4.0, 0.05, 0.05, 0.1, 0.1, 0.1]}), cfg)
+    assert check_entropy_collapse(history(**{"policy/entropy": [0.1] * 5}), settings(cfg)) is None
+    fired = check_entropy_collapse(history(**{"policy/entropy": [4.0, 0.05, 0.05, 0.1, 0.1, 0.1]}), settings(cfg))
     assert fired.startswith("entropy collapsed: 0.080 nats") and "rollout.temperature (now 1.0)" in fired
 
 
 def test_kl_line_is_the_larger_of_one_nat_and_the_starting_entropy():
     cfg = compose()
     peaked = {"policy/entropy": [0.5] * 6}   # line = max(1, 0.5) = 1
-    assert check_kl_blowup(history(**peaked, **{"kl/ref": [1.0] * 6}), cfg) is None
-    fired = check_kl_blowup(history(**peaked, **{"kl/ref": [0.0, 1.2, 1.2, 1.2, 1.2, 1.2]}), cfg)
+    assert check_kl_blowup(history(**peaked, **{"kl/ref": [1.0] * 6}), settings(cfg)) is None
+    fired = check_kl_blowup(history(**peaked, **{"kl/ref": [0.0, 1.2, 1.2, 1.2, 1.2, 1.2]}), settings(cfg))
     assert fired.startswith("KL to the reference blew up: 1.20 nats") and "above 1.00" in fired
     assert "optim.lr (now 0.003)" in fired and "algo.beta (now 0.04)" in fired
     flat = {"policy/entropy": [4.0] * 5 + [1.0]}  # a near-uniform start: line = 4.0 from the first 5 steps
-    assert check_kl_blowup(history(**flat, **{"kl/ref": [3.9] * 6}), cfg) is None
-    assert check_kl_blowup(history(**flat, **{"kl/ref": [4.1] * 6}), cfg) is not None
+    assert check_kl_blowup(history(**flat, **{"kl/ref": [3.9] * 6}), settings(cfg)) is None
+    assert check_kl_blowup(history(**flat, **{"kl/ref": [4.1] * 6}), settings(cfg)) is not None
     no_ref = history(**{"policy/entropy": [0.5] * 5, "kl/ref": [float("nan")] * 5})  # beta = 0: no KL measured
-    assert check_kl_blowup(no_ref, cfg) is None
+    assert check_kl_blowup(no_ref, settings(cfg)) is None
 
 
 def test_reward_flat_compares_the_first_and_last_windows():
@@ -174,29 +181,29 @@ def test_reward_flat_compares_the_first_and_last_windows():
 def test_truncation_warns_only_while_the_reward_is_flat():
     cfg = compose("rollout.max_new_tokens=8")
     flat = {"reward/mean": [0.0] * 10, "reward/std": [0.0] * 10}
-    fired = check_truncation(history(**flat, **{"completion/truncated_frac": [0.5] * 10}), cfg)
+    fired = check_truncation(history(**flat, **{"completion/truncated_frac": [0.5] * 10}), settings(cfg))
     assert fired.startswith("50% of completions") and "rollout.max_new_tokens=8" in fired
-    assert check_truncation(history(**flat, **{"completion/truncated_frac": [0.4] * 10}), cfg) is None
+    assert check_truncation(history(**flat, **{"completion/truncated_frac": [0.4] * 10}), settings(cfg)) is None
     rising = {"reward/mean": [0.0] * 5 + [0.5] * 5, "reward/std": [0.1] * 10}
-    assert check_truncation(history(**rising, **{"completion/truncated_frac": [1.0] * 10}), cfg) is None
+    assert check_truncation(history(**rising, **{"completion/truncated_frac": [1.0] * 10}), settings(cfg)) is None
 
 
 def test_reward_failures_share_of_the_window():
     cfg = compose()  # 32 completions a step: 5 steps = 160 completions, 10% = 16
-    assert check_reward_failures(history(**{"reward/failures": [3, 3, 3, 3, 3]}), cfg, 32) is None  # 15
-    fired = check_reward_failures(history(**{"reward/failures": [0, 4, 3, 3, 3, 3]}), cfg, 32)  # 16 in the last 5
+    assert check_reward_failures(history(**{"reward/failures": [3, 3, 3, 3, 3]}), settings(cfg)) is None  # 15
+    fired = check_reward_failures(history(**{"reward/failures": [0, 4, 3, 3, 3, 3]}), settings(cfg))  # 16 in the last 5
     assert fired.startswith("the reward failed on 10% of the completions") and "reward.fallback=0.0" in fired
 
 
 def test_clip_fraction_above_three_tenths():
     cfg = compose("algo=ppo")
-    assert check_clip_fraction(history(**{"policy/clip_frac": [0.3] * 5}), cfg) is None
-    fired = check_clip_fraction(history(**{"policy/clip_frac": [0.31] * 5}), cfg)
+    assert check_clip_fraction(history(**{"policy/clip_frac": [0.3] * 5}), settings(cfg)) is None
+    fired = check_clip_fraction(history(**{"policy/clip_frac": [0.31] * 5}), settings(cfg))
     assert fired.startswith("31% of tokens") and "algo.epochs (now 2)" in fired
 
 
 def test_watcher_warns_once_per_kind():
-    watcher = Watcher(compose())
+    watcher = Watcher(settings(compose()))
     fired = [w for step in range(1, 12) for w in watcher.observe(step, {"policy/entropy": 0.01, "kl/ref": 0.0})]
     assert [(w.kind, w.step) for w in fired] == [("entropy_collapse", 5)]
 

@@ -10,16 +10,8 @@ from rich.console import Console
 
 from rlnotes.commands.train import train
 from rlnotes.run.diagnostics import Alert
-from rlnotes.run.logger import (
-    MetricsLogger,
-    fmt,
-    pick,
-    plain_line,
-    quiet_libraries,
-    shorten,
-    summarize,
-    summary_table,
-)
+from rlnotes.run.display import fmt, pick, plain_line, shorten, summarize, summary_table
+from rlnotes.run.logger import MetricsLogger, quiet_libraries
 from tests.conftest import compose
 
 

@@ -20,7 +20,7 @@ from rich.console import Console
 from rlnotes.commands.cli import main
 from rlnotes.commands.train import train
 from rlnotes.core.errors import ConfigError
-from rlnotes.run import checkpoint, rundir
+from rlnotes.run import checkpoint, restore, rundir, steplogs
 from rlnotes.run.logger import MetricsLogger
 from rlnotes.runners import grpo
 from tests.conftest import compose, set_step
@@ -345,7 +345,7 @@ def test_a_damaged_file_in_the_latest_checkpoint_is_named_and_set_aside(runs, tm
     DAMAGE[damage](latest / name)
     before = snapshot(latest)
     notes = []
-    assert checkpoint.locate("auto", run_dir, notes) == run_dir / "checkpoints" / "step_000002"
+    assert restore.locate("auto", run_dir, notes) == run_dir / "checkpoints" / "step_000002"
     assert len(notes) == 1 and "step_000004 is damaged" in notes[0] and "set aside as damaged_step_000004" in notes[0]
     assert name in notes[0] or (name == "manifest.json" and "manifest" in notes[0]), notes
     assert snapshot(run_dir / "checkpoints" / "damaged_step_000004") == before  # kept as it was, for a look
@@ -372,7 +372,7 @@ def test_a_manifest_claiming_step_999_is_caught(runs, tmp_path, claim):
     (latest / "manifest.json").write_text(json.dumps({**manifest, "step": 999}))
     if claim != "in its own dir":
         latest = latest.rename(latest.with_name("step_000999"))
-    problem = checkpoint.verify(latest, checkpoint.logged_steps(run_dir))
+    problem = checkpoint.verify(latest, steplogs.logged_steps(run_dir))
     assert problem == ("manifest.json says step 999 but the dir is step_000004" if claim == "in its own dir"
                        else "manifest.json says step 999, past its run's trainer.steps=6")
     assert run(run_dir, "trainer.steps=6", "trainer.resume=auto") == runs["finished"]
@@ -386,7 +386,7 @@ def test_a_checkpoint_ahead_of_the_metrics_is_not_trusted(runs, tmp_path):
     lines = (run_dir / "metrics.jsonl").read_text().splitlines(keepends=True)
     (run_dir / "metrics.jsonl").write_text("".join(lines[:3]))
     assert "saved after metrics.jsonl's row of step 4" in checkpoint.verify(
-        run_dir / "checkpoints" / "step_000004", checkpoint.logged_steps(run_dir))
+        run_dir / "checkpoints" / "step_000004", steplogs.logged_steps(run_dir))
     assert run(run_dir, "trainer.steps=6", "trainer.resume=auto") == runs["finished"]
 
 
@@ -410,7 +410,7 @@ def test_a_deleted_adapter_is_reported_as_missing_not_as_a_lora_setting(runs, tm
                                           "earlier checkpoint"):
         run(tmp_path / "new", "trainer.steps=6", f"trainer.resume={path}")
     with pytest.raises(ConfigError, match="is missing its LoRA adapter"):  # even unverified, the cause is right
-        checkpoint.load_policy(type("P", (), {"uses_lora": True, "model": torch.nn.Linear(1, 1)})(), path)
+        restore.load_policy(type("P", (), {"uses_lora": True, "model": torch.nn.Linear(1, 1)})(), path)
 
 
 def test_keep_last_never_deletes_a_good_checkpoint_for_a_damaged_one(runs, tmp_path):
@@ -430,7 +430,7 @@ def test_a_format_1_checkpoint_without_checksums_still_resumes(runs, tmp_path):
         (path / "manifest.json").write_text(json.dumps({**manifest, "format": 1}))
     (run_dir / "checkpoints" / "step_000004" / "adapter_model.safetensors").unlink()
     notes = []
-    assert checkpoint.locate("auto", run_dir, notes).name == "step_000002"
+    assert restore.locate("auto", run_dir, notes).name == "step_000002"
     assert "adapter_model.safetensors is missing" in notes[0]
     assert run(run_dir, "trainer.steps=6", "trainer.resume=auto") == runs["finished"]
 
@@ -439,7 +439,7 @@ def test_a_format_1_checkpoint_without_checksums_still_resumes(runs, tmp_path):
 # Torn step logs.
 
 
-@pytest.mark.parametrize("log", checkpoint.STEP_LOGS)
+@pytest.mark.parametrize("log", steplogs.STEP_LOGS)
 def test_a_torn_last_line_is_dropped_with_a_note(runs, tmp_path, log):
     """Before: a JSONDecodeError blocked the resume."""
     run_dir = copy_of(runs, "stopped", tmp_path)

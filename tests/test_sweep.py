@@ -87,7 +87,7 @@ def test_a_bad_sweep_setting_fails_in_one_line(capsys):
 
 
 def test_sweep_settings_are_bookkeeping_for_a_resumed_member():
-    from rlnotes.run.checkpoint import config_changes
+    from rlnotes.run.restore import config_changes
 
     fatal, changed = config_changes(compose(), compose("sweep.seeds=3", "sweep.objective=kl/ref", "seed=2"))
     assert fatal == [] and changed == ["seed 0 -> 2"]

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from omegaconf import OmegaConf
 
 from rlnotes.commands.cli import UsageError, check, main
 from rlnotes.core.errors import ConfigError
@@ -15,6 +16,11 @@ from tests.conftest import compose
 
 ROWS = [{"step": 1, "reward/mean": 0.25, "kl/ref": None, "loss": -0.5},
         {"step": 2, "reward/mean": 0.75, "kl/ref": 0.125, "loss": 0.5}]
+
+
+def open_sinks(cfg, run_dir: Path):
+    """tracking.open_sinks of a composed config: its logging section, and the whole as plain data."""
+    return tracking.open_sinks(cfg.logging, run_dir, OmegaConf.to_container(cfg, resolve=True))
 
 
 def _sweep_member(tmp_path: Path, num: int = 1, overrides=("trainer.steps=2", "seed=1")) -> Path:
@@ -66,7 +72,7 @@ def test_tensorboard_event_file_holds_every_logged_value(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     run_dir = _sweep_member(tmp_path)
-    sinks = tracking.open_sinks(compose("logging=tensorboard"), run_dir)
+    sinks = open_sinks(compose("logging=tensorboard"), run_dir)
     assert [type(s) for s in sinks] == [tracking.TensorBoardSink]
     _log(sinks)
     events = EventAccumulator(str(run_dir / "tensorboard"))
@@ -82,7 +88,7 @@ def test_wandb_gets_name_group_tags_config_and_rows(tmp_path, monkeypatch):
     run = Recorder()
     wandb = _fake_module(monkeypatch, "wandb", {"init": run})
     run_dir = _sweep_member(tmp_path)
-    _log(tracking.open_sinks(compose("logging=wandb", "algo.beta=0.5"), run_dir))
+    _log(open_sinks(compose("logging=wandb", "algo.beta=0.5"), run_dir))
     [(_, init)] = wandb.named("init")
     assert init["name"] == "12-00-00-grpo/1 seed=1" and init["group"] == "12-00-00-grpo"
     assert init["project"] == "rlnotes" and init["tags"] == ["seed=1"] and init["dir"] == str(run_dir)
@@ -96,7 +102,7 @@ def test_mlflow_gets_an_sqlite_store_in_the_sweep_dir_params_tags_and_rows(tmp_p
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     mlflow = _fake_module(monkeypatch, "mlflow", {"get_experiment_by_name": None, "create_experiment": "7"})
     run_dir = _sweep_member(tmp_path)
-    _log(tracking.open_sinks(compose("logging=mlflow", "logging.project=letters"), run_dir))
+    _log(open_sinks(compose("logging=mlflow", "logging.project=letters"), run_dir))
     sweep = run_dir.parent.resolve()
     assert mlflow.named("set_tracking_uri") == [((f"sqlite:///{sweep / 'mlflow.db'}",), {})]
     artifacts = (sweep / "mlartifacts").as_uri()
@@ -115,7 +121,7 @@ def test_mlflow_gets_an_sqlite_store_in_the_sweep_dir_params_tags_and_rows(tmp_p
 def test_mlflow_uses_the_users_tracking_uri(tmp_path, monkeypatch):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:5000")
     mlflow = _fake_module(monkeypatch, "mlflow", {"get_experiment_by_name": types.SimpleNamespace(experiment_id="3")})
-    _log(tracking.open_sinks(compose("logging=mlflow"), tmp_path))
+    _log(open_sinks(compose("logging=mlflow"), tmp_path))
     assert mlflow.named("set_tracking_uri") == [(("http://127.0.0.1:5000",), {})]
     assert not mlflow.named("create_experiment") and mlflow.named("start_run")[0][1]["experiment_id"] == "3"
 
@@ -125,7 +131,7 @@ def test_several_trackers_at_once_get_the_same_rows(tmp_path, monkeypatch):
     run_dir = tmp_path / "run"
     (run_dir / ".hydra").mkdir(parents=True)
     (run_dir / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(["optim.lr=0.01"]))
-    sinks = tracking.open_sinks(compose("logging=[trackio,tensorboard]"), run_dir)
+    sinks = open_sinks(compose("logging=[trackio,tensorboard]"), run_dir)
     assert [type(s) for s in sinks] == [tracking.TensorBoardSink, tracking.TrackioSink]
     _log(sinks)
     [(_, init)] = trackio.named("init")
@@ -136,8 +142,8 @@ def test_several_trackers_at_once_get_the_same_rows(tmp_path, monkeypatch):
 
 def test_logging_name_wins_and_no_tracker_means_no_sink(tmp_path):
     cfg = compose("logging.name=baseline")
-    assert tracking.run_info(cfg, _sweep_member(tmp_path)).name == "baseline"
-    assert tracking.open_sinks(cfg, tmp_path) == []
+    assert tracking.run_info(cfg.logging, _sweep_member(tmp_path), {}).name == "baseline"
+    assert open_sinks(cfg, tmp_path) == []
 
 
 def test_a_tracker_that_fails_to_start_closes_the_others_and_says_what_to_do(tmp_path, monkeypatch):
@@ -145,12 +151,12 @@ def test_a_tracker_that_fails_to_start_closes_the_others_and_says_what_to_do(tmp
     _fake_module(monkeypatch, "wandb", {"init": run})
     _fake_module(monkeypatch, "mlflow", {"set_tracking_uri": RuntimeError("store locked")})
     with pytest.raises(RuntimeError, match="store locked"):
-        tracking.open_sinks(compose("logging=[wandb,mlflow]"), tmp_path)
+        open_sinks(compose("logging=[wandb,mlflow]"), tmp_path)
     assert len(run.named("finish")) == 1
     _fake_module(monkeypatch, "wandb", {"init": RuntimeError("api_key not configured (no-tty)\nmore")})
     with pytest.raises(ConfigError, match=r"^wandb could not start a run \(api_key not configured \(no-tty\)\); "
                                           r"set WANDB_MODE=offline"):
-        tracking.open_sinks(compose("logging=wandb"), tmp_path)
+        open_sinks(compose("logging=wandb"), tmp_path)
 
 
 def test_missing_tracker_package_is_one_line_naming_the_extra(monkeypatch, capsys):

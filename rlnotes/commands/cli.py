@@ -330,7 +330,8 @@ def _resume_hint(console, run_dir: Path) -> None:
     """How to go on from a run that stopped on an error, when it has a checkpoint to go on from."""
     from rich.markup import escape
 
-    from rlnotes.run.checkpoint import checkpoints, resume_command
+    from rlnotes.run.checkpoint import checkpoints
+    from rlnotes.run.signals import resume_command
 
     if checkpoints(run_dir):
         console.print(f"[yellow]after a fix, resume with:[/]\n  {escape(resume_command(run_dir))}", highlight=False)
@@ -468,7 +469,7 @@ def train_job(cfg) -> Optional[float]:
     from rlnotes.core.errors import ConfigError
     from rlnotes.engine import distributed
     from rlnotes.rewards.scoring import RewardFailure
-    from rlnotes.run.checkpoint import resume_command
+    from rlnotes.run.signals import resume_command
     from rlnotes.run.sweep import (
         METRICS_FILE,
         objective_metric,

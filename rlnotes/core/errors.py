@@ -9,7 +9,7 @@ class ConfigError(ValueError):
 
 
 class Interrupted(KeyboardInterrupt):
-    """A run stopped by a signal (rlnotes.run.checkpoint.StopSignals); the command exits with 128 +
+    """A run stopped by a signal (rlnotes.run.signals.StopSignals); the command exits with 128 +
     `signum`, as a shell reports a process the signal ended: 130 for SIGINT, 143 for SIGTERM."""
 
     def __init__(self, signum: int):

@@ -1,4 +1,4 @@
-"""Checkpoints a run can resume from exactly: RUN_DIR/checkpoints/step_NNNNNN/.
+"""Checkpoints a run can resume from exactly: RUN_DIR/checkpoints/step_NNNNNN/, how they are written and verified.
 
 A checkpoint is the state at the end of a step, after its metrics row was written:
 
@@ -19,10 +19,11 @@ It is written into a hidden temporary dir that is renamed into place (os.replace
 complete, so a crash mid-save leaves the previous checkpoints as they were; `keep_last` prunes
 older ones after a save succeeds, counting only checkpoints that verify. On resume a checkpoint is
 verified (`verify`) and a damaged one is set aside (renamed damaged_step_NNNNNN) for the newest one
-that verifies; nothing is deleted in favour of a damaged checkpoint. Resuming restores every
-item, so on CPU a run stopped at step k and resumed writes the same metrics as one that never
-stopped. With several processes rank 0 writes it (FSDP gathers the weights and optimizer shards to
-it first) and every rank reads it.
+that verifies; nothing is deleted in favour of a damaged checkpoint. Resuming (rlnotes.run.restore)
+restores every item, so on CPU a run stopped at step k and resumed writes the same metrics as one
+that never stopped. With several processes rank 0 writes it (FSDP gathers the weights and optimizer
+shards to it first) and every rank reads it. A signal stops a run at a step boundary
+(rlnotes.run.signals), whose state `capture` keeps for the checkpoint of that stop.
 """
 
 from __future__ import annotations
@@ -34,19 +35,17 @@ import json
 import os
 import random
 import shutil
-import signal
-import threading
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 import torch
 from omegaconf import OmegaConf
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
-from rlnotes.core.errors import ConfigError, Interrupted
+from rlnotes.core.errors import ConfigError
 from rlnotes.engine.models import usual_modes
+from rlnotes.run.steplogs import last_logged
 
 CHECKPOINTS = "checkpoints"
 MANIFEST = "manifest.json"
@@ -58,17 +57,9 @@ FORMAT = 2
 READABLE_FORMATS = (1, 2)
 # A damaged checkpoint is renamed to this prefix + its name: out of checkpoints(), kept for a look.
 DAMAGED = "damaged_"
-# Run logs whose lines each belong to a step (JSON rows with a "step", warnings.log's "step N ...");
-# lines after a resumed checkpoint's step are dropped.
-STEP_LOGS = ("metrics.jsonl", "eval.jsonl", "samples.jsonl", "warnings.log")
 # Context.cache entries a runner rebuilds on first use and that are not saved: DPO's reference
 # log-probs (a function of the fixed reference model and the data, and as large as the train set).
 RECOMPUTED = frozenset({"ref", "eval_ref"})
-# Settings whose change makes a checkpoint's weights not fit the model this run builds.
-MODEL_KEYS = ("algo.name", "model.name_or_path", "model.lora", "model.tiny")
-# Settings that do not touch the training math: a change is not worth a line on resume.
-BOOKKEEPING_KEYS = ("trainer.resume", "trainer.save_every", "trainer.keep_last", "logging", "hardware.threads",
-                    "hardware.nproc", "eval", "sweep")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -93,22 +84,6 @@ def rng_state(generator: torch.Generator, device: torch.device) -> Dict[str, obj
     if device.type == "cuda":
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
-
-
-def set_rng_state(state: Dict[str, object], generator: torch.Generator, device: torch.device) -> None:
-    random.setstate(state["python"])
-    torch.set_rng_state(state["torch"])
-    generator.set_state(state["generator"])
-    if device.type == "cuda":
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def set_sampler_state(sampler, state: Dict[str, int]) -> None:
-    if state["rows"] != len(sampler.rows) or state["seed"] != sampler.seed:
-        raise ConfigError(f"trainer.resume: the checkpoint's data had {state['rows']} train rows shuffled with seed "
-                          f"{state['seed']}, this run has {len(sampler.rows)} with seed {sampler.seed}; "
-                          "resume with the checkpoint's data and seed settings")
-    sampler.load_state_dict(state)
 
 
 def capture(ctx) -> Boundary:
@@ -367,12 +342,6 @@ def verify(path: Path, logged: Optional[List[int]] = None) -> Optional[str]:
     return None
 
 
-def logged_steps(run_dir: Path) -> Optional[List[int]]:
-    """The steps of RUN_DIR/metrics.jsonl's rows (a torn last line left out); None without the file."""
-    path = Path(run_dir) / STEP_LOGS[0]
-    return [row["step"] for _, row in log_rows(path)[0]] if path.is_file() else None
-
-
 def set_aside(path: Path) -> Path:
     """Rename a damaged checkpoint to damaged_<name> beside it (a number added if taken); its path."""
     target, n = path.with_name(DAMAGED + path.name), 1
@@ -382,65 +351,6 @@ def set_aside(path: Path) -> Path:
     return target
 
 
-# ---------------------------------------------------------------------------------------------
-# Finding the checkpoint to resume from.
-
-
-def resolve(resume: str) -> Path:
-    """trainer.resume=PATH: a checkpoint dir, or a run dir (its latest checkpoint)."""
-    path = Path(resume)
-    if not path.is_dir():
-        raise ConfigError(f"trainer.resume={resume}: no such directory; give a checkpoint dir "
-                          f"(RUN_DIR/{CHECKPOINTS}/step_NNNNNN), a run dir, or auto")
-    if is_checkpoint(path):
-        return path
-    found = checkpoints(path)
-    if found:
-        return found[-1]
-    if path.name.startswith("step_") or path.name.startswith(".step_"):
-        raise ConfigError(f"trainer.resume={resume} is an incomplete checkpoint (no {MANIFEST}: it was damaged, or "
-                          "its save did not finish); give an earlier one from the same checkpoints/ dir")
-    raise ConfigError(f"trainer.resume={resume} holds no checkpoint (no {MANIFEST} and no {CHECKPOINTS}/step_*); "
-                      f"give a checkpoint dir (RUN_DIR/{CHECKPOINTS}/step_NNNNNN) or a run dir that has one")
-
-
-def locate(resume: Optional[str], run_dir: Path, notes: Optional[List[str]] = None) -> Optional[Path]:
-    """The checkpoint a run starts from, or None to start fresh (see `check_run_dir` for which
-    run dirs a run may start in).
-
-    null: start fresh; auto: the run dir's newest checkpoint that verifies, or a fresh start when
-    it has none (so one command line serves the first start and every restart); PATH: see
-    `resolve`. A damaged checkpoint newer than the one taken is named in a line added to `notes`;
-    in the run dir itself it is also set aside, where resume=auto would otherwise save over it.
-    A checkpoint dir given by path that does not verify is an error.
-    """
-    if resume is None:
-        return None
-    path = run_dir if resume == "auto" else resolve(resume)
-    if resume != "auto" and is_checkpoint(path):
-        problem = verify(path, logged_steps(path.parent.parent))
-        if problem:
-            raise ConfigError(f"trainer.resume={resume} is damaged ({problem}); give an earlier checkpoint, or "
-                              "trainer.resume=auto with its run dir to take the newest one that verifies")
-        return path
-    found, logged, damaged = checkpoints(path, complete=False), logged_steps(path), []
-    good = None
-    for candidate in reversed(found):
-        problem = verify(candidate, logged)
-        if problem is None:
-            good = candidate
-            break
-        damaged.append(f"checkpoint {candidate} is damaged ({problem})")
-    if found and good is None:
-        raise ConfigError(f"no checkpoint in {Path(path) / CHECKPOINTS} verifies ({damaged[0]}); start the run "
-                          "again in a new dir (hydra.run.dir=NEW_DIR)")
-    own = Path(path).resolve() == Path(run_dir).resolve()
-    for line, candidate in zip(damaged, reversed(found)):
-        moved = set_aside(candidate) if own else candidate
-        if notes is not None:
-            notes.append(line + (f"; set aside as {moved.name}" if own else "") + f"; resuming from {good.name}")
-    return good
-
 
 def read_manifest(path: Path) -> Dict[str, object]:
     manifest = json.loads((path / MANIFEST).read_text())
@@ -448,296 +358,3 @@ def read_manifest(path: Path) -> Dict[str, object]:
         raise ConfigError(f"trainer.resume: {path} has checkpoint format {manifest.get('format')}, this version of "
                           f"rlnotes reads formats {', '.join(map(str, READABLE_FORMATS))}")
     return manifest
-
-
-def _flat(node, prefix: str = "") -> Dict[str, object]:
-    if isinstance(node, dict):
-        out = {prefix: None} if not node and prefix else {}
-        for k, v in node.items():
-            out.update(_flat(v, f"{prefix}.{k}" if prefix else str(k)))
-        return out
-    return {prefix: node}
-
-
-def config_changes(old, new) -> Tuple[List[str], List[str]]:
-    """(changes that stop the weights from loading, other changes), each "key old -> new"."""
-    a = _flat(OmegaConf.to_container(old, resolve=True))
-    b = _flat(OmegaConf.to_container(new, resolve=True))
-    under = lambda key, prefixes: any(key == p or key.startswith(p + ".") for p in prefixes)  # noqa: E731
-    changed = [f"{k} {a.get(k)} -> {b.get(k)}" for k in sorted(set(a) | set(b))
-               if a.get(k) != b.get(k) and not under(k, BOOKKEEPING_KEYS)]
-    fatal = [c for c in changed if under(c.split(" ")[0], MODEL_KEYS)]
-    return fatal, [c for c in changed if c not in fatal]
-
-
-def check_config(path: Path, cfg) -> List[str]:
-    """Raise if the checkpoint's model does not match this run's; return the other settings that
-    differ (a resumed run with changed settings is not the same run)."""
-    fatal, changed = config_changes(OmegaConf.load(path / "config.yaml"), cfg)
-    if fatal:
-        raise ConfigError(f"trainer.resume: {path} was trained with other model settings ({'; '.join(fatal)}); "
-                          "resume with the checkpoint's algo and model settings")
-    return changed
-
-
-def log_rows(path: Path) -> Tuple[List[Tuple[str, dict]], Optional[str]]:
-    """The (line, row) pairs of a step log, and a note when its last line was torn (a process
-    killed mid-write: that line is dropped). Any other line that is not a row is an error."""
-    lines = Path(path).read_text().splitlines()
-    rows, torn = [], None
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            row = {"step": _line_step(line)} if line.startswith("step ") else json.loads(line)
-            row["step"] + 0
-        except (ValueError, TypeError, KeyError, IndexError):
-            if number == len(lines):
-                torn = f"{path}: its last line is torn (a write was cut off) and was dropped: {line[:60]!r}"
-                break
-            raise ConfigError(f"{path} line {number} is not a row of a step log ({line[:60]!r}); repair or delete "
-                              "that line, then run again") from None
-        rows.append((line, row))
-    return rows, torn
-
-
-def last_logged(run_dir: Path) -> Optional[int]:
-    """The step of the last complete row of RUN_DIR/metrics.jsonl (None without one); reads its tail."""
-    path = Path(run_dir) / STEP_LOGS[0]
-    if not path.is_file():
-        return None
-    with path.open("rb") as f:
-        f.seek(0, os.SEEK_END)
-        f.seek(max(0, f.tell() - (1 << 16)))
-        tail = f.read().decode(errors="replace").splitlines()
-    for line in reversed(tail):
-        try:
-            return int(json.loads(line)["step"])
-        except (ValueError, TypeError, KeyError):
-            continue
-    rows, _ = log_rows(path)  # a last row longer than the tail read
-    return rows[-1][1]["step"] if rows else None
-
-
-def carry_logs(source_run: Optional[Path], run_dir: Path, step: int) -> List[str]:
-    """Rewrite the run's step logs to the rows of `source_run`'s logs up to `step` (the run the
-    checkpoint came from: this run's own dir, or another one's, whose history the new run
-    continues); step -1 drops every row. Each file is replaced atomically. Returns a note for
-    each torn last line dropped."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    notes = []
-    for name in STEP_LOGS:
-        source = source_run / name if source_run is not None else run_dir / name
-        if not source.is_file():
-            continue
-        rows, torn = log_rows(source)
-        notes += [torn] if torn else []
-        tmp = run_dir / f".{name}.tmp"
-        tmp.write_text("".join(line + "\n" for line, row in rows if row["step"] <= step))
-        os.replace(tmp, run_dir / name)
-    return notes
-
-
-def _line_step(line: str) -> int:
-    return int(line.split(" ", 2)[1]) if line.startswith("step ") else json.loads(line)["step"]
-
-
-def drop_later(run_dir: Path, step: int) -> List[Path]:
-    """Delete the run dir's checkpoints after `step`: on resuming from an earlier one they belong
-    to a history that no longer happened (and keep_last would otherwise prune the new ones)."""
-    later = [p for p in checkpoints(run_dir) if step_of(p) > step]
-    for path in later:
-        shutil.rmtree(path)
-    return later
-
-
-# ---------------------------------------------------------------------------------------------
-# Loading.
-
-
-def load_heads(path: Path, manifest: Dict[str, object], device: torch.device) -> Dict[str, torch.nn.Module]:
-    """The checkpoint's heads, rebuilt as the linear layers (hidden -> out) they are."""
-    heads = {}
-    for name in manifest["heads"]:
-        weights = load_file(str(path / f"{name}.safetensors"))
-        out_features, in_features = weights["weight"].shape
-        head = torch.nn.Linear(in_features, out_features, bias="bias" in weights, device=device)
-        head.load_state_dict(weights)
-        heads[name] = head
-    return heads
-
-
-def load_policy(policy, path: Path) -> None:
-    """Copy the checkpoint's weights into the policy's parameters (in place: the optimizer keeps
-    pointing at them)."""
-    device = next(policy.model.parameters()).device
-    if policy.uses_lora:
-        from peft import set_peft_model_state_dict
-
-        file = path / "adapter_model.safetensors"
-        if not file.is_file() and read_manifest(path).get("policy") == "lora":
-            raise ConfigError(f"trainer.resume: {path} is missing its LoRA adapter ({file.name}); resume from "
-                              "another checkpoint")
-        if not file.is_file():
-            raise ConfigError(f"trainer.resume: {path} holds no LoRA adapter ({file.name}); it was saved by a run "
-                              "with model.lora=null: resume with model.lora=null")
-        result = set_peft_model_state_dict(policy.model, load_file(str(file), device=str(device)))
-        if result.unexpected_keys:
-            raise ConfigError(f"trainer.resume: {path}'s adapter does not fit this model "
-                              f"({len(result.unexpected_keys)} unknown weights, e.g. {result.unexpected_keys[0]})")
-        return
-    files = sorted(path.glob("model*.safetensors"))
-    if not files and read_manifest(path).get("policy") == "full":
-        raise ConfigError(f"trainer.resume: {path} is missing its weights (model*.safetensors); resume from another "
-                          "checkpoint")
-    if not files:
-        raise ConfigError(f"trainer.resume: {path} holds no full model weights (model*.safetensors); it was saved "
-                          "with LoRA on: resume without model.lora=null")
-    state = {k: v for f in files for k, v in load_file(str(f), device=str(device)).items()}
-    result = policy.model.load_state_dict(state, strict=False)
-    loaded = {p.data_ptr() for n, p in policy.model.named_parameters(remove_duplicate=False) if n in state}
-    missing = [n for n, p in policy.model.named_parameters(remove_duplicate=False)
-               if n in result.missing_keys and p.data_ptr() not in loaded]  # a tied copy of a loaded weight is fine
-    if missing or result.unexpected_keys:
-        raise ConfigError(f"trainer.resume: {path}'s weights do not fit this model "
-                          f"(missing {missing[:2]}, unknown {result.unexpected_keys[:2]})")
-
-
-def load(ctx, path: Path, manifest: Dict[str, object]) -> None:
-    """Restore everything but the weights (load_policy, before FSDP shards them) and the heads (the
-    caller adds those first, so that the optimizer has their parameter groups): optimizer,
-    scheduler, RNG, data position, runner state."""
-    from rlnotes.engine import distributed
-
-    state = torch.load(path / STATE, map_location="cpu", weights_only=True)
-    saved_by = manifest.get("optimizer_shards")
-    sharded = distributed.sharded_optimizer(ctx.optimizer)
-    if saved_by is not None or sharded:
-        world = distributed.world_size()
-        if saved_by != world or not sharded:
-            raise ConfigError(f"trainer.resume: {path} holds the optimizer state of "
-                              + (f"{saved_by} FSDP processes" if saved_by else "unsharded processes")
-                              + f"; resume it with the same layout (this run: {world} "
-                              + ("FSDP " if sharded else "") + "processes)")
-        distributed.load_optimizer_shard(ctx.optimizer, state["optimizer"][distributed.rank()])
-    else:
-        ctx.optimizer.load_state_dict(state["optimizer"])
-    ctx.scheduler.load_state_dict(state["scheduler"])
-    if manifest["device"] == ctx.device.type:
-        set_rng_state(state["rng"], ctx.generator, ctx.device)
-    else:
-        ctx.console.print(f"[yellow]resuming on {ctx.device.type} from a {manifest['device']} checkpoint: its "
-                          "random streams do not carry over, so sampling will differ from an uninterrupted run[/]")
-        random.setstate(state["rng"]["python"])
-        torch.set_rng_state(state["rng"]["torch"])
-    set_sampler_state(ctx.sampler, manifest["sampler"])
-    ctx.cache.update(state["cache"])
-    ctx.step, ctx.bad_steps = manifest["step"], manifest["bad_steps"]
-
-
-# ---------------------------------------------------------------------------------------------
-# Stopping on a signal.
-
-
-class StopSignals:
-    """SIGINT (Ctrl-C) and SIGTERM while training, and while the stop saves.
-
-    A signal raises Interrupted at once when no optimizer update has run since the last
-    completed step (`ctx.updating` is off): that step's checkpoint is then exact, and the partial
-    step is simply redone on resume. During a step's updates (PPO's minibatches, GRPO's mu passes)
-    the step is finished first and `check` stops after it; a second signal stops at once.
-    With several processes every first signal waits for the end of the step, and `check` stops
-    every rank after the same step when any of them got one (a rank stopping alone would leave the
-    others waiting in a collective).
-
-    A save (`saving`: a checkpoint, or the policy to interrupted/) is never cut short by the signal
-    that stopped the run nor by the next one: the first signal after the stop began (or during a
-    save) says what is being saved and that one more abandons it; only that one more does (its
-    temporary dir is removed, the previous checkpoints stay). So Ctrl-C pressed twice in quick
-    succession still saves, and a third press abandons the save. Handlers are installed only in
-    the main thread (Python delivers signals nowhere else).
-    """
-
-    def __init__(self, ctx):
-        self.ctx, self.signum, self._previous = ctx, None, {}
-        self.stopping = False  # Interrupted was raised: the run is on its way out
-        self.writing: Optional[str] = None  # what is being saved now
-        self.warned = False  # the user was told that one more signal abandons the save
-        self.abandoned = False  # and sent it: a save was abandoned
-
-    def __enter__(self) -> "StopSignals":
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-    @contextmanager
-    def saving(self, what: str):
-        """Mark the block as writing `what` (for the message a signal gets meanwhile)."""
-        self.writing = what
-        try:
-            yield
-        finally:
-            self.writing = None
-
-    def _say(self, text: str) -> None:
-        from rich.markup import escape
-
-        self.ctx.console.print(f"[yellow]{escape(text)}[/]", soft_wrap=True, highlight=False)
-
-    def _handle(self, signum, frame) -> None:
-        from rlnotes.engine import distributed
-
-        first, self.signum = self.signum is None, self.signum or signum
-        again = "press Ctrl-C again" if signum == signal.SIGINT else f"send {signal.Signals(signum).name} again"
-        if self.stopping or self.writing:
-            if self.writing and self.warned:
-                self.abandoned, self.stopping = True, True
-                raise Interrupted(self.signum)
-            if not self.warned:
-                self.warned = True
-                self._say(f"{signal.Signals(signum).name}: saving {self.writing or 'a checkpoint'} before stopping; "
-                          f"{again} to abandon it (the previous checkpoints are kept)")
-            return
-        if first and (self.ctx.updating or distributed.active()):
-            self._say(f"{signal.Signals(signum).name}: stopping once this step is done ({again} to stop now, "
-                      "without a checkpoint of this step)")
-            return
-        self.stopping = True
-        raise Interrupted(self.signum)
-
-    def check(self) -> None:
-        """Stop now if a signal came during the step just finished (to any rank)."""
-        from rlnotes.engine import distributed
-
-        if distributed.any_rank(self.signum is not None):
-            self.stopping = True
-            raise Interrupted(self.signum or signal.SIGINT)
-
-    @property
-    def name(self) -> str:
-        return signal.Signals(self.signum).name if self.signum is not None else "KeyboardInterrupt"
-
-
-def resume_command(run_dir: Path) -> str:
-    """The command line that continues this run: its --config-dir, --config-name and overrides
-    (a multirun member's own), then trainer.resume=auto and its run dir."""
-    import shlex
-
-    from hydra.core.hydra_config import HydraConfig
-
-    words, overrides = ["rlnotes", "train"], ["..."]
-    if HydraConfig.initialized():
-        hydra = HydraConfig.get()
-        for source in hydra.runtime.config_sources:
-            if source.provider == "command-line" and source.schema == "file":  # --config-dir
-                words += ["--config-dir", source.path]
-        if hydra.job.config_name != "config":
-            words += ["--config-name", hydra.job.config_name]
-        overrides = [o for o in hydra.overrides.task if not o.startswith("trainer.resume=")]
-    words += [*overrides, "trainer.resume=auto", f"hydra.run.dir={run_dir}"]
-    return " ".join(w if w == "..." else shlex.quote(w) for w in words)

@@ -1,9 +1,9 @@
 """Why is my reward not increasing? The batch arithmetic of a run, and the warnings that watch it.
 
-`batch_arithmetic(cfg, shape)` derives from the config and the algorithm alone what a run will do: prompts and completions
-per batch, micro-batches, minibatches, policy updates per sampled batch, sampled batches, the
-completion tokens of a batch at most, and the prompts it will see (and so the epochs over the
-train set). The run prints it at the start (`describe_batches`).
+`batch_arithmetic(trainer, shape)` derives from the trainer settings and the algorithm alone what
+a run will do: prompts and completions per batch, micro-batches, minibatches, policy updates per
+sampled batch, sampled batches, the completion tokens of a batch at most, and the prompts it will
+see (and so the epochs over the train set). The run prints it at the start (`describe_batches`).
 
 `Watcher` gets every step's metrics and warns once per kind when one of these holds over the
 last WINDOW = 5 steps (a mean over the window; a step here is one sampled batch, which is
@@ -40,7 +40,6 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass
-from functools import partial
 from typing import Callable, Dict, List, Mapping, Optional, Sequence
 
 from rlnotes.core.algorithm import Algorithm, Shape
@@ -54,7 +53,6 @@ TRUNCATED_FRAC = 0.5
 FAILURE_FRAC = 0.1
 CLIP_FRAC = 0.3
 
-# What a batch row is, by algorithm: prompts for the sampling algorithms, pairs for DPO and RM.
 # ---------------------------------------------------------------------------------------------
 # batch arithmetic
 
@@ -63,8 +61,8 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def batch_arithmetic(cfg, shape: Shape, train_rows: Optional[int] = None) -> Dict[str, object]:
-    """The numbers a run derives from its config, before any model loads.
+def batch_arithmetic(trainer, shape: Shape, train_rows: Optional[int] = None) -> Dict[str, object]:
+    """The numbers a run derives from its `trainer` config section, before any model loads.
 
     Keys: unit (what a batch row is: prompts, pairs or rows), prompts_per_batch, completions_per_batch
     (sequences the policy scores per batch: B*G sampled, 2B for pairs), micro_batch_size and
@@ -73,18 +71,15 @@ def batch_arithmetic(cfg, shape: Shape, train_rows: Optional[int] = None) -> Dic
     read; PPO: at least, target_kl can stop a batch early), optimizer_steps, max_tokens_per_batch
     (completion tokens of a batch at most; None without sampling), prompts_seen (and
     prompts_seen_max with DAPO dynamic sampling), and epochs (over `train_rows`: the train split's
-    size, default data.train_size for a built-in task; None when unknown). `shape`: the
-    algorithm's own arithmetic of a step (its declaration's shape(cfg)).
+    size; None when unknown). `shape`: the algorithm's own arithmetic of a step (its declaration's
+    shape(cfg)).
     """
-    trainer = cfg.trainer
     b, steps = trainer.batch_size, trainer.steps
     completions, minibatches, updates, per_update = shape.sequences, shape.minibatches, shape.updates, shape.per_update
     micro = trainer.micro_batch_size or per_update
     batches = _ceil_div(steps, updates)
     seen = batches * b
     rounds = shape.rounds
-    if train_rows is None and getattr(cfg.data, "source", "task") == "task":
-        train_rows = cfg.data.train_size
     return {
         "unit": shape.unit,
         "prompts_per_batch": b,
@@ -213,72 +208,95 @@ def reward_flat(history: History) -> Optional[bool]:
     return history.recent("reward/mean") - history.start("reward/mean") <= tolerance
 
 
-def check_zero_variance(history, cfg, group_relative: bool = True) -> Optional[str]:
-    """`group_relative`: the algorithm's advantage is relative to the prompt's group (GRPO, RLOO),
-    so a group whose rewards are all equal teaches nothing."""
+@dataclass(frozen=True)
+class Settings:
+    """What the checks need of a run besides its metrics: the settings their advice quotes, and two
+    facts of its algorithm. Built once from the run's config (`of`)."""
+    temperature: float                  # rollout.temperature
+    lr: float                           # optim.lr
+    max_new_tokens: int                 # rollout.max_new_tokens
+    fallback: float                     # reward.fallback
+    group_size: Optional[int] = None    # algo.group_size, where the algorithm has one
+    beta: Optional[float] = None        # algo.beta, where the algorithm has one
+    epochs: Optional[int] = None        # algo.epochs, where the algorithm has one
+    group_relative: bool = True         # the advantage is relative to the prompt's group (GRPO, RLOO)
+    completions_per_batch: int = 1      # the sequences a step scores (the algorithm's shape)
+
+    @classmethod
+    def of(cls, cfg, algo: Algorithm) -> "Settings":
+        """The settings of the run `cfg` of `algo`."""
+        return cls(temperature=cfg.rollout.temperature, lr=cfg.optim.lr, max_new_tokens=cfg.rollout.max_new_tokens,
+                   fallback=cfg.reward.fallback, group_size=getattr(cfg.algo, "group_size", None),
+                   beta=getattr(cfg.algo, "beta", None), epochs=getattr(cfg.algo, "epochs", None),
+                   group_relative=algo.group_relative(cfg.algo), completions_per_batch=algo.shape(cfg).sequences)
+
+
+def check_zero_variance(history: History, settings: Settings) -> Optional[str]:
+    """With group-relative advantages (settings.group_relative: GRPO, RLOO) a group whose rewards
+    are all equal teaches nothing."""
     frac = history.recent("reward/zero_std_frac")
-    if frac is None or frac < ZERO_STD_FRAC or not group_relative:
+    if frac is None or frac < ZERO_STD_FRAC or not settings.group_relative:
         return None
     return (f"{frac:.0%} of groups over the last {history.window} steps got the same reward for every completion: "
-            f"their advantage is 0 and they teach nothing. Try a larger algo.group_size (now {cfg.algo.group_size}) or "
-            f"rollout.temperature (now {cfg.rollout.temperature}), easier data, or a denser reward that gives "
+            f"their advantage is 0 and they teach nothing. Try a larger algo.group_size (now {settings.group_size}) or "
+            f"rollout.temperature (now {settings.temperature}), easier data, or a denser reward that gives "
             "partial credit")
 
 
-def check_entropy_collapse(history, cfg) -> Optional[str]:
+def check_entropy_collapse(history: History, settings: Settings) -> Optional[str]:
     entropy = history.recent("policy/entropy")
     if entropy is None or entropy >= MIN_ENTROPY:
         return None
     return (f"entropy collapsed: {entropy:.3f} nats per sampled token over the last {history.window} steps, so a "
             f"prompt's completions come out nearly identical. Try a higher rollout.temperature (now "
-            f"{cfg.rollout.temperature}), a lower optim.lr (now {cfg.optim.lr:g}) or a larger algo.beta")
+            f"{settings.temperature}), a lower optim.lr (now {settings.lr:g}) or a larger algo.beta")
 
 
-def check_kl_blowup(history, cfg) -> Optional[str]:
+def check_kl_blowup(history: History, settings: Settings) -> Optional[str]:
     kl, start_entropy = history.recent("kl/ref"), history.start("policy/entropy")
     if kl is None or start_entropy is None:
         return None
     line = max(KL_FLOOR, start_entropy)
     if kl <= line:
         return None
-    beta = getattr(cfg.algo, "beta", None)
+    beta = settings.beta
     return (f"KL to the reference blew up: {kl:.2f} nats per token over the last {history.window} steps, above "
             f"{line:.2f} (the larger of {KL_FLOOR:g} and the policy's entropy at the start). Try a lower optim.lr "
-            f"(now {cfg.optim.lr:g})" + (f" or a larger algo.beta (now {beta:g})" if beta is not None else ""))
+            f"(now {settings.lr:g})" + (f" or a larger algo.beta (now {beta:g})" if beta is not None else ""))
 
 
-def check_truncation(history, cfg) -> Optional[str]:
+def check_truncation(history: History, settings: Settings) -> Optional[str]:
     frac = history.recent("completion/truncated_frac")
     if frac is None or frac < TRUNCATED_FRAC or not reward_flat(history):
         return None
     return (f"{frac:.0%} of completions over the last {history.window} steps hit rollout.max_new_tokens="
-            f"{cfg.rollout.max_new_tokens} and the reward has not risen since the start: answers may be cut off. "
+            f"{settings.max_new_tokens} and the reward has not risen since the start: answers may be cut off. "
             "Try a larger rollout.max_new_tokens, or a length penalty in the reward")
 
 
-def check_reward_failures(history, cfg, completions_per_batch: int = 1) -> Optional[str]:
+def check_reward_failures(history: History, settings: Settings) -> Optional[str]:
     failed = history.recent_sum("reward/failures")
     if failed is None:
         return None
-    share = failed / (history.window * completions_per_batch)
+    share = failed / (history.window * settings.completions_per_batch)
     if share < FAILURE_FRAC:
         return None
     return (f"the reward failed on {share:.0%} of the completions of the last {history.window} steps (they got "
-            f"reward.fallback={cfg.reward.fallback}); fix the reward function (its first traceback is above)")
+            f"reward.fallback={settings.fallback}); fix the reward function (its first traceback is above)")
 
 
-def check_clip_fraction(history, cfg) -> Optional[str]:
+def check_clip_fraction(history: History, settings: Settings) -> Optional[str]:
     frac = history.recent("policy/clip_frac")
     if frac is None or frac <= CLIP_FRAC:
         return None
-    epochs = getattr(cfg.algo, "epochs", None)
+    epochs = settings.epochs
     return (f"{frac:.0%} of tokens had their ratio clipped over the last {history.window} steps: each update moves the "
-            f"policy too far. Try a lower optim.lr (now {cfg.optim.lr:g})"
+            f"policy too far. Try a lower optim.lr (now {settings.lr:g})"
             + (f" or fewer algo.epochs (now {epochs})" if epochs is not None else ""))
 
 
-# kind -> check(history, cfg) -> message or None, in the order they are tried.
-CHECKS: Dict[str, Callable[[History, object], Optional[str]]] = {
+# kind -> check(history, settings) -> message or None, in the order they are tried.
+CHECKS: Dict[str, Callable[[History, Settings], Optional[str]]] = {
     "zero_variance": check_zero_variance,
     "entropy_collapse": check_entropy_collapse,
     "kl_blowup": check_kl_blowup,
@@ -291,14 +309,10 @@ CHECKS: Dict[str, Callable[[History, object], Optional[str]]] = {
 class Watcher:
     """Feeds each step's metrics to the CHECKS and returns the warnings that fire, once per kind."""
 
-    def __init__(self, cfg, algo: Optional[Algorithm] = None, checks: Optional[Mapping[str, Callable]] = None):
-        """`algo`: the run's algorithm, whose group-relative advantage and batch size two checks read."""
-        self.cfg = cfg
+    def __init__(self, settings: Settings, checks: Optional[Mapping[str, Callable]] = None):
+        """`settings`: the run's, which the checks read (Settings.of)."""
+        self.settings = settings
         self.checks = dict(CHECKS if checks is None else checks)
-        if algo is not None and checks is None:
-            self.checks["zero_variance"] = partial(check_zero_variance, group_relative=algo.group_relative(cfg.algo))
-            self.checks["reward_failures"] = partial(check_reward_failures,
-                                                     completions_per_batch=algo.shape(cfg).sequences)
         self.history = History()
         self.fired: List[Alert] = []
 
@@ -309,7 +323,7 @@ class Watcher:
         for kind, check in self.checks.items():
             if kind in done:
                 continue
-            message = check(self.history, self.cfg)
+            message = check(self.history, self.settings)
             if message:
                 new.append(Alert(kind, step, message))
         self.fired.extend(new)

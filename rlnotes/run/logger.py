@@ -8,7 +8,7 @@ file) it prints a plain line now and then instead. Every `logging.samples_every`
 table shows a few sampled prompts, their completions and rewards (also appended to
 samples.jsonl). Diagnostics (rlnotes.run.diagnostics) warn once per kind, on screen and in
 warnings.log. The run ends with a one-screen summary: final and best key metrics, steps, wall
-time, run dir.
+time, run dir. What each of these looks like is rlnotes.run.display.
 """
 
 from __future__ import annotations
@@ -19,38 +19,13 @@ import math
 import time
 import warnings
 from pathlib import Path
-from typing import Dict, Iterable, List, Mapping, Optional, Sequence
+from typing import Dict, List, Mapping, Optional, Sequence
 
-from rich.console import Console, Group, RenderableType
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    ProgressColumn,
-    Task,
-    TextColumn,
-    TimeElapsedColumn,
-    TimeRemainingColumn,
-)
+from rich.console import Console
 from rich.table import Table
-from rich.text import Text
 
-# The metrics shown beside the progress bar and in the summary, in this order, when a run logs
-# them: (key, label, which value is best: "max", "min", or None when neither is better).
-KEY_METRICS = (
-    ("reward/mean", "reward", "max"),
-    ("eval/accuracy", "eval acc", "max"),
-    ("eval/reward", "eval reward", "max"),
-    ("dpo/accuracy", "pair acc", "max"),
-    ("eval/dpo_accuracy", "eval pair acc", "max"),
-    ("rm/accuracy", "rm acc", "max"),
-    ("eval/rm_accuracy", "eval rm acc", "max"),
-    ("eval/sft_loss", "eval loss", "min"),
-    ("kl/ref", "kl", None),
-    ("loss", "loss", None),
-    ("policy/entropy", "entropy", None),
-    ("completion/len_mean", "length", None),
-)
+from rlnotes.run.diagnostics import Alert, Watcher
+from rlnotes.run.display import live_progress, metrics_panel, pick, plain_line, samples_table, summary_table
 
 # The diagnostics' warnings of a run, one line each: "step N kind: message".
 WARNINGS = "warnings.log"
@@ -66,139 +41,11 @@ def _clean(value):
     return value
 
 
-def fmt(value: Optional[float]) -> str:
-    """A metric in a few characters: 3 decimals below 10, 1 from 10, 3 significant digits when tiny or huge."""
-    if value is None:
-        return "-"
-    if value != 0 and (abs(value) < 1e-3 or abs(value) >= 1e5):
-        return f"{value:.3g}"
-    return f"{value:.3f}" if abs(value) < 10 else f"{value:.1f}"
-
-
 def passed_multiple(previous: int, step: int, every: Optional[int]) -> bool:
     """Whether going from step `previous` to `step` passed a multiple of `every` (steps may jump:
     PPO takes several optimizer steps a batch); never for null or 0. The schedule of samples
     tables, plain lines, checkpoints (trainer.save_every) and evaluations (trainer.eval_every)."""
     return bool(every) and step // every > previous // every
-
-
-def shorten(text: str, width: int) -> str:
-    """One line of at most `width` characters: newlines shown as ⏎, the middle cut out (an answer
-    is often at the end of a completion, the question at the end of a prompt)."""
-    text = text.replace("\r", "").replace("\n", "⏎")
-    if len(text) <= width:
-        return text
-    head = (width - 1) // 2
-    return text[:head] + "…" + text[len(text) - (width - 1 - head):]
-
-
-def readable(value) -> str:
-    """A prompt or completion as text: itself, or a conversation's turns as "role: content" lines."""
-    if isinstance(value, str):
-        return value
-    return "\n".join(f"{m['role']}: {m['content']}" for m in value)
-
-
-def pick(n: int, k: int) -> List[int]:
-    """k indices spread evenly over n (a batch lists a prompt's G completions together, so evenly
-    spaced picks show different prompts)."""
-    k = min(k, n)
-    return [i * n // k for i in range(k)]
-
-
-def samples_table(step: int, samples: Mapping[str, Sequence], k: int, width: int = 100) -> Table:
-    """A few of a batch's prompts, completions (shortened) and rewards, then the columns reward
-    functions added with log_extra (samples["extra"]: column -> one value per sample)."""
-    table = Table(title=f"samples at step {step}", title_justify="left", show_lines=False, expand=False)
-    table.add_column("prompt", overflow="fold", max_width=width * 2 // 5)
-    table.add_column("completion", overflow="fold", max_width=width * 3 // 5)
-    table.add_column("reward", justify="right")
-    extra = samples.get("extra") or {}
-    for column in extra:
-        table.add_column(column, overflow="fold", max_width=width // 5)
-    for i in pick(len(samples["completions"]), k):
-        prompt, completion = samples["prompts"][i], samples["completions"][i]
-        table.add_row(shorten(readable(prompt), width * 2 // 5), shorten(readable(completion), width * 3 // 5),
-                      fmt(samples["rewards"][i]), *[shorten(str(values[i]), width // 5) for values in extra.values()])
-    return table
-
-
-def summarize(rows: Iterable[Mapping[str, object]]) -> List[Dict[str, object]]:
-    """Final and best value of each key metric that `rows` (metrics.jsonl rows) hold, in KEY_METRICS
-    order: [{key, label, final, final_step, best, best_step}] (best None where neither is better)."""
-    found: Dict[str, Dict[str, object]] = {}
-    for row in rows:
-        step = row.get("step")
-        for key, label, better in KEY_METRICS:
-            value = row.get(key)
-            if value is None or not math.isfinite(value):
-                continue
-            s = found.setdefault(key, {"key": key, "label": label, "best": None, "best_step": None})
-            s["final"], s["final_step"] = value, step
-            if better and (s["best"] is None or (value > s["best"] if better == "max" else value < s["best"])):
-                s["best"], s["best_step"] = value, step
-    return [found[key] for key, _, _ in KEY_METRICS if key in found]
-
-
-def summary_table(rows: Sequence[Mapping[str, object]], run_dir: Path, wall_s: float,
-                  alerts: Sequence[object] = (), saved: Optional[Path] = None, start: int = 0) -> Group:
-    """The end-of-run summary: steps and wall time, final and best key metrics, warnings, where it all is.
-    `wall_s` is this process's time, from step `start` (a resumed run's checkpoint) on."""
-    steps = max((int(r.get("step", 0)) for r in rows), default=0)
-    done = steps - start
-    head = Text.assemble(("done", "bold green"), f": {steps} steps"
-                         + (f", resumed at step {start}: {done} steps" if start else "") + f" in {wall_s:.1f} s")
-    if done > 0 and wall_s > 0:
-        head.append(f" ({done / wall_s:.3g} steps/s)" if done >= wall_s else f" ({wall_s / done:.3g} s/step)")
-    table = Table(box=None, padding=(0, 2), show_edge=False)
-    for column, justify in (("metric", "left"), ("final", "right"), ("best", "right"), ("at step", "right")):
-        table.add_column(column, justify=justify, style="bold" if column == "metric" else None)
-    for s in summarize(rows):
-        best = s["best"] is not None
-        table.add_row(s["label"], fmt(s["final"]), fmt(s["best"]) if best else "", str(s["best_step"]) if best else "")
-    lines: List[RenderableType] = [head, table]
-    for alert in alerts:
-        lines.append(Text(f"warned at step {alert.step}: {alert.kind} (see warnings.log)", style="yellow"))
-    lines.append(Text(f"run dir: {run_dir}"))
-    if saved:
-        lines.append(Text(f"policy:  {saved}"))
-    return Group(*lines)
-
-
-def plain_line(step: int, total: int, latest: Mapping[str, float], elapsed: float, start: int = 0) -> str:
-    """One progress line for logs: step, key metrics, speed and time left (`elapsed` seconds since
-    this process started at step `start`)."""
-    parts = [f"step {step}/{total}"]
-    parts += [f"{label} {fmt(latest[key])}" for key, label, _ in KEY_METRICS if key in latest]
-    if step > start and elapsed > 0:
-        rate = (step - start) / elapsed
-        parts.append(f"{rate:.3g} steps/s" if rate >= 1 else f"{1 / rate:.3g} s/step")
-        parts.append(f"eta {time.strftime('%H:%M:%S', time.gmtime(max(total - step, 0) / rate))}")
-    return "  ".join(parts)
-
-
-class SpeedColumn(ProgressColumn):
-    """Steps per second, or seconds per step when a step takes longer than a second."""
-
-    def render(self, task: Task) -> Text:
-        speed = task.speed
-        if not speed:
-            return Text("- steps/s", style="progress.data.speed")
-        return Text(f"{speed:.3g} steps/s" if speed >= 1 else f"{1 / speed:.3g} s/step", style="progress.data.speed")
-
-
-class LiveProgress(Progress):
-    """The progress bar with a compact table of the latest key metrics under it."""
-
-    def __init__(self, *columns, metrics, **kwargs):
-        self.metrics = metrics  # before Progress.__init__, which renders once
-        super().__init__(*columns, **kwargs)
-
-    def get_renderables(self) -> Iterable[RenderableType]:
-        yield self.make_tasks_table(self.tasks)
-        panel = self.metrics()
-        if panel is not None:
-            yield panel
 
 
 class MetricsLogger:
@@ -212,7 +59,7 @@ class MetricsLogger:
 
     def __init__(self, run_dir: Path, total_steps: int, console: Console, progress: bool = True,
                  sinks: Sequence[object] = (), samples_every: Optional[int] = None, samples_shown: int = 4,
-                 print_every: Optional[int] = None, watcher=None):
+                 print_every: Optional[int] = None, watcher: Optional[Watcher] = None):
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / "metrics.jsonl"
         self.file = self.path.open("a")
@@ -223,26 +70,20 @@ class MetricsLogger:
         self.watcher = watcher
         self.start = time.perf_counter()
         self.latest: Dict[str, float] = {}   # the last finite value of each metric: eval rows come now and then
-        self.alerts: List[object] = []
+        self.alerts: List[Alert] = []
         self._last_samples = self._last_plain = 0   # the steps of the last samples table and plain line
         self._base = 0   # the step this process started from: a resumed run's checkpoint (see begin)
-        self.progress: Optional[LiveProgress] = None
+        self.progress = None
         if progress and console.is_terminal:
-            self.progress = LiveProgress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), SpeedColumn(),
-                                         TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
-                                         metrics=self.metrics_panel, console=console, transient=False,
-                                         speed_estimate_period=300.0)
-            self.task = self.progress.add_task("train", total=total_steps)
-            self.progress.start()
+            self.progress = live_progress(console, total_steps, self.metrics_panel)
+            self.task = self.progress.task_ids[0]
 
     @classmethod
-    def for_run(cls, cfg, algo, run_dir: Path, console: Console, sinks: Sequence[object] = ()) -> "MetricsLogger":
-        """The logger a training run gets from its config (logging.*), with the diagnostics watcher."""
-        from rlnotes.run.diagnostics import Watcher
-
-        log = cfg.logging
-        return cls(run_dir, cfg.trainer.steps, console, log.progress, sinks=sinks, samples_every=log.samples_every,
-                   samples_shown=log.samples_shown, print_every=log.print_every, watcher=Watcher(cfg, algo))
+    def for_run(cls, log, total_steps: int, run_dir: Path, console: Console, sinks: Sequence[object] = (),
+                watcher: Optional[Watcher] = None) -> "MetricsLogger":
+        """The logger a training run of `total_steps` gets from its `logging` config section `log`."""
+        return cls(run_dir, total_steps, console, log.progress, sinks=sinks, samples_every=log.samples_every,
+                   samples_shown=log.samples_shown, print_every=log.print_every, watcher=watcher)
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.start
@@ -309,15 +150,7 @@ class MetricsLogger:
 
     def metrics_panel(self) -> Optional[Table]:
         """The latest key metrics, label over value, for the live display."""
-        shown = [(key, label) for key, label, _ in KEY_METRICS if key in self.latest]
-        if not shown:
-            return None
-        table = Table.grid(padding=(0, 2))
-        for _ in shown:
-            table.add_column(justify="right")
-        table.add_row(*[Text(label, style="dim") for _, label in shown])
-        table.add_row(*[fmt(self.latest[key]) for key, _ in shown])
-        return table
+        return metrics_panel(self.latest)
 
     # -- the end ------------------------------------------------------------------------------
 
@@ -343,10 +176,8 @@ class MetricsLogger:
                            soft_wrap=True)
 
 
-def read_warnings(path: Path) -> List[object]:
+def read_warnings(path: Path) -> List[Alert]:
     """The diagnostics.Alert of each line MetricsLogger.warn wrote to a warnings.log (none without one)."""
-    from rlnotes.run.diagnostics import Alert
-
     if not path.is_file():
         return []
     alerts = []

@@ -19,13 +19,9 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from rlnotes.core.errors import ConfigError
-from rlnotes.run.checkpoint import (
-    CHECKPOINTS,
-    checkpoints,
-    last_logged,
-    resolve,
-    step_of,
-)
+from rlnotes.run.checkpoint import CHECKPOINTS, checkpoints, step_of
+from rlnotes.run.restore import resolve
+from rlnotes.run.steplogs import last_logged
 
 # The owner's lock file in a run dir.
 LOCK = ".lock"

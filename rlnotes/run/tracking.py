@@ -77,22 +77,21 @@ def _import(backend: str, module: Optional[str] = None):
         raise ConfigError(missing_message(backend)) from None
 
 
-def run_info(cfg, run_dir: Path) -> RunInfo:
-    """Name, group and overrides of the run in `run_dir`, from Hydra's files there."""
-    from omegaconf import OmegaConf
-
+def run_info(logging_cfg, run_dir: Path, config: Dict[str, Any]) -> RunInfo:
+    """Name, group and overrides of the run in `run_dir`, from its `logging` config section and
+    Hydra's files there; `config`: the run's resolved config as plain data, which trackers record."""
     run_dir = Path(run_dir)
     sweep_dir = sweep_dir_of(run_dir)
     overrides = read_overrides(run_dir)
     swept = swept_overrides(run_dir)
-    if cfg.logging.name:
-        name = cfg.logging.name
+    if logging_cfg.name:
+        name = logging_cfg.name
     elif sweep_dir is not None:
         name = " ".join([f"{sweep_dir.name}/{run_dir.name}", *swept])
     else:
         name = " ".join([run_dir.name, *overrides])
-    return RunInfo(name=name[:128], project=cfg.logging.project, group=sweep_dir.name if sweep_dir else None,
-                   overrides=overrides, swept=swept, config=OmegaConf.to_container(cfg, resolve=True),
+    return RunInfo(name=name[:128], project=logging_cfg.project, group=sweep_dir.name if sweep_dir else None,
+                   overrides=overrides, swept=swept, config=config,
                    run_dir=run_dir, sweep_dir=sweep_dir)
 
 
@@ -207,13 +206,14 @@ SINKS: Dict[str, Callable[[RunInfo], Sink]] = {"tensorboard": TensorBoardSink, "
                                                "mlflow": MLflowSink, "trackio": TrackioSink}
 
 
-def open_sinks(cfg, run_dir: Path) -> List[Sink]:
-    """A sink per tracker switched on in `cfg.logging` (none by default); if one fails to start,
-    those already started are closed and the error is raised."""
-    names = enabled(cfg.logging)
+def open_sinks(logging_cfg, run_dir: Path, config: Dict[str, Any]) -> List[Sink]:
+    """A sink per tracker switched on in the `logging` config section (none by default), each
+    told the run's resolved `config` (plain data); if one fails to start, those already started
+    are closed and the error is raised."""
+    names = enabled(logging_cfg)
     if not names:
         return []
-    info = run_info(cfg, run_dir)
+    info = run_info(logging_cfg, run_dir, config)
     sinks: List[Sink] = []
     try:
         for name in names:

@@ -31,8 +31,8 @@ from rlnotes.notes import kl_penalty, masked_mean
 from rlnotes.notes.reinforce import terminal_rewards
 from rlnotes.notes.tis import truncated_is_weights
 from rlnotes.rewards.scoring import Rewards, TrainerState
-from rlnotes.run import checkpoint, rundir
-from rlnotes.run.diagnostics import batch_arithmetic, describe_batches
+from rlnotes.run import checkpoint, restore, rundir, signals, steplogs
+from rlnotes.run.diagnostics import Settings, Watcher, batch_arithmetic, describe_batches
 from rlnotes.run.logger import MetricsLogger, NullLogger, passed_multiple
 from rlnotes.run.tracking import open_sinks
 from rlnotes.training.evaluation import checker_config, evaluate
@@ -64,7 +64,7 @@ class Context:
     # strings and tensors, saved in checkpoints (see rlnotes.run.checkpoint.RECOMPUTED for what is not).
     cache: Dict[str, object] = field(default_factory=dict)
     # An optimizer update has run since the last completed step: a stop now cannot go back to that
-    # step's state (see checkpoint.StopSignals); set by optimizer_step, cleared by the train loop.
+    # step's state (see signals.StopSignals); set by optimizer_step, cleared by the train loop.
     updating: bool = False
     # Scores trainer.eval_every evaluations (the task's checker); None when evaluation is off.
     scorer: Optional[Rewards] = None
@@ -113,7 +113,7 @@ def setup(cfg, algo: Algorithm, run_dir: Path, console: Console, resume_from: Op
         policy = Policy.from_config(cfg.model, device)
     policy.share_prompts = cfg.trainer.shared_prompt
     if resume_from is not None:
-        checkpoint.load_policy(policy, resume_from)
+        restore.load_policy(policy, resume_from)
     if distributed.active() and cfg.hardware.strategy == "fsdp":
         shard_policy(policy)
     train_rows, eval_rows = fit_and_split(data, cfg, policy.tokenizer, max_positions(policy.model), console,
@@ -137,10 +137,12 @@ def setup(cfg, algo: Algorithm, run_dir: Path, console: Console, resume_from: Op
         console.print(f"{world} processes ({cfg.hardware.strategy}, {distributed.backend()} on {device.type}): each "
                       f"trains on {cfg.trainer.batch_size // world} of the {cfg.trainer.batch_size} "
                       f"{'prompts' if rewards else 'rows'} of a step", highlight=False)
-    console.print(describe_batches(batch_arithmetic(cfg, algo.shape(cfg), len(train_rows))), highlight=False,
+    console.print(describe_batches(batch_arithmetic(cfg.trainer, algo.shape(cfg), len(train_rows))), highlight=False,
                   soft_wrap=True)
     scorer = Rewards(checker_config(cfg), console) if cfg.trainer.eval_every and generates(cfg, algo) else None
-    logger = MetricsLogger.for_run(cfg, algo, run_dir, console, sinks=open_sinks(cfg, run_dir)) if main else NullLogger()
+    logger = (MetricsLogger.for_run(cfg.logging, cfg.trainer.steps, run_dir, console,
+                                    sinks=open_sinks(cfg.logging, run_dir, OmegaConf.to_container(cfg, resolve=True)),
+                                    watcher=Watcher(Settings.of(cfg, algo))) if main else NullLogger())
     engine = None
     if rewards is not None and cfg.rollout.engine == "vllm":
         from rlnotes.engine.vllm_engine import VLLMEngine
@@ -404,7 +406,7 @@ def save_checkpoint(ctx: Context, boundary: checkpoint.Boundary) -> Optional[Pat
         raise SaveFailed(f"no space left on device while saving checkpoint {target.name} to {target.parent}; "
                             + (f"the previous checkpoints are kept (the latest: {kept[-1].name})" if kept else
                                "there is no earlier checkpoint") + ": free space and resume with: "
-                            + checkpoint.resume_command(ctx.run_dir)) from None
+                            + signals.resume_command(ctx.run_dir)) from None
 
 
 def start_point(cfg, run_dir: Path, console: Console) -> Optional[Path]:
@@ -420,21 +422,21 @@ def _start_point(cfg, run_dir: Path, console: Console) -> Optional[Path]:
     rundir.own(run_dir)  # the only process in this dir until train ends (the CLI may have taken it already)
     rundir.check_run_dir(run_dir, cfg.trainer.resume, cfg.trainer.steps)
     notes: List[str] = []
-    path = checkpoint.locate(cfg.trainer.resume, run_dir, notes)
+    path = restore.locate(cfg.trainer.resume, run_dir, notes)
     if path is None:
         if cfg.trainer.resume == "auto":
             console.print(f"trainer.resume=auto: no checkpoint in {escape(str(run_dir / checkpoint.CHECKPOINTS))}; "
                           "starting at step 0 (to resume a run, pass its dir: hydra.run.dir=RUN_DIR)", highlight=False)
-            notes += checkpoint.carry_logs(None, run_dir, -1)  # rows of an attempt that saved nothing
+            notes += steplogs.carry_logs(None, run_dir, -1)  # rows of an attempt that saved nothing
         for note in notes:
             console.print(f"[yellow]{escape(note)}[/]", highlight=False)
         return None
     step = checkpoint.read_manifest(path)["step"]
-    changed = checkpoint.check_config(path, cfg)
-    notes += checkpoint.carry_logs(path.parent.parent, run_dir, step)
+    changed = restore.check_config(path, cfg)
+    notes += steplogs.carry_logs(path.parent.parent, run_dir, step)
     for note in notes:
         console.print(f"[yellow]{escape(note)}[/]", highlight=False)
-    dropped = checkpoint.drop_later(run_dir, step)
+    dropped = restore.drop_later(run_dir, step)
     console.print(f"resuming from {escape(str(path))} at step {step}"
                   + (f"; later checkpoints dropped: {', '.join(p.name for p in dropped)}" if dropped else ""),
                   highlight=False)
@@ -448,9 +450,9 @@ def resume(ctx: Context, path: Path) -> None:
     """Load a checkpoint into a context set up from it (setup loaded the policy's weights): heads
     first (they join the optimizer), then optimizer, scheduler, RNG, data position and runner state."""
     manifest = checkpoint.read_manifest(path)
-    for name, head in checkpoint.load_heads(path, manifest, ctx.device).items():
+    for name, head in restore.load_heads(path, manifest, ctx.device).items():
         add_head(ctx, name, head)
-    checkpoint.load(ctx, path, manifest)
+    restore.load(ctx, path, manifest)
 
 
 def _latest_checkpoint(run_dir: Path) -> str:
@@ -460,10 +462,10 @@ def _latest_checkpoint(run_dir: Path) -> str:
     return f"the latest checkpoint is {escape(str(found[-1]))}" if found else "there is no checkpoint yet"
 
 
-def stopped(ctx: Context, boundary: checkpoint.Boundary, stop: checkpoint.StopSignals) -> None:
+def stopped(ctx: Context, boundary: checkpoint.Boundary, stop: signals.StopSignals) -> None:
     """After Ctrl-C or SIGTERM: a checkpoint of the last completed step; stopped in the middle of a
     step's updates (a second signal), the policy as it is goes to interrupted/ instead. A save the
-    user abandoned (see checkpoint.StopSignals) is not tried again. The caller says how to resume."""
+    user abandoned (see signals.StopSignals) is not tried again. The caller says how to resume."""
     from rich.markup import escape
 
     say = lambda text: ctx.console.print(f"[yellow]{text}[/]", soft_wrap=True, highlight=False)  # noqa: E731
@@ -537,7 +539,7 @@ def _train(cfg, algo: Algorithm, run_dir: Path, console: Console) -> Dict[str, f
 
     A checkpoint every trainer.save_every steps and at the end; trainer.resume starts from one.
     Ctrl-C or SIGTERM saves a checkpoint of the last completed step, then raises
-    config.Interrupted (a KeyboardInterrupt; see checkpoint.StopSignals).
+    config.Interrupted (a KeyboardInterrupt; see signals.StopSignals).
     """
     resume_from = start_point(cfg, run_dir, console)
     ctx = setup(cfg, algo, run_dir, console, resume_from)
@@ -545,7 +547,7 @@ def _train(cfg, algo: Algorithm, run_dir: Path, console: Console) -> Dict[str, f
         resume(ctx, resume_from)
     ctx.logger.begin(ctx.step)  # the progress bar, speed and schedules start here
     boundary = checkpoint.capture(ctx)  # the state a stop goes back to: the end of the last logged step
-    stop = checkpoint.StopSignals(ctx)
+    stop = signals.StopSignals(ctx)
     last: Dict[str, float] = {}
     with stop:
         try:
