@@ -313,7 +313,7 @@ def test_a_run_killed_again_while_resuming_still_resumes(runs, tmp_path):
     run_dir = tmp_path / "run"
     assert in_child(lambda: (_kill_in_step(5)(), run(run_dir, "trainer.steps=6"))) == -signal.SIGKILL
     resume = ("trainer.steps=6", "trainer.resume=auto")
-    assert in_child(lambda: (_kill_on_call(checkpoint, "load", 1)(), run(run_dir, *resume))) == -signal.SIGKILL
+    assert in_child(lambda: (_kill_on_call(restore, "load", 1)(), run(run_dir, *resume))) == -signal.SIGKILL
     assert [r["step"] for r in rows(run_dir)] == [1, 2, 3, 4]
     assert run(run_dir, *resume) == runs["finished"]
 

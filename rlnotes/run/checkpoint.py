@@ -351,8 +351,8 @@ def set_aside(path: Path) -> Path:
     return target
 
 
-
 def read_manifest(path: Path) -> Dict[str, object]:
+    """The manifest of the checkpoint at `path`; a format this version cannot read is an error."""
     manifest = json.loads((path / MANIFEST).read_text())
     if manifest.get("format") not in READABLE_FORMATS:
         raise ConfigError(f"trainer.resume: {path} has checkpoint format {manifest.get('format')}, this version of "

@@ -51,7 +51,6 @@ def fmt(value: Optional[float]) -> str:
     return f"{value:.3f}" if abs(value) < 10 else f"{value:.1f}"
 
 
-
 def shorten(text: str, width: int) -> str:
     """One line of at most `width` characters: newlines shown as ⏎, the middle cut out (an answer
     is often at the end of a completion, the question at the end of a prompt)."""
