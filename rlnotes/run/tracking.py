@@ -116,7 +116,7 @@ class TensorBoardSink:
 
     def __init__(self, info: RunInfo):
         _import("tensorboard")
-        from torch.utils.tensorboard import SummaryWriter
+        from torch.utils.tensorboard import SummaryWriter  # optional: needs the tensorboard extra, checked above
 
         self.writer = SummaryWriter(log_dir=str(info.run_dir / "tensorboard"), flush_secs=10)
         self.writer.add_text("run/name", info.name)
