@@ -110,7 +110,7 @@ def test_mlflow_gets_an_sqlite_store_in_the_sweep_dir_params_tags_and_rows(tmp_p
     [(_, start)] = mlflow.named("start_run")
     assert start["experiment_id"] == "7" and start["run_name"] == "12-00-00-grpo/1 seed=1"
     assert start["tags"]["rlnotes.overrides"] == "trainer.steps=2 seed=1"
-    assert start["tags"]["rlnotes.run.sweep"] == sweep.name
+    assert start["tags"]["rlnotes.sweep"] == sweep.name
     [((params,), _)] = mlflow.named("log_params")
     assert params["algo.beta"] == "0.04" and params["trainer.steps"] == "60" and params["seed"] == "0"
     assert [(args[0], kw["step"]) for args, kw in mlflow.named("log_metrics")] == [

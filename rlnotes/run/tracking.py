@@ -176,7 +176,7 @@ class MLflowSink:
             experiment_id = mlflow.create_experiment(info.project, artifact_location=where.as_uri())
         tags = {"rlnotes.run_dir": str(info.run_dir), "rlnotes.overrides": " ".join(info.overrides)}
         if info.group:
-            tags["rlnotes.run.sweep"] = info.group
+            tags["rlnotes.sweep"] = info.group
         self.run = mlflow.start_run(experiment_id=experiment_id, run_name=info.name, tags=tags)
         mlflow.log_params({k: str(v)[:500] for k, v in flatten(info.config).items()})
 
