@@ -251,7 +251,7 @@ def test_data_system_prompt_wins_over_the_models():
 def test_offline_encode_takes_conversational_prompts_and_completions():
     import torch
 
-    from rlnotes.training.offline import encode
+    from rlnotes.engine.sequences import encode
 
     tok = tiny_tokenizer()
     plain = encode(tok, ["user: Q\nassistant:"], ["A"], torch.device("cpu"))
@@ -516,7 +516,7 @@ def test_text_pairs_with_an_implicit_prompt_split_as_trl_splits_them(tmp_path):
 def test_a_text_row_is_trained_on_whole_after_a_start_token(tmp_path):
     """{"text": ...} (language modeling, SFT): every token of the text is a completion token, after the
     tokenizer's BOS; it has no prompt to sample from."""
-    from rlnotes.training.offline import encode
+    from rlnotes.engine.sequences import encode
 
     path = write(tmp_path / "lm.jsonl", [{"text": "abc"}, {"text": "de"}])
     rows = load_task(file_cfg(path, eval_size=0))[0]

@@ -17,26 +17,22 @@ from omegaconf import OmegaConf
 
 from rlnotes.core.errors import ConfigError
 from rlnotes.core.schema import RewardConfig, RewardFnConfig
-from rlnotes.rewards.scoring import (
-    RewardFailure,
-    Rewards,
+from rlnotes.rewards.builtin import (
     check_builtin_args,
-    check_reward_config,
     countdown,
     countdown_expression,
     evaluate_arithmetic,
     exact_match,
     format_match,
-    function_specs,
     last_number,
     length_penalty,
     letter_share,
     math_match,
-    metric_names,
     normalize_text,
     number_match,
-    resolve,
 )
+from rlnotes.rewards.loading import check_reward_config, function_specs, metric_names, resolve
+from rlnotes.rewards.scoring import RewardFailure, Rewards
 
 THINK = r"<think>.*?</think>\s*<answer>.*?</answer>"
 
@@ -1055,7 +1051,7 @@ def one_by_one(model, tokenizer, texts, add_special_tokens=True):
 
 
 def test_hf_reward_model_scores_in_batches_as_one_by_one(tmp_path):
-    from rlnotes.rewards.scoring import reward_model
+    from rlnotes.rewards.builtin import reward_model
 
     model, tokenizer = tiny_classifier(tmp_path)
     prompts, completions = ["Q: 3+4?", "Q: 10+20? ", "Q: 1+1?"], ["7", "It is 30, I think.", "2!"]
@@ -1066,7 +1062,7 @@ def test_hf_reward_model_scores_in_batches_as_one_by_one(tmp_path):
 
 
 def test_hf_reward_model_renders_the_chat_template(tmp_path):
-    from rlnotes.rewards.scoring import reward_model
+    from rlnotes.rewards.builtin import reward_model
 
     template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
     model, tokenizer = tiny_classifier(tmp_path, chat_template=template)
@@ -1109,9 +1105,9 @@ def test_reward_model_from_an_rm_run(tmp_path):
     """A 2-step algo=rm run through the console entry point, then reward=model on its final/: the
     scores are the trained head's r(x, y), the same in any batch size."""
     from rlnotes.commands.cli import main
+    from rlnotes.engine.sequences import encode
+    from rlnotes.rewards.builtin import reward_model
     from rlnotes.rewards.model import load, sequence_rewards
-    from rlnotes.rewards.scoring import reward_model
-    from rlnotes.training.offline import encode
     from tests.conftest import compose
 
     run = tmp_path / "rm"

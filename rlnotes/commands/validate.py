@@ -26,7 +26,7 @@ from rlnotes.core.errors import ConfigError
 from rlnotes.core.schema import RewardFnConfig, TrainConfig
 from rlnotes.data.tasks import TASK_REWARDS, check_data_config, file_from_path
 from rlnotes.engine.model_files import check_model_source
-from rlnotes.rewards.scoring import check_reward_config
+from rlnotes.rewards.loading import check_reward_config
 from rlnotes.run.checkpoint import resolve
 from rlnotes.run.tracking import check_backends
 from rlnotes.runners import REGISTRY, algorithm

@@ -35,7 +35,7 @@ from rlnotes.core.algorithm import Algorithm
 from rlnotes.core.errors import ConfigError
 from rlnotes.data.tasks import TASKS, Row, Split, system_prompt
 from rlnotes.engine.rollout import Prompt, encode_prompts
-from rlnotes.rewards.scoring import CALL_NAMES
+from rlnotes.rewards.loading import CALL_NAMES
 
 # File extension -> the `datasets` builder that reads it.
 FORMATS: Dict[str, str] = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}

@@ -39,7 +39,7 @@ def test_rm_ranks_held_out_pairs(trained):
 def test_saved_reward_model_scores_like_the_trained_one(trained):
     """reward=model reloads base + adapter + head from final/ and ranks the held-out pairs as the
     last eval did."""
-    from rlnotes.rewards.scoring import reward_model
+    from rlnotes.rewards.builtin import reward_model
 
     path, cfg, rows = trained
     assert (path / "final" / "reward_head.safetensors").exists()
