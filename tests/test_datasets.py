@@ -15,15 +15,14 @@ from rich.console import Console
 from rlnotes.core.errors import ConfigError
 from rlnotes.core.schema import DataConfig
 from rlnotes.data.datasets import (
-    PromptLengths,
-    fit_and_split,
-    hub_reachable,
     load_checked,
+    load_task,
     needed_columns,
     read,
     reward_columns,
 )
-from rlnotes.data.tasks import load_task
+from rlnotes.data.fitting import PromptLengths, fit_and_split
+from rlnotes.data.reading import hub_reachable
 from rlnotes.engine.models import tiny_tokenizer
 from rlnotes.engine.rollout import encode_prompts, render_plain
 from rlnotes.runners import REGISTRY
@@ -37,7 +36,7 @@ CHAT = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %
 
 def checked(cfg, *args):
     """load_checked for the algorithm of `cfg`."""
-    return load_checked(cfg, REGISTRY[cfg.algo.name], *args)
+    return load_checked(cfg.data, REGISTRY[cfg.algo.name], *args)
 
 
 def fit_rows(data, cfg, *args, **kwargs):
@@ -240,7 +239,7 @@ def test_chat_template_renders_text_and_messages_with_the_generation_prompt_and_
 
 
 def test_data_system_prompt_wins_over_the_models():
-    from rlnotes.data.tasks import system_prompt
+    from rlnotes.data.settings import system_prompt
 
     assert system_prompt(compose("model=smollm2-135m")) == "You are a helpful assistant."
     assert system_prompt(compose("model=smollm2-135m", "data.system_prompt=Think.")) == "Think."

@@ -1182,7 +1182,7 @@ def test_grpo_trains_with_trl_style_functions_on_a_users_jsonl(tmp_path, trl_mod
 def test_trainer_state_counts_steps_and_epochs_of_rows_drawn():
     from types import SimpleNamespace
 
-    from rlnotes.data.tasks import PromptSampler
+    from rlnotes.data.sampler import PromptSampler
     from rlnotes.training.loop import trainer_state
 
     sampler = PromptSampler([{"prompt": str(i)} for i in range(8)], batch_size=4, seed=0)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from rlnotes.data.tasks import system_prompt
+from rlnotes.data.settings import system_prompt
 from rlnotes.engine.sequences import Sequences, encode
 
 

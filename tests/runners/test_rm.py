@@ -8,7 +8,7 @@ import pytest
 from rich.console import Console
 
 from rlnotes.commands.train import train
-from rlnotes.data.tasks import load_task
+from rlnotes.data.datasets import load_task
 from tests.conftest import compose
 
 
