@@ -101,13 +101,12 @@ def max_positions(model) -> Optional[int]:
     return getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
 
 
-def fit_table(table: Table, cfg, lengths: PromptLengths, limit: Optional[int],
-              samples: bool) -> Tuple[Table, int, int]:
+def fit_table(table: Table, d, lengths: PromptLengths, limit: Optional[int],
+              max_new_tokens: Optional[int]) -> Tuple[Table, int, int]:
     """(table, rows dropped, rows truncated): prompts over data.max_prompt_len dropped, truncated or
-    an error (data.overlong); a row whose prompt and completion do not fit `limit` positions is an
-    error that names it (`samples`: completions are sampled, rollout.max_new_tokens long at most;
-    else the row's own answer columns are its completions)."""
-    d = cfg.data
+    an error (data.overlong, of data config `d`); a row whose prompt and completion do not fit
+    `limit` positions is an error that names it (completions are sampled, `max_new_tokens` long at
+    most; None: the row's own answer columns are its completions)."""
     sizes = lengths([r["prompt"] for r in table.rows])
     rows, idx, dropped, truncated = [], [], 0, 0
     for i, (row, size) in enumerate(zip(table.rows, sizes)):
@@ -121,7 +120,7 @@ def fit_table(table: Table, cfg, lengths: PromptLengths, limit: Optional[int],
                 continue
             row, size, truncated = {**row, "prompt": prompt}, lengths([prompt])[0], truncated + 1
         if limit is not None:
-            _check_fits(table, i, row, size, limit, cfg, samples, lengths.tokenizer)
+            _check_fits(table, i, row, size, limit, max_new_tokens, lengths.tokenizer)
         rows.append(row)
         idx.append(i)
     if not rows:
@@ -130,10 +129,12 @@ def fit_table(table: Table, cfg, lengths: PromptLengths, limit: Optional[int],
     return table.keep(rows, idx), dropped, truncated
 
 
-def _check_fits(table: Table, i: int, row: Row, size: int, limit: int, cfg, samples: bool, tokenizer) -> None:
+def _check_fits(table: Table, i: int, row: Row, size: int, limit: int, max_new_tokens: Optional[int],
+                tokenizer) -> None:
     """Stop on a row whose prompt and longest completion exceed the model's `limit` positions."""
+    samples = max_new_tokens is not None
     if samples:
-        extra, what = cfg.rollout.max_new_tokens, "rollout.max_new_tokens"
+        extra, what = max_new_tokens, "rollout.max_new_tokens"
     else:
         answers = {c: len(tokenizer(row[c], add_special_tokens=False)["input_ids"]) + 1
                    for c in ANSWER_COLUMNS if c in row}
@@ -158,12 +159,13 @@ def fit_and_split(data: Data, cfg, tokenizer, limit: Optional[int], console=None
     (`evaluating`: whether they will be scored; None: whether the training run `cfg` scores them).
     `samples`: whether completions are sampled (else the rows' answer columns must fit too)."""
     lengths = PromptLengths(tokenizer, cfg.model.chat_template, system_prompt(cfg))
+    max_new_tokens = cfg.rollout.max_new_tokens if samples else None
     notes = []
-    train, dropped, cut = fit_table(data.train, cfg, lengths, limit, samples)
+    train, dropped, cut = fit_table(data.train, cfg.data, lengths, limit, max_new_tokens)
     notes += _fit_note("train", len(data.train.rows), dropped, cut, cfg.data)
     eval_table = data.eval
     if eval_table is not None:
-        eval_table, dropped, cut = fit_table(eval_table, cfg, lengths, limit, samples)
+        eval_table, dropped, cut = fit_table(eval_table, cfg.data, lengths, limit, max_new_tokens)
         notes += _fit_note("eval", len(data.eval.rows), dropped, cut, cfg.data)
     evaluating = evaluates(cfg) if evaluating is None else evaluating
     train_rows, eval_rows = replace(data, train=train, eval=eval_table).split(evaluating)

@@ -47,7 +47,6 @@ class Table:
         return Table(self.source, rows, [self.numbers[i] for i in idx])
 
 
-
 def rename_columns(table: Table, columns: Dict[str, str]) -> Table:
     """Our column names for the source's: `columns` maps ours -> theirs (data.columns.prompt=question)."""
     if not columns:

@@ -11,7 +11,7 @@ from rlnotes.core.errors import ConfigError
 from rlnotes.data.tasks import TASKS
 
 # Where data.source takes its rows from: a built-in task (data.name), a local file (data.path) or
-# a hub dataset (data.name = org/set); files and the hub are read by rlnotes.data.datasets.
+# a hub dataset (data.name = org/set); files and the hub are read by rlnotes.data.reading.
 SOURCES = ("task", "file", "hub")
 # What data.overlong does with a prompt longer than data.max_prompt_len tokens.
 OVERLONG = ("drop", "truncate", "error")
