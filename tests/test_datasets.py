@@ -530,6 +530,20 @@ def test_a_text_row_is_trained_on_whole_after_a_start_token(tmp_path):
                                                "algo=sft) has no prompt to sample completions of, which algo=grpo does")
 
 
+def test_text_rows_are_refused_when_the_runs_evaluations_generate(tmp_path, capsys):
+    """algo=sft learns from {"text": ...} rows, but eval.generate samples completions of their prompts,
+    which they have none of: `rlnotes train` says so, naming eval.generate, before the model loads."""
+    from rlnotes.commands.cli import main
+
+    path = write(tmp_path / "lm.jsonl", [{"text": f"Say a, {i}: aaaa"} for i in range(20)])
+    args = ["train", "algo=sft", f"data.path={path}", "trainer.steps=1", "trainer.batch_size=4",
+            "trainer.eval_every=1", "logging.progress=false", f"hydra.run.dir={tmp_path / 'run'}"]
+    with pytest.raises(SystemExit) as stop:
+        main([*args, "eval.generate=true"])
+    assert stop.value.code == 1
+    assert "has no prompt to sample completions of, which eval.generate does" in capsys.readouterr().err
+
+
 def test_built_in_tasks_pass_through_fitting_unchanged():
     cfg = compose("data=arith", "data.train_size=50", "data.eval_size=10")
     assert fit_rows(checked(cfg), cfg, tiny_tokenizer(), 512) == load_task(cfg.data)

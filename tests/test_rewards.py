@@ -77,6 +77,16 @@ def test_number_match_is_per_sample_and_ignores_other_columns():
     assert number_match(["a", "b", "c"], ["1", "x 2", "3"], answer=["1", "2", "4"], letter=["z"] * 3) == [1.0, 1.0, 0.0]
 
 
+def test_the_built_in_functions_are_importable_from_rlnotes_rewards():
+    """`from rlnotes.rewards import number_match` (and every other built-in) works for users' code."""
+    import rlnotes.rewards
+    from rlnotes.rewards.builtin import REWARDS
+
+    assert rlnotes.rewards.REWARDS is REWARDS
+    assert {name: getattr(rlnotes.rewards, name, None) for name in REWARDS} == REWARDS
+    assert rlnotes.rewards.number_match(["p"], ["it is 3"], ["3"]) == [1.0]
+
+
 def test_last_number():
     assert last_number("from 3 to 1,000,000.") == "1000000"
     assert last_number("(2)-5") == "5"
