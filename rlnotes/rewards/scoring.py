@@ -31,20 +31,16 @@ Rewards).
 
 from __future__ import annotations
 
-import asyncio
-import copy
 import math
 import statistics
-import threading
-import time
 import traceback
 from collections import deque
-from dataclasses import dataclass, replace
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
 from rich.markup import escape
 
+from rlnotes.rewards.calling import CallLog, Calls, Outcome, TrainerState
 from rlnotes.rewards.loading import RewardFn, build, first_line
 
 
@@ -58,65 +54,11 @@ class RewardFailure(RuntimeError):
     any sample of a batch, or timed out on several calls in a row: the run cannot learn."""
 
 
-@dataclass
-class TrainerState:
-    """The `trainer_state` a reward function gets (the fields of TRL's TrainerState that reward
-    shaping reads): optimizer steps taken, the run's trainer.steps, and epochs of the training
-    rows sampled so far."""
-    global_step: int = 0
-    max_steps: int = 0
-    epoch: float = 0.0
-
-
-# Columns of the samples table a reward function's log_extra cannot take.
-SAMPLE_FIELDS = ("step", "prompt", "completion", "reward")
 # Calls of a function whose times make its usual time (the median) for the slow-call warning;
 # a call warns when it takes SLOW_FACTOR times that and at least SLOW_MIN_S seconds.
 SLOW_WINDOW, SLOW_FACTOR, SLOW_MIN_S = 20, 10.0, 1.0
 # A function that times out on this many calls in a row stops the run.
 TIMEOUTS_IN_A_ROW = 3
-
-
-@dataclass
-class _Outcome:
-    """What one call of a reward function gave: its result or the exception it raised, and its time."""
-    result: object = None
-    error: Optional[BaseException] = None
-    seconds: float = 0.0
-    timed_out: bool = False
-
-
-class _Log:
-    """What the functions of one scoring call log: extra samples-table columns (log_extra) and
-    scalars (log_metric), the latter as reward/<function>/<name>."""
-
-    def __init__(self, n: int):
-        self.n = n
-        self.columns: Dict[str, list] = {}
-        self.metrics: Dict[str, List[float]] = {}
-
-    def extra(self, offset: int, count: int) -> Callable[[str, list], None]:
-        """log_extra for a call on samples offset..offset+count (a per-sample retry scores one)."""
-        def log_extra(column: str, values) -> None:
-            values = list(values)
-            if len(values) != count:
-                raise ValueError(f"log_extra({column!r}, ...) got {len(values)} values for {count} completions")
-            if column in SAMPLE_FIELDS:
-                raise ValueError(f"log_extra({column!r}, ...): {column!r} is a column of the samples table already")
-            self.columns.setdefault(column, [None] * self.n)[offset:offset + count] = values
-        return log_extra
-
-    def metric(self, fn_name: str) -> Callable[[str, float], None]:
-        def log_metric(name: str, value: float) -> None:
-            self.metrics.setdefault(f"reward/{fn_name}/{name}", []).append(float(value))
-        return log_metric
-
-
-def _own_copy(value):
-    """A deep copy of `value`, quick for the common lists of strings and numbers."""
-    if isinstance(value, list):
-        return [v if isinstance(v, (str, int, float, type(None))) else _own_copy(v) for v in value]
-    return copy.deepcopy(value)
 
 
 def _number(value) -> Optional[float]:
@@ -146,53 +88,6 @@ def _brief(value, width: int = 80) -> str:
     return text if len(text) <= width else text[:width - 1] + "…"
 
 
-def call_sync(rf: RewardFn, kwargs: dict, timeout: Optional[float]) -> _Outcome:
-    """One call of a sync function: in this thread, or with a time-out in a worker thread (_in_thread)."""
-    start = time.perf_counter()
-    if timeout is None:
-        try:
-            return _Outcome(rf.fn(**kwargs), seconds=time.perf_counter() - start)
-        except (Exception, SystemExit) as e:  # noqa: BLE001 - a user's function may raise anything
-            return _Outcome(error=e, seconds=time.perf_counter() - start)
-    return _in_thread(rf, kwargs, timeout, start)
-
-
-def _in_thread(rf: RewardFn, kwargs: dict, timeout: float, start: float) -> _Outcome:
-    """The call in a worker thread, abandoned (still running) when `timeout` seconds pass."""
-    box: Dict[str, object] = {}
-
-    def work() -> None:
-        try:
-            box["result"] = rf.fn(**kwargs)
-        except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
-            box["error"] = e
-
-    worker = threading.Thread(target=work, name=f"reward {rf.name}", daemon=True)
-    worker.start()
-    worker.join(timeout)
-    seconds = time.perf_counter() - start
-    if worker.is_alive():
-        return _Outcome(seconds=seconds, timed_out=True)
-    if isinstance(box.get("error"), KeyboardInterrupt):
-        raise box["error"]
-    return _Outcome(box.get("result"), box.get("error"), seconds)
-
-
-async def call_async(rf: RewardFn, kwargs: dict, timeout: Optional[float]) -> _Outcome:
-    """One awaited call of an async function, cancelled at its next await past `timeout` seconds."""
-    start = time.perf_counter()
-    task = asyncio.ensure_future(rf.fn(**kwargs))
-    done, _ = await asyncio.wait({task}, timeout=timeout)
-    seconds = time.perf_counter() - start
-    if not done:
-        task.cancel()
-        return _Outcome(seconds=seconds, timed_out=True)
-    try:
-        return _Outcome(task.result(), seconds=seconds)
-    except (Exception, SystemExit) as e:  # noqa: BLE001 - a user's function may raise anything
-        return _Outcome(error=e, seconds=seconds)
-
-
 class Rewards:
     """The weighted sum of the configured reward functions, robust to a function that fails.
 
@@ -202,7 +97,7 @@ class Rewards:
     the names it takes). Each call gets its own deep copies of these inputs, so a function that
     edits them changes nothing another function or the samples table sees. Sync functions run one
     after another, then the async ones are awaited together (asyncio.gather) on one event loop
-    that the Rewards keeps (run in the calling thread).
+    kept for the run, in the calling thread (rlnotes.rewards.calling).
 
     `reward.timeout_s` bounds each call. A sync function then runs in a worker thread that is
     abandoned at the time-out: Python cannot stop a thread, so it runs on in the background until
@@ -223,39 +118,13 @@ class Rewards:
         self._said: set = set()
         self._times: Dict[str, deque] = {rf.name: deque(maxlen=SLOW_WINDOW) for rf in self.fns}
         self._timeouts: Dict[str, int] = {rf.name: 0 for rf in self.fns}
-        self._loop: Optional[asyncio.AbstractEventLoop] = None   # runs the async functions
+        self._calls = Calls(self.timeout)
 
     def _once(self, key: str, message: str) -> None:
         """Print `message` the first time `key` comes up in this run."""
         if key not in self._said and self.console is not None:
             self.console.print(message)
         self._said.add(key)
-
-    # -- calling ---------------------------------------------------------------------------------
-
-    def _kwargs(self, rf: RewardFn, inputs: dict, log: _Log, offset: int) -> dict:
-        """rf's own copies of its keyword arguments for a call on samples offset.. of the batch."""
-        n = len(inputs["completions"])
-        kwargs = {**{k: _own_copy(v) for k, v in inputs.items()}, "trainer_state": replace(self.state),
-                  "log_extra": log.extra(offset, n), "log_metric": log.metric(rf.name), **_own_copy(rf.args)}
-        return kwargs if rf.accepts is None else {k: v for k, v in kwargs.items() if k in rf.accepts}
-
-    def _outcomes(self, fns: Sequence[RewardFn], inputs: dict, log: _Log, offset: int = 0) -> List[_Outcome]:
-        """One call of each of `fns` on `inputs`: the sync ones in turn, then the async ones together."""
-        out: Dict[int, _Outcome] = {}
-        for i, rf in enumerate(fns):
-            if not rf.awaited:
-                out[i] = call_sync(rf, self._kwargs(rf, inputs, log, offset), self.timeout)
-        awaited = [i for i, rf in enumerate(fns) if rf.awaited]
-        if awaited:
-            async def together():
-                return await asyncio.gather(*[call_async(fns[i], self._kwargs(fns[i], inputs, log, offset),
-                                                         self.timeout) for i in awaited])
-            # One loop for the whole run, as TRL keeps: an async client a function made on its first
-            # call (an HTTP session, a rate limiter) stays bound to a loop that is still open.
-            self._loop = self._loop or asyncio.new_event_loop()
-            out.update(zip(awaited, self._loop.run_until_complete(together())))
-        return [out[i] for i in range(len(fns))]
 
     # -- checking what came back -------------------------------------------------------------
 
@@ -272,10 +141,10 @@ class Rewards:
                                 "it must return one value (a number or None) per completion")
         return values
 
-    def _sample(self, rf: RewardFn, inputs: dict, log: _Log, i: int):
+    def _sample(self, rf: RewardFn, inputs: dict, log: CallLog, i: int):
         """rf's value for sample i alone; NaN when it raises or times out."""
         one = {k: v[i:i + 1] if v is not None else None for k, v in inputs.items()}
-        (outcome,) = self._outcomes([rf], one, log, offset=i)
+        (outcome,) = self._calls.outcomes([rf], one, log, self.state, offset=i)
         if outcome.error is not None or outcome.timed_out:
             return float("nan")
         return self._values(rf, outcome.result, 1)[0]
@@ -291,7 +160,7 @@ class Rewards:
                                               "reward.timeout_s=SECONDS bounds a call[/]")
         times.append(seconds)
 
-    def _settle(self, rf: RewardFn, outcome: _Outcome, inputs: dict, log: _Log) -> tuple[List[Optional[float]], int]:
+    def _settle(self, rf: RewardFn, outcome: Outcome, inputs: dict, log: CallLog) -> tuple[List[Optional[float]], int]:
         """One number or None per sample, failing samples replaced by the fallback, and their count."""
         n = len(inputs["completions"])
         if outcome.timed_out:
@@ -313,7 +182,7 @@ class Rewards:
                                          f"{self.fallback}[/]")
         return [self.fallback] * n
 
-    def _retried(self, rf: RewardFn, error: BaseException, inputs: dict, log: _Log) -> list:
+    def _retried(self, rf: RewardFn, error: BaseException, inputs: dict, log: CallLog) -> list:
         """After a batched call raised: rf's value for each sample alone (NaN where it fails again)."""
         trace = "".join(traceback.format_exception(error))
         self._once("traceback", f"[yellow]reward function {rf.name!r} raised; retrying sample by sample "
@@ -355,11 +224,11 @@ class Rewards:
         shaped = [in_prompt_format(p, c) for p, c in zip(prompts, completions)]
         ids = [list(i) for i in completion_ids] if completion_ids is not None else None
         inputs = {**columns, "prompts": prompts, "completions": shaped, "completion_ids": ids}
-        log = _Log(len(shaped))
+        log = CallLog(len(shaped))
         totals, scored = [0.0] * len(shaped), [0] * len(shaped)
         metrics: Dict[str, float] = {}
         failures = 0
-        for rf, outcome in zip(self.fns, self._outcomes(self.fns, inputs, log)):
+        for rf, outcome in zip(self.fns, self._calls.outcomes(self.fns, inputs, log, self.state)):
             values, failed = self._settle(rf, outcome, inputs, log)
             failures += failed
             metrics[f"reward/{rf.name}"] = _add_weighted(totals, scored, rf.weight, values)
