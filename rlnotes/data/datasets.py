@@ -1,7 +1,7 @@
 """The rows of a run: from a built-in task (rlnotes.data.tasks), a local file or a hub dataset
-(rlnotes.data.reading), normalised to one shape (rlnotes.data.formats), checked for the columns
-the algorithm and its reward functions need, then fitted to the model and split into train and
-eval rows (rlnotes.data.fitting).
+(rlnotes.data.reading), normalised to one shape (rlnotes.data.formats) and checked for the columns
+the algorithm and its reward functions need, before the model loads; once it has loaded,
+rlnotes.data.fitting fits them to it and splits them into train and eval rows.
 
 Errors name the source, the row (1-based, in the source's order; a CSV's header is not a row) and
 the column, and say what to change.
