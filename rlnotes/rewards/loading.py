@@ -229,6 +229,7 @@ def check_reward_config(cfg) -> None:
 
 
 def first_line(error: BaseException) -> str:
+    """An exception as one line for a message: its type and the first line of its text."""
     text = str(error).strip()
     return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
 
