@@ -11,16 +11,9 @@ from omegaconf import OmegaConf
 
 from rlnotes.core.errors import ConfigError
 from rlnotes.core.schema import DataConfig
-from rlnotes.data.tasks import (
-    TASK_REWARDS,
-    TASKS,
-    PromptSampler,
-    arith,
-    countdown,
-    hidden_expression,
-    letters,
-    load_task,
-)
+from rlnotes.data.datasets import load_task
+from rlnotes.data.sampler import PromptSampler
+from rlnotes.data.tasks import TASK_REWARDS, TASKS, arith, countdown, hidden_expression, letters
 
 ARITH = re.compile(r"^What is (\d+)([+*-])(\d+)\? Answer with just the number\.$")
 
@@ -121,7 +114,7 @@ def test_arith_bad_ops_raise_config_error(ops):
 
 
 def test_arith_negative_answers_are_scored_by_the_task_reward():
-    from rlnotes.rewards.scoring import REWARDS
+    from rlnotes.rewards.builtin import REWARDS
 
     _, space = arith(data_cfg(name="arith", digits=1, ops="-", train_size=1, eval_size=1000))
     negative = [r for r in space if r["answer"].startswith("-")]
@@ -235,7 +228,7 @@ def test_every_countdown_problem_is_solved_by_its_hidden_expression():
 
 
 def test_countdown_reward_accepts_the_hidden_expression():
-    from rlnotes.rewards.scoring import REWARDS
+    from rlnotes.rewards.builtin import REWARDS
 
     train, _ = countdown(countdown_cfg(train_size=40, eval_size=1))
     reward = REWARDS[TASK_REWARDS["countdown"]]

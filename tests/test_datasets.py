@@ -15,15 +15,14 @@ from rich.console import Console
 from rlnotes.core.errors import ConfigError
 from rlnotes.core.schema import DataConfig
 from rlnotes.data.datasets import (
-    PromptLengths,
-    fit_and_split,
-    hub_reachable,
     load_checked,
+    load_task,
     needed_columns,
     read,
     reward_columns,
 )
-from rlnotes.data.tasks import load_task
+from rlnotes.data.fitting import PromptLengths, fit_and_split
+from rlnotes.data.reading import hub_reachable
 from rlnotes.engine.models import tiny_tokenizer
 from rlnotes.engine.rollout import encode_prompts, render_plain
 from rlnotes.runners import REGISTRY
@@ -37,7 +36,7 @@ CHAT = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %
 
 def checked(cfg, *args):
     """load_checked for the algorithm of `cfg`."""
-    return load_checked(cfg, REGISTRY[cfg.algo.name], *args)
+    return load_checked(cfg.data, REGISTRY[cfg.algo.name], *args)
 
 
 def fit_rows(data, cfg, *args, **kwargs):
@@ -240,7 +239,7 @@ def test_chat_template_renders_text_and_messages_with_the_generation_prompt_and_
 
 
 def test_data_system_prompt_wins_over_the_models():
-    from rlnotes.data.tasks import system_prompt
+    from rlnotes.data.settings import system_prompt
 
     assert system_prompt(compose("model=smollm2-135m")) == "You are a helpful assistant."
     assert system_prompt(compose("model=smollm2-135m", "data.system_prompt=Think.")) == "Think."
@@ -251,7 +250,7 @@ def test_data_system_prompt_wins_over_the_models():
 def test_offline_encode_takes_conversational_prompts_and_completions():
     import torch
 
-    from rlnotes.training.offline import encode
+    from rlnotes.engine.sequences import encode
 
     tok = tiny_tokenizer()
     plain = encode(tok, ["user: Q\nassistant:"], ["A"], torch.device("cpu"))
@@ -516,7 +515,7 @@ def test_text_pairs_with_an_implicit_prompt_split_as_trl_splits_them(tmp_path):
 def test_a_text_row_is_trained_on_whole_after_a_start_token(tmp_path):
     """{"text": ...} (language modeling, SFT): every token of the text is a completion token, after the
     tokenizer's BOS; it has no prompt to sample from."""
-    from rlnotes.training.offline import encode
+    from rlnotes.engine.sequences import encode
 
     path = write(tmp_path / "lm.jsonl", [{"text": "abc"}, {"text": "de"}])
     rows = load_task(file_cfg(path, eval_size=0))[0]
@@ -529,6 +528,20 @@ def test_a_text_row_is_trained_on_whole_after_a_start_token(tmp_path):
     cfg = compose("algo=grpo", f"data.path={path}", "reward=letters")
     assert error(checked, cfg).startswith(f"{path} row 1: a {{\"text\": ...}} row (language modeling, for "
                                                "algo=sft) has no prompt to sample completions of, which algo=grpo does")
+
+
+def test_text_rows_are_refused_when_the_runs_evaluations_generate(tmp_path, capsys):
+    """algo=sft learns from {"text": ...} rows, but eval.generate samples completions of their prompts,
+    which they have none of: `rlnotes train` says so, naming eval.generate, before the model loads."""
+    from rlnotes.commands.cli import main
+
+    path = write(tmp_path / "lm.jsonl", [{"text": f"Say a, {i}: aaaa"} for i in range(20)])
+    args = ["train", "algo=sft", f"data.path={path}", "trainer.steps=1", "trainer.batch_size=4",
+            "trainer.eval_every=1", "logging.progress=false", f"hydra.run.dir={tmp_path / 'run'}"]
+    with pytest.raises(SystemExit) as stop:
+        main([*args, "eval.generate=true"])
+    assert stop.value.code == 1
+    assert "has no prompt to sample completions of, which eval.generate does" in capsys.readouterr().err
 
 
 def test_built_in_tasks_pass_through_fitting_unchanged():

@@ -17,26 +17,22 @@ from omegaconf import OmegaConf
 
 from rlnotes.core.errors import ConfigError
 from rlnotes.core.schema import RewardConfig, RewardFnConfig
-from rlnotes.rewards.scoring import (
-    RewardFailure,
-    Rewards,
+from rlnotes.rewards.builtin import (
     check_builtin_args,
-    check_reward_config,
     countdown,
     countdown_expression,
     evaluate_arithmetic,
     exact_match,
     format_match,
-    function_specs,
     last_number,
     length_penalty,
     letter_share,
     math_match,
-    metric_names,
     normalize_text,
     number_match,
-    resolve,
 )
+from rlnotes.rewards.loading import check_reward_config, function_specs, metric_names, resolve
+from rlnotes.rewards.scoring import RewardFailure, Rewards
 
 THINK = r"<think>.*?</think>\s*<answer>.*?</answer>"
 
@@ -79,6 +75,16 @@ def test_number_match(completion, answer, score):
 
 def test_number_match_is_per_sample_and_ignores_other_columns():
     assert number_match(["a", "b", "c"], ["1", "x 2", "3"], answer=["1", "2", "4"], letter=["z"] * 3) == [1.0, 1.0, 0.0]
+
+
+def test_the_built_in_functions_are_importable_from_rlnotes_rewards():
+    """`from rlnotes.rewards import number_match` (and every other built-in) works for users' code."""
+    import rlnotes.rewards
+    from rlnotes.rewards.builtin import REWARDS
+
+    assert rlnotes.rewards.REWARDS is REWARDS
+    assert {name: getattr(rlnotes.rewards, name, None) for name in REWARDS} == REWARDS
+    assert rlnotes.rewards.number_match(["p"], ["it is 3"], ["3"]) == [1.0]
 
 
 def test_last_number():
@@ -1055,7 +1061,7 @@ def one_by_one(model, tokenizer, texts, add_special_tokens=True):
 
 
 def test_hf_reward_model_scores_in_batches_as_one_by_one(tmp_path):
-    from rlnotes.rewards.scoring import reward_model
+    from rlnotes.rewards.builtin import reward_model
 
     model, tokenizer = tiny_classifier(tmp_path)
     prompts, completions = ["Q: 3+4?", "Q: 10+20? ", "Q: 1+1?"], ["7", "It is 30, I think.", "2!"]
@@ -1066,7 +1072,7 @@ def test_hf_reward_model_scores_in_batches_as_one_by_one(tmp_path):
 
 
 def test_hf_reward_model_renders_the_chat_template(tmp_path):
-    from rlnotes.rewards.scoring import reward_model
+    from rlnotes.rewards.builtin import reward_model
 
     template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
     model, tokenizer = tiny_classifier(tmp_path, chat_template=template)
@@ -1109,9 +1115,9 @@ def test_reward_model_from_an_rm_run(tmp_path):
     """A 2-step algo=rm run through the console entry point, then reward=model on its final/: the
     scores are the trained head's r(x, y), the same in any batch size."""
     from rlnotes.commands.cli import main
+    from rlnotes.engine.sequences import encode
+    from rlnotes.rewards.builtin import reward_model
     from rlnotes.rewards.model import load, sequence_rewards
-    from rlnotes.rewards.scoring import reward_model
-    from rlnotes.training.offline import encode
     from tests.conftest import compose
 
     run = tmp_path / "rm"
@@ -1186,7 +1192,7 @@ def test_grpo_trains_with_trl_style_functions_on_a_users_jsonl(tmp_path, trl_mod
 def test_trainer_state_counts_steps_and_epochs_of_rows_drawn():
     from types import SimpleNamespace
 
-    from rlnotes.data.tasks import PromptSampler
+    from rlnotes.data.sampler import PromptSampler
     from rlnotes.training.loop import trainer_state
 
     sampler = PromptSampler([{"prompt": str(i)} for i in range(8)], batch_size=4, seed=0)

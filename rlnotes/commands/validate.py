@@ -24,9 +24,10 @@ from rlnotes.core.checks import (
 )
 from rlnotes.core.errors import ConfigError
 from rlnotes.core.schema import RewardFnConfig, TrainConfig
-from rlnotes.data.tasks import TASK_REWARDS, check_data_config, file_from_path
+from rlnotes.data.settings import check_data_config, file_from_path
+from rlnotes.data.tasks import TASK_REWARDS
 from rlnotes.engine.model_files import check_model_source
-from rlnotes.rewards.scoring import check_reward_config
+from rlnotes.rewards.loading import check_reward_config
 from rlnotes.run.restore import resolve
 from rlnotes.run.tracking import check_backends
 from rlnotes.runners import REGISTRY, algorithm
@@ -140,7 +141,7 @@ def validate(cfg) -> Algorithm:
                           "or set trainer.eval_every=null for no evaluation")
     _check_sweep(cfg)
     check_model_source(cfg.model.name_or_path)  # a missing or half-written model dir, before anything loads
-    check_data_config(cfg)
+    check_data_config(cfg.data, cfg.trainer)
     if algo.samples:
         if cfg.reward.name == "model" and not cfg.reward.path:
             raise ConfigError("reward=model needs the reward model's directory: reward.path=RUN_DIR/final "

@@ -81,7 +81,7 @@ class ModelConfig:
 
 @dataclass
 class RewardFnConfig:
-    # A built-in reward name (see rlnotes.rewards.scoring.REWARDS), an import path "pkg.mod.fn" or
+    # A built-in reward name (see rlnotes.rewards.builtin.REWARDS), an import path "pkg.mod.fn" or
     # "pkg.mod:fn" (found from the working directory too) or a file "path/to/rewards.py:fn" of a
     # function called as TRL calls it: fn(prompts=, completions=, <column>=, ..., **kwargs)
     # -> list[float | None].
@@ -116,7 +116,7 @@ class RewardConfig:
 
 @dataclass
 class DataConfig:
-    # Where rows come from (rlnotes.data.tasks.SOURCES): task (a built-in task named by `name`), file
+    # Where rows come from (rlnotes.data.settings.SOURCES): task (a built-in task named by `name`), file
     # (`path`) or hub (the dataset `name`); data=file and data=hub set it.
     source: str = "task"
     # task: the built-in task (see rlnotes.data.tasks.TASKS); "auto" picks the algorithm's default task

@@ -9,7 +9,9 @@ those columns as keyword arguments. Preference rows add `chosen` and `rejected`,
 from __future__ import annotations
 
 import random
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Tuple
+
+from rlnotes.core.errors import ConfigError
 
 Row = Dict[str, Any]
 Split = Tuple[List[Row], List[Row]]
@@ -23,8 +25,6 @@ _OPS: Dict[str, Callable[[int, int], int]] = {"+": lambda a, b: a + b, "-": lamb
 def _check_ops(ops: str) -> Dict[str, Callable[[int, int], int]]:
     """The operators named by data.ops."""
     if not ops or set(ops) - set(_OPS):
-        from rlnotes.core.errors import ConfigError
-
         raise ConfigError(f"data.ops={ops!r}: use a string of the operators {', '.join(_OPS)}")
     return {op: _OPS[op] for op in ops}
 
@@ -57,8 +57,6 @@ def arith(cfg) -> Split:
     if cfg.max_digits is None or cfg.max_digits == cfg.digits:
         return _arith(cfg, cfg.digits, cfg.train_size)
     if cfg.max_digits < cfg.digits:
-        from rlnotes.core.errors import ConfigError
-
         raise ConfigError(f"data.max_digits={cfg.max_digits} is below data.digits={cfg.digits}; raise it or set "
                           "it to null (one operand size)")
     sizes = range(cfg.digits, cfg.max_digits + 1)
@@ -154,8 +152,6 @@ def countdown(cfg) -> Split:
         misses = 0 if new else misses + 1
     space = list(rows.values())
     if len(space) < wanted:
-        from rlnotes.core.errors import ConfigError
-
         raise ConfigError(f"data.train_size + data.eval_size = {wanted} is more than the {len(space)} distinct "
                           "countdown problems found; lower them or raise data.digits")
     return space[task_eval_size(cfg):], space[:task_eval_size(cfg)]
@@ -163,100 +159,7 @@ def countdown(cfg) -> Split:
 
 TASKS: Dict[str, Callable] = {"arith": arith, "letters": letters, "countdown": countdown, "arith_pairs": arith_pairs,
                               "arith_sft": arith_sft, "letters_pairs": letters_pairs}
-# The reward (a name in rlnotes.rewards.scoring.REWARDS) that reward=auto gives each task.
+# The reward (a name in rlnotes.rewards.builtin.REWARDS) that reward=auto gives each task.
 TASK_REWARDS: Dict[str, str] = {"arith": "number_match", "letters": "letter_share", "countdown": "countdown",
                                 "arith_pairs": "number_match", "arith_sft": "number_match",
                                 "letters_pairs": "letter_share"}
-# Where data.source takes its rows from: a built-in task (data.name), a local file (data.path) or
-# a hub dataset (data.name = org/set); files and the hub are read by rlnotes.data.datasets.
-SOURCES = ("task", "file", "hub")
-# What data.overlong does with a prompt longer than data.max_prompt_len tokens.
-OVERLONG = ("drop", "truncate", "error")
-
-
-def load_task(cfg) -> Split:
-    """(train rows, eval rows) of the data config `cfg`: a built-in task, a file or a hub dataset,
-    normalised to the row shape above (rlnotes.data.datasets, which builds on the tasks here)."""
-    from rlnotes.data.datasets import read
-
-    return read(cfg).split()
-
-
-def file_from_path(d) -> None:
-    """data.path given without data=file: the default data (data=auto) becomes that file; a task or
-    hub dataset chosen by name is left for check_data_config to refuse."""
-    if d.path and d.source == "task" and d.name == "auto":
-        d.source, d.name = "file", "file"
-
-
-def system_prompt(cfg) -> Optional[str]:
-    """The system message of prompts that have no system turn: data.system_prompt (it belongs to
-    the data), else model.system_prompt (a default for the model), else none."""
-    return cfg.data.system_prompt if cfg.data.system_prompt is not None else cfg.model.system_prompt
-
-
-def check_data_config(cfg) -> None:
-    """The data settings a schema type cannot check, before anything loads."""
-    from rlnotes.core.checks import check_choice
-    from rlnotes.core.errors import ConfigError
-
-    d = cfg.data
-    check_choice("data.source", d.source, SOURCES)
-    check_choice("data.overlong", d.overlong, OVERLONG)
-    if d.source == "task":
-        check_choice("data.name", d.name, TASKS)
-        if d.train_size < cfg.trainer.batch_size:
-            raise ConfigError(f"data.train_size={d.train_size} is smaller than trainer.batch_size="
-                              f"{cfg.trainer.batch_size}; raise data.train_size or lower trainer.batch_size")
-    if d.source == "hub" and d.name in ("auto", ""):  # "auto" is the schema's default, not a dataset
-        raise ConfigError("data=hub needs the dataset: data.name=org/set (or a local dataset folder)")
-    if d.path and d.source != "file":
-        option, what = (d.name, "a built-in task") if d.source == "task" else ("hub", "a hub dataset (data.name)")
-        raise ConfigError(f"data.path={d.path} is a file to read, but data={option} reads {what}; drop data={option} "
-                          "(a path alone means data=file) or drop data.path")
-    if d.source == "file" and not d.path:
-        raise ConfigError("data=file needs the file to read: data.path=FILE (.jsonl, .json, .parquet or .csv)")
-    if d.source != "hub" and d.eval_split is not None:
-        raise ConfigError(f"data.eval_split names a split of a hub dataset (data=hub); with data.source={d.source} "
-                          "give an eval file (data.eval_path=FILE) or hold out data.eval_size rows")
-    if d.eval_path is not None and d.source == "task":
-        raise ConfigError("data.eval_path is for data=file and data=hub; a built-in task makes its own eval rows")
-    if d.max_prompt_len is not None and d.max_prompt_len < 1:
-        raise ConfigError(f"data.max_prompt_len={d.max_prompt_len} must be at least 1 (tokens), or null for none")
-    if d.eval_size is not None and d.eval_size < 0:
-        raise ConfigError(f"data.eval_size={d.eval_size} must be 0 or more (or null: the default)")
-    held_out = d.eval_path is not None or d.eval_split is not None
-    if d.eval_size == 0 and not held_out and cfg.trainer.eval_every:
-        raise ConfigError(f"trainer.eval_every={cfg.trainer.eval_every} evaluates held-out rows and data.eval_size=0 "
-                          "holds out none; set data.eval_size to 1 or more (or null), give data.eval_path (a hub "
-                          "dataset: data.eval_split) or set trainer.eval_every=null")
-
-
-class PromptSampler:
-    """Epoch-wise shuffled batches of rows, deterministic in the seed; its position is its state."""
-
-    def __init__(self, rows: List[Row], batch_size: int, seed: int):
-        self.rows, self.batch_size, self.seed = rows, batch_size, seed
-        self.epoch, self.pos = 0, 0
-        self._order = self._shuffle()
-
-    def _shuffle(self) -> List[int]:
-        order = list(range(len(self.rows)))
-        random.Random(self.seed * 1_000_003 + self.epoch).shuffle(order)
-        return order
-
-    def state_dict(self) -> Dict[str, int]:
-        """The data position: the epoch (its shuffle is seeded by seed and epoch) and the row within it."""
-        return {"epoch": self.epoch, "pos": self.pos, "seed": self.seed, "rows": len(self.rows)}
-
-    def load_state_dict(self, state: Dict[str, int]) -> None:
-        self.epoch, self.pos = state["epoch"], state["pos"]
-        self._order = self._shuffle()
-
-    def next_batch(self) -> List[Row]:
-        if self.pos + self.batch_size > len(self.rows):
-            self.epoch, self.pos = self.epoch + 1, 0
-            self._order = self._shuffle()
-        idx = self._order[self.pos:self.pos + self.batch_size]
-        self.pos += self.batch_size
-        return [self.rows[i] for i in idx]

@@ -12,12 +12,17 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import Callable, Sequence
 
 import torch
+from omegaconf import OmegaConf
 
-if TYPE_CHECKING:  # the model code loads only when a model is scored: config checks stay light
-    from rlnotes.training.offline import Sequences
+from rlnotes.core.errors import ConfigError
+from rlnotes.core.schema import saved_run_config
+from rlnotes.engine.models import load_base
+from rlnotes.engine.policy import forward
+from rlnotes.engine.rollout import as_messages, render_plain
+from rlnotes.engine.sequences import Sequences, encode
 
 HEAD = "reward_head"   # its name in Context.heads and its file name in final/
 
@@ -34,8 +39,6 @@ def make_head(model: torch.nn.Module) -> torch.nn.Linear:
 
 def sequence_rewards(model: torch.nn.Module, head: torch.nn.Module, seqs: Sequences) -> torch.Tensor:
     """r(x, y) = w . h_last + b for each row of `seqs`: [N] float32."""
-    from rlnotes.engine.policy import forward
-
     out = forward(model, seqs.input_ids, seqs.attention_mask, 1, hidden_states=True)
     last = out.hidden_states[-1][torch.arange(seqs.input_ids.shape[0], device=seqs.input_ids.device),
                                  seqs.last_index]
@@ -47,10 +50,6 @@ def load(path: Path, device: torch.device):
     checkpoint); the model config comes from the run's config.yaml, so prompts are encoded as in training."""
     from peft import PeftModel
     from safetensors.torch import load_file
-
-    from rlnotes.core.errors import ConfigError
-    from rlnotes.core.schema import saved_run_config
-    from rlnotes.engine.models import load_base
 
     path = Path(path)
     run_cfg, weights = saved_run_config(path), path / f"{HEAD}.safetensors"
@@ -72,8 +71,6 @@ Scorer = Callable[[Sequence, Sequence[str]], torch.Tensor]
 def kind(path) -> str:
     """"rm" for the final/ dir of an algo=rm run, "hf" for a Hugging Face model dir; anything else
     is a config mistake, reported before a model loads."""
-    from rlnotes.core.errors import ConfigError
-
     path = Path(path)
     if (path / f"{HEAD}.safetensors").is_file():
         return "rm"
@@ -90,15 +87,9 @@ def load_scorer(path, device: torch.device, batch_size: int) -> Scorer:
 
 
 def _rm_scorer(path: Path, device: torch.device, batch_size: int) -> Scorer:
-    """An algo=rm model: prompts encoded as its training run encoded them (rlnotes.training.offline.encode,
+    """An algo=rm model: prompts encoded as its training run encoded them (rlnotes.engine.sequences.encode,
     with that run's chat template setting and system prompt: data.system_prompt, else model's)."""
-    from omegaconf import OmegaConf
-
-    from rlnotes.training.offline import encode
-
     model, head, tokenizer, model_cfg = load(path, device)
-    from rlnotes.core.schema import saved_run_config
-
     data_system = OmegaConf.select(saved_run_config(path), "data.system_prompt")
     system = data_system if data_system is not None else model_cfg.system_prompt
 
@@ -117,8 +108,6 @@ def _hf_scorer(path: Path, device: torch.device, batch_size: int) -> Scorer:
     """A sequence-classification model with one label: r(x, y) is its logit on the conversation
     [user: x, assistant: y] rendered with its tokenizer's chat template (x + y without one)."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
-    from rlnotes.core.errors import ConfigError
 
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     model = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32, local_files_only=True)
@@ -149,8 +138,6 @@ def conversation_text(tokenizer, prompt, completion: str) -> str:
     """The text a Hugging Face reward model scores: [prompt messages or user: prompt, assistant:
     completion] through the chat template when the tokenizer has one, else the prompt as the
     rollout engine renders plain text (rlnotes.engine.rollout.render_plain), then the completion."""
-    from rlnotes.engine.rollout import as_messages, render_plain
-
     if tokenizer.chat_template:
         messages = as_messages(prompt) + [{"role": "assistant", "content": completion}]
         return tokenizer.apply_chat_template(messages, tokenize=False)

@@ -24,9 +24,10 @@ from rlnotes.core.errors import ConfigError
 from rlnotes.core.schema import AlgoConfig
 from rlnotes.data.tasks import Row
 from rlnotes.engine import distributed
+from rlnotes.engine.sequences import Sequences, summed_logprobs
 from rlnotes.notes import DPO_LOSS_TYPES, dpo_implicit_rewards, dpo_loss
 from rlnotes.training.loop import Context, next_rows, optimizer_step
-from rlnotes.training.offline import Sequences, chunks, encode_pairs, summed_logprobs
+from rlnotes.training.offline import chunks, encode_pairs
 
 
 @dataclass

@@ -21,6 +21,7 @@ import torch
 from rlnotes.core.algorithm import Algorithm, Shape
 from rlnotes.core.schema import AlgoConfig
 from rlnotes.engine import distributed
+from rlnotes.engine.sequences import Sequences
 from rlnotes.notes import AGGREGATIONS, aggregate
 from rlnotes.training.loop import (
     Context,
@@ -30,7 +31,7 @@ from rlnotes.training.loop import (
     next_rows,
     optimizer_step,
 )
-from rlnotes.training.offline import Sequences, encode_rows
+from rlnotes.training.offline import encode_rows
 
 
 @dataclass

@@ -23,7 +23,7 @@ from typing import Dict, List, Optional
 import torch
 from omegaconf import OmegaConf
 
-from rlnotes.data.tasks import system_prompt
+from rlnotes.data.settings import system_prompt
 from rlnotes.engine.rollout import encode_prompts, generate
 
 
@@ -42,17 +42,19 @@ def eval_data(cfg):
 
 def eval_rows(cfg, tokenizer, limit: Optional[int], console=None) -> List[dict]:
     """The eval split: the training data's, or that of `data` + `eval.data` when eval.data is set."""
-    from rlnotes.data.datasets import fit_and_split, load_checked
+    from rlnotes.data.datasets import load_checked
+    from rlnotes.data.fitting import fit_and_split
 
     if not cfg.eval.data:
-        data = load_checked(cfg, None, generating="evaluation")
+        data = load_checked(cfg.data, None, generating="evaluation")
         return fit_and_split(data, cfg, tokenizer, limit, console, evaluating=True)[1]
     from omegaconf import open_dict
 
     other = cfg.copy()
     with open_dict(other):
         other.data = eval_data(cfg)
-    rows = fit_and_split(load_checked(other, None, generating="evaluation"), other, tokenizer, limit, evaluating=True)[1]
+    rows = fit_and_split(load_checked(other.data, None, generating="evaluation"), other, tokenizer, limit,
+                         evaluating=True)[1]
     if console is not None:
         console.print(f"eval: {len(rows)} rows of data + eval.data {OmegaConf.to_container(cfg.eval.data)}")
     return rows
@@ -186,7 +188,7 @@ def run(cfg, console) -> tuple[Evaluation, Path]:
     from rlnotes.data.datasets import load_checked
 
     # Rows to sample from, and the columns a checker needs: a mistake fails now, before the model loads.
-    load_checked(OmegaConf.merge(cfg, {"data": eval_data(cfg)}), None, scorer.fns, generating="evaluation")
+    load_checked(eval_data(cfg), None, scorer.fns, generating="evaluation")
     if cfg.eval.policy:
         path = Path(cfg.eval.policy)
         if not path.is_dir():
@@ -200,7 +202,7 @@ def run(cfg, console) -> tuple[Evaluation, Path]:
         base, tokenizer = load_base(cfg.model)
         policy = Policy(base.to(device).eval(), tokenizer, reference=base)
         out = Path(cfg.eval.out) if cfg.eval.out else Path("outputs") / "eval" / time.strftime("%Y-%m-%d_%H-%M-%S")
-    from rlnotes.data.datasets import max_positions
+    from rlnotes.data.fitting import max_positions
 
     rows = eval_rows(cfg, policy.tokenizer, max_positions(policy.model), console)
     start = time.perf_counter()

@@ -21,8 +21,11 @@ from rich.console import Console
 from rlnotes.core.algorithm import Algorithm
 from rlnotes.core.errors import SaveFailed, TrainingError
 from rlnotes.core.schema import preset_name
-from rlnotes.data.datasets import fit_and_split, load_checked, max_positions
-from rlnotes.data.tasks import PromptSampler, Row, system_prompt
+from rlnotes.data.datasets import load_checked
+from rlnotes.data.fitting import fit_and_split, max_positions
+from rlnotes.data.sampler import PromptSampler
+from rlnotes.data.settings import system_prompt
+from rlnotes.data.tasks import Row
 from rlnotes.engine import distributed
 from rlnotes.engine.models import configure_backends, mixed_precision, resolve_device
 from rlnotes.engine.policy import Policy
@@ -109,7 +112,9 @@ def setup(cfg, algo: Algorithm, run_dir: Path, console: Console, resume_from: Op
     configure_backends(cfg.hardware, device)
     rewards = Rewards(cfg.reward, console) if algo.samples else None
     with distributed.main_first():  # caches (a converted model, a downloaded dataset) are written once
-        data = load_checked(cfg, algo, rewards.fns if rewards else [])  # a data mistake fails before the model loads
+        # A data mistake fails before the model loads; evaluations that generate sample its prompts too.
+        data = load_checked(cfg.data, algo, rewards.fns if rewards else [],
+                            "eval.generate" if cfg.trainer.eval_every and cfg.eval.generate else None)
         policy = Policy.from_config(cfg.model, device)
     policy.share_prompts = cfg.trainer.shared_prompt
     if resume_from is not None:

@@ -8,7 +8,7 @@ import pytest
 from rich.console import Console
 
 from rlnotes.commands.train import train
-from rlnotes.data.tasks import load_task
+from rlnotes.data.datasets import load_task
 from tests.conftest import compose
 
 
@@ -39,7 +39,7 @@ def test_rm_ranks_held_out_pairs(trained):
 def test_saved_reward_model_scores_like_the_trained_one(trained):
     """reward=model reloads base + adapter + head from final/ and ranks the held-out pairs as the
     last eval did."""
-    from rlnotes.rewards.scoring import reward_model
+    from rlnotes.rewards.builtin import reward_model
 
     path, cfg, rows = trained
     assert (path / "final" / "reward_head.safetensors").exists()

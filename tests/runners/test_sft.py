@@ -9,7 +9,7 @@ import torch
 from rich.console import Console
 
 from rlnotes.commands.train import train
-from rlnotes.data.tasks import load_task
+from rlnotes.data.datasets import load_task
 from rlnotes.engine.policy import Policy
 from rlnotes.engine.rollout import encode_prompts, generate
 from tests.conftest import compose
@@ -62,7 +62,7 @@ def test_loss_is_the_completion_nll_only(tmp_path):
     cfg, rows = run(tmp_path, "trainer.steps=1", "trainer.batch_size=2", "data.train_size=2")
     row = rows[-1]  # step 1
     policy = Policy.from_config(cfg.model, torch.device("cpu"))
-    from rlnotes.data.tasks import PromptSampler
+    from rlnotes.data.sampler import PromptSampler
 
     batch = PromptSampler(load_task(cfg.data)[0], 2, cfg.seed).next_batch()
     tok = policy.tokenizer

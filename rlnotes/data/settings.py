@@ -1,0 +1,64 @@
+"""The data section of the config beyond what its schema types check: where rows come from
+(SOURCES), what becomes of a prompt that is too long (OVERLONG), the system prompt, and the checks
+made before anything loads."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from rlnotes.core.checks import check_choice
+from rlnotes.core.errors import ConfigError
+from rlnotes.data.tasks import TASKS
+
+# Where data.source takes its rows from: a built-in task (data.name), a local file (data.path) or
+# a hub dataset (data.name = org/set); files and the hub are read by rlnotes.data.reading.
+SOURCES = ("task", "file", "hub")
+# What data.overlong does with a prompt longer than data.max_prompt_len tokens.
+OVERLONG = ("drop", "truncate", "error")
+
+
+def file_from_path(d) -> None:
+    """data.path given without data=file: the default data (data=auto) becomes that file; a task or
+    hub dataset chosen by name is left for check_data_config to refuse."""
+    if d.path and d.source == "task" and d.name == "auto":
+        d.source, d.name = "file", "file"
+
+
+def system_prompt(cfg) -> Optional[str]:
+    """The system message of prompts that have no system turn: data.system_prompt (it belongs to
+    the data), else model.system_prompt (a default for the model), else none."""
+    return cfg.data.system_prompt if cfg.data.system_prompt is not None else cfg.model.system_prompt
+
+
+def check_data_config(d, trainer) -> None:
+    """The data settings `d` a schema type cannot check, before anything loads, with the trainer
+    settings they must agree with (trainer.batch_size, trainer.eval_every)."""
+    check_choice("data.source", d.source, SOURCES)
+    check_choice("data.overlong", d.overlong, OVERLONG)
+    if d.source == "task":
+        check_choice("data.name", d.name, TASKS)
+        if d.train_size < trainer.batch_size:
+            raise ConfigError(f"data.train_size={d.train_size} is smaller than trainer.batch_size="
+                              f"{trainer.batch_size}; raise data.train_size or lower trainer.batch_size")
+    if d.source == "hub" and d.name in ("auto", ""):  # "auto" is the schema's default, not a dataset
+        raise ConfigError("data=hub needs the dataset: data.name=org/set (or a local dataset folder)")
+    if d.path and d.source != "file":
+        option, what = (d.name, "a built-in task") if d.source == "task" else ("hub", "a hub dataset (data.name)")
+        raise ConfigError(f"data.path={d.path} is a file to read, but data={option} reads {what}; drop data={option} "
+                          "(a path alone means data=file) or drop data.path")
+    if d.source == "file" and not d.path:
+        raise ConfigError("data=file needs the file to read: data.path=FILE (.jsonl, .json, .parquet or .csv)")
+    if d.source != "hub" and d.eval_split is not None:
+        raise ConfigError(f"data.eval_split names a split of a hub dataset (data=hub); with data.source={d.source} "
+                          "give an eval file (data.eval_path=FILE) or hold out data.eval_size rows")
+    if d.eval_path is not None and d.source == "task":
+        raise ConfigError("data.eval_path is for data=file and data=hub; a built-in task makes its own eval rows")
+    if d.max_prompt_len is not None and d.max_prompt_len < 1:
+        raise ConfigError(f"data.max_prompt_len={d.max_prompt_len} must be at least 1 (tokens), or null for none")
+    if d.eval_size is not None and d.eval_size < 0:
+        raise ConfigError(f"data.eval_size={d.eval_size} must be 0 or more (or null: the default)")
+    held_out = d.eval_path is not None or d.eval_split is not None
+    if d.eval_size == 0 and not held_out and trainer.eval_every:
+        raise ConfigError(f"trainer.eval_every={trainer.eval_every} evaluates held-out rows and data.eval_size=0 "
+                          "holds out none; set data.eval_size to 1 or more (or null), give data.eval_path (a hub "
+                          "dataset: data.eval_split) or set trainer.eval_every=null")
