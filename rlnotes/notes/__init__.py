@@ -20,11 +20,12 @@ whose keys are the config option names.
 
 from rlnotes.notes.dpo import DPO_LOSS_TYPES, dpo_implicit_rewards, dpo_loss
 from rlnotes.notes.gae import gae
-from rlnotes.notes.grpo import group_advantages, grpo_loss
+from rlnotes.notes.grpo import group_advantages, grpo_loss, informative_groups
 from rlnotes.notes.kl import KL_ESTIMATORS, kl_penalty
 from rlnotes.notes.masked import (
     AGGREGATIONS,
     aggregate,
+    aggregation_divisor,
     masked_mean,
     masked_sum,
     masked_whiten,
@@ -40,12 +41,14 @@ __all__ = [
     "DPO_LOSS_TYPES",
     "KL_ESTIMATORS",
     "aggregate",
+    "aggregation_divisor",
     "bradley_terry_loss",
     "dpo_implicit_rewards",
     "dpo_loss",
     "gae",
     "group_advantages",
     "grpo_loss",
+    "informative_groups",
     "kl_penalty",
     "masked_mean",
     "masked_sum",

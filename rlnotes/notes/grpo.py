@@ -32,6 +32,16 @@ def group_advantages(
     return centered.reshape(-1).to(dtype)
 
 
+def informative_groups(rewards: Tensor, group_size: int) -> Tensor:
+    """max_i R_i != min_i R_i within each group (Yu et al. 2025, DAPO, Sec. 3.2, Eq. 11's filter).
+
+    rewards: [N], group by group -> [N / G] bool: True for the groups whose rewards are not all
+    equal. A group of equal rewards has A_i = 0 for every completion: it carries no gradient.
+    """
+    groups = rewards.view(-1, group_size)
+    return groups.max(-1).values != groups.min(-1).values
+
+
 def grpo_loss(
     logprobs: Tensor,
     old_logprobs: Tensor,

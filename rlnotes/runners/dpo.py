@@ -25,8 +25,11 @@ from rlnotes.core.schema import AlgoConfig
 from rlnotes.data.tasks import Row
 from rlnotes.engine import distributed
 from rlnotes.notes import DPO_LOSS_TYPES, dpo_implicit_rewards, dpo_loss
-from rlnotes.training.loop import Context, next_rows, optimizer_step
-from rlnotes.training.offline import Sequences, chunks, encode_pairs, summed_logprobs
+from rlnotes.training.batching import micro_batches, row_totals
+from rlnotes.training.context import Context
+from rlnotes.training.loop import optimizer_step
+from rlnotes.training.offline import Sequences, encode_pairs, summed_logprobs
+from rlnotes.training.sampling import next_rows
 
 
 @dataclass
@@ -69,7 +72,9 @@ def precompute_reference(ctx: Context) -> None:
     padded = [unique[i % len(unique)] for i in range(len(unique) + (-len(unique)) % distributed.world_size())]
     table: Dict[tuple, tuple] = {}
     size = ctx.cfg.trainer.micro_batch_size or ctx.cfg.trainer.batch_size
-    for chunk, _ in chunks(distributed.shard(padded), size):
+    mine = distributed.shard(padded)
+    for idx in micro_batches(len(mine), size):
+        chunk = [mine[i] for i in idx]
         seqs = encode_pairs(ctx, chunk)
         ref = ref_logprobs(ctx, chunk, seqs).tolist()
         for i, r in enumerate(chunk):
@@ -84,7 +89,8 @@ def evaluate(ctx: Context) -> Dict[str, float]:
     ctx.policy.model.eval()
     margins = []
     refs = ctx.cache.setdefault("eval_ref", {})  # the reference never changes: one pass per eval chunk
-    for i, (chunk, _) in enumerate(chunks(rows, ctx.cfg.trainer.micro_batch_size or ctx.cfg.trainer.batch_size)):
+    for i, idx in enumerate(micro_batches(len(rows), ctx.cfg.trainer.micro_batch_size or ctx.cfg.trainer.batch_size)):
+        chunk = [rows[j] for j in idx]
         seqs = encode_pairs(ctx, chunk)
         if i not in refs:
             refs[i] = summed_logprobs(ctx.policy.ref_logprobs(seqs.input_ids, seqs.attention_mask,
@@ -105,12 +111,12 @@ def train_step(ctx: Context) -> Dict[str, float]:
             precompute_reference(ctx)
 
     rows = next_rows(ctx)
-    scale = len(rows) / cfg.trainer.batch_size  # this rank's share of the global batch
+    totals = row_totals(len(rows))  # the global batch's pairs
     sums = {"loss": 0.0, "dpo/chosen_reward": 0.0, "dpo/rejected_reward": 0.0, "dpo/margin": 0.0,
             "dpo/accuracy": 0.0}
     tokens = 0.0
-    for chunk, part in chunks(rows, cfg.trainer.micro_batch_size):
-        share = part * scale  # the chunk's share of the global batch
+    for idx in micro_batches(len(rows), cfg.trainer.micro_batch_size):
+        chunk, share = [rows[i] for i in idx], len(idx) / totals.rows  # the chunk's share of the global batch
         seqs = encode_pairs(ctx, chunk)
         n = len(chunk)
         # 1. Reference log-probs (no grad).

@@ -36,19 +36,17 @@ from rlnotes.notes import (
     KL_ESTIMATORS,
     group_advantages,
     grpo_loss,
+    informative_groups,
     kl_penalty,
     masked_mean,
     ppo_clip_fraction,
 )
-from rlnotes.training.loop import (
-    Context,
-    batch_totals,
+from rlnotes.training.batching import batch_totals, micro_batch_weight, micro_batches
+from rlnotes.training.context import Context
+from rlnotes.training.loop import optimizer_step
+from rlnotes.training.sampling import (
     eval_metrics,
-    informative_groups,
-    micro_batch_weight,
-    micro_batches,
     next_rows,
-    optimizer_step,
     rollout_metrics,
     sample_and_score,
     tis_weights,
@@ -162,7 +160,7 @@ def train_step(ctx: Context) -> Dict[str, float]:
                 loss = grpo_loss(logp, old, ref_logp, adv, mask, clip_eps=algo.clip_eps, beta=algo.beta,
                                  clip_eps_high=algo.clip_eps_high, kl_estimator=algo.kl_estimator,
                                  aggregation=algo.aggregation, max_len=cfg.rollout.max_new_tokens)
-                weight = micro_batch_weight(algo.aggregation, mask, totals)
+                weight = micro_batch_weight(algo.aggregation, mask, totals, cfg.rollout.max_new_tokens)
                 (loss * weight).backward()
                 if epoch == 0:  # report the batch as sampled, before any update moved the policy
                     share = float(mask.sum()) / totals.tokens  # token means over the global batch

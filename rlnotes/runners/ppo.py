@@ -48,15 +48,12 @@ from rlnotes.notes import (
     ppo_clip_loss,
     value_loss,
 )
-from rlnotes.training.loop import (
-    Context,
-    add_head,
-    batch_totals,
+from rlnotes.training.batching import batch_totals, micro_batch_weight, micro_batches
+from rlnotes.training.context import Context, add_head
+from rlnotes.training.loop import optimizer_step
+from rlnotes.training.sampling import (
     eval_metrics,
-    micro_batch_weight,
-    micro_batches,
     next_rows,
-    optimizer_step,
     penalized_token_rewards,
     rollout_metrics,
     sample_and_score,
@@ -187,7 +184,7 @@ def train_step(ctx: Context) -> Dict[str, float]:
                     b = rollout.select(idx)
                     w = b.completion_ids.shape[1]
                     loss, parts = minibatch_loss(ctx, b, adv[idx, :w], returns[idx, :w], old_values[idx, :w])
-                    weight = micro_batch_weight(algo.aggregation, b.completion_mask, totals)
+                    weight = micro_batch_weight(algo.aggregation, b.completion_mask, totals, cfg.rollout.max_new_tokens)
                     (loss * weight).backward()
                     sums["loss"] += float(loss.detach()) * weight
                     for key, value in parts.items():

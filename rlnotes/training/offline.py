@@ -78,9 +78,3 @@ def summed_logprobs(logprobs: torch.Tensor, seqs: Sequences) -> torch.Tensor:
     """log pi(y|x) = sum_t log pi(y_t | x, y_<t) over each completion's real tokens: [N]."""
     return masked_sum(logprobs, seqs.completion_mask, dim=-1)
 
-
-def chunks(rows: list, size: Optional[int]) -> list[tuple[list, float]]:
-    """Micro-batches of rows and the share of the batch each is: a mean over rows accumulated
-    chunk by chunk, each chunk's mean times its share, equals the mean over the whole batch."""
-    size = size or len(rows)
-    return [(rows[i:i + size], len(rows[i:i + size]) / len(rows)) for i in range(0, len(rows), size)]
