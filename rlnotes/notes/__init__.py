@@ -31,7 +31,7 @@ from rlnotes.notes.masked import (
     masked_whiten,
 )
 from rlnotes.notes.policy_gradient import policy_gradient_loss
-from rlnotes.notes.ppo import ppo_clip_fraction, ppo_clip_loss, value_loss
+from rlnotes.notes.ppo import ppo_clip_fraction, ppo_clip_loss, ppo_loss, value_loss
 from rlnotes.notes.reinforce import returns_to_go
 from rlnotes.notes.reward_model import bradley_terry_loss
 from rlnotes.notes.tis import truncated_is_weights
@@ -56,6 +56,7 @@ __all__ = [
     "policy_gradient_loss",
     "ppo_clip_fraction",
     "ppo_clip_loss",
+    "ppo_loss",
     "returns_to_go",
     "truncated_is_weights",
     "value_loss",

@@ -127,12 +127,12 @@ def train_step(ctx: Context) -> Dict[str, float]:
         with ctx.timed("policy"):
             logp = summed_logprobs(policy.logprobs(seqs.input_ids, seqs.attention_mask, seqs.n_completion), seqs)
             # 3. The DPO loss, its share of the batch mean.
-            loss = dpo_loss(logp[:n], logp[n:], ref[:n], ref[n:], beta=algo.beta, loss_type=algo.loss_type,
-                            label_smoothing=algo.label_smoothing).mean()
+            out = dpo_loss(logp[:n], logp[n:], ref[:n], ref[n:], beta=algo.beta, loss_type=algo.loss_type,
+                           label_smoothing=algo.label_smoothing)
+            loss = out.loss.mean()
             (loss * share).backward()
         # 4. Implicit rewards of the batch as it was before the update.
-        rewards = dpo_implicit_rewards(logp.detach(), ref, algo.beta)
-        chosen, rejected = rewards[:n], rewards[n:]
+        chosen, rejected = out.chosen_rewards, out.rejected_rewards
         for key, value in (("loss", loss.detach()), ("dpo/chosen_reward", chosen.mean()),
                            ("dpo/rejected_reward", rejected.mean()), ("dpo/margin", (chosen - rejected).mean()),
                            ("dpo/accuracy", (chosen > rejected).float().mean())):
