@@ -20,10 +20,9 @@ from rlnotes.core.algorithm import Algorithm
 from rlnotes.core.schema import preset_name
 from rlnotes.data.datasets import fit_and_split, load_checked, max_positions
 from rlnotes.data.tasks import PromptSampler, Row
-from rlnotes.engine import distributed
+from rlnotes.engine import distributed, fsdp, vllm_engine
 from rlnotes.engine.models import configure_backends, mixed_precision, resolve_device
 from rlnotes.engine.policy import Policy
-from rlnotes.engine.vllm_engine import VLLMEngine
 from rlnotes.rewards.scoring import Rewards
 from rlnotes.run import checkpoint
 from rlnotes.run.diagnostics import batch_arithmetic, describe_batches
@@ -135,7 +134,8 @@ def setup(cfg, algo: Algorithm, run_dir: Path, console: Console, resume_from: Op
     scorer = Rewards(checker_config(cfg), console) if cfg.trainer.eval_every and generates(cfg, algo) else None
     logger = NullLogger() if not main else MetricsLogger.for_run(cfg, algo, run_dir, console,
                                                                  sinks=open_sinks(cfg, run_dir))
-    engine = VLLMEngine(cfg, policy.tokenizer) if rewards is not None and cfg.rollout.engine == "vllm" else None
+    sampler_engine = rewards is not None and cfg.rollout.engine == "vllm"  # else the policy samples itself
+    engine = vllm_engine.VLLMEngine(cfg, policy.tokenizer) if sampler_engine else None
     return Context(cfg=cfg, run_dir=run_dir, device=device, policy=policy, optimizer=optimizer, scheduler=scheduler,
                    sampler=PromptSampler(train_rows, cfg.trainer.batch_size, cfg.seed), eval_rows=eval_rows,
                    rewards=rewards, logger=logger, console=console,
@@ -145,10 +145,10 @@ def setup(cfg, algo: Algorithm, run_dir: Path, console: Console, resume_from: Op
 def shard_policy(policy: Policy) -> None:
     """FSDP2 over the policy and, without LoRA, its frozen reference copy (with LoRA the reference
     is the policy itself with the adapter off)."""
-    distributed.shard_model(policy.model)
+    fsdp.shard_model(policy.model)
     with policy.reference() as reference:
         if reference is not policy.model:
-            distributed.shard_model(reference)
+            fsdp.shard_model(reference)
 
 
 def add_head(ctx: Context, name: str, head: torch.nn.Module) -> torch.nn.Module:

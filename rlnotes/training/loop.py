@@ -17,7 +17,7 @@ from rich.markup import escape
 
 from rlnotes.core.algorithm import Algorithm
 from rlnotes.core.errors import SaveFailed, TrainingError
-from rlnotes.engine import distributed
+from rlnotes.engine import distributed, fsdp
 from rlnotes.run import checkpoint, rundir
 from rlnotes.run.logger import passed_multiple
 from rlnotes.training.context import Context, add_head, setup
@@ -182,7 +182,7 @@ def finish(ctx: Context, interrupted: bool = False) -> Path:
     if ctx.engine is not None:
         ctx.engine.close()
     out = ctx.run_dir / ("interrupted" if interrupted else "final")
-    state = distributed.full_state(ctx.policy.model)
+    state = fsdp.full_state(ctx.policy.model)
     if distributed.is_main():
         checkpoint.save_whole(ctx.policy, ctx.heads, out, state)  # a dir called final/ is a finished run's
     return out
@@ -192,7 +192,7 @@ def save_checkpoint(ctx: Context, boundary: checkpoint.Boundary) -> Optional[Pat
     """checkpoint.save on rank 0, which holds the state of every rank (under FSDP gathered from
     them first: every rank must call this); None on the others. A full disk is one line: the
     failed save left nothing behind and the previous checkpoints are kept."""
-    shards = checkpoint.Shards(distributed.full_state(ctx.policy.model), distributed.optimizer_shards(ctx.optimizer),
+    shards = checkpoint.Shards(fsdp.full_state(ctx.policy.model), distributed.optimizer_shards(ctx.optimizer),
                                distributed.world_size())
     if not distributed.is_main():
         return None

@@ -12,7 +12,7 @@ from typing import Dict, List, Optional
 import torch
 
 from rlnotes.data.tasks import Row, system_prompt
-from rlnotes.engine import distributed
+from rlnotes.engine import distributed, fsdp
 from rlnotes.engine.rollout import Rollout, completion_keys, encode_prompts, generate
 from rlnotes.notes import informative_groups, kl_penalty, masked_mean
 from rlnotes.notes.reinforce import kl_penalized_rewards, terminal_rewards
@@ -51,7 +51,7 @@ def sample_and_score(ctx: Context, rows: List[Row], group_size: int,
         keys = completion_keys(cfg.seed, (ctx.step, round_), torch.arange(first, first + len(rows)), group_size)
     ctx.policy.model.eval()
     start = time.perf_counter()
-    with ctx.timed("generate"), distributed.gathered(ctx.policy.model):
+    with ctx.timed("generate"), fsdp.gathered(ctx.policy.model):
         if ctx.engine is not None:
             ctx.engine.sync(ctx.policy, ctx.step)
             seeds = keys[::group_size].tolist() if keys is not None else None
@@ -154,7 +154,7 @@ def eval_metrics(ctx: Context) -> Dict[str, float]:
     """Evaluate the current policy on the eval split (trainer.eval_every); samples go to eval/step_N.jsonl."""
     # Every rank evaluates the same rows (same numbers, same passes, nothing to wait for); rank 0 writes.
     ctx.scorer.state = trainer_state(ctx)
-    with distributed.gathered(ctx.policy.model):
+    with fsdp.gathered(ctx.policy.model):
         evaluation = evaluate(ctx.policy, ctx.cfg, ctx.eval_rows, ctx.scorer, ctx.step)
     if distributed.is_main():
         write_eval(evaluation, ctx.run_dir, ctx.step)
