@@ -34,6 +34,8 @@ from rlnotes.training.evaluation import eval_rows as held_out_rows
 
 @dataclass
 class Context:
+    """What the train loop and a runner's steps share: the run's settings, policy, optimizer, data,
+    rewards and log, and the state kept from one step to the next."""
     cfg: object
     run_dir: Path
     device: torch.device

@@ -173,3 +173,10 @@ def test_grpo_loss_reports_its_clip_fraction_and_kl():
     torch.testing.assert_close(out.kl, masked_mean(logp - ref, mask))
     assert 0 < out.clip_frac < 1
     assert grpo_loss(logp, old, None, adv, mask, beta=0.0).kl.isnan()  # no reference, no KL
+
+
+def test_informative_groups_are_those_whose_rewards_differ():
+    from rlnotes.notes import informative_groups
+
+    rewards = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.5, 0.5, 0.0, 0.0, 0.0])
+    assert informative_groups(rewards, 3).tolist() == [True, True, False]
