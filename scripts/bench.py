@@ -72,7 +72,7 @@ def run_one(name: str, steps: int) -> dict:
     from rlnotes.commands.train import train
     from rlnotes.engine.rollout import encode_prompts
     from rlnotes.runners import algorithm
-    from rlnotes.training.loop import setup
+    from rlnotes.training.context import setup
 
     overrides = MODELS[name] + SHAPE + [f"trainer.steps={steps}"]
     check(overrides, False, None)

@@ -156,10 +156,10 @@ def test_dynamic_sampling_keeps_the_groups_one_process_would(monkeypatch):
 
 
 def test_micro_batch_weights_divide_by_the_global_batch():
-    from rlnotes.training.loop import Totals, micro_batch_weight
+    from rlnotes.training.batching import Totals, micro_batch_weight
 
     chunk = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])   # 2 rows, 3 tokens on this rank
-    totals = Totals(tokens=12.0, rows=8)                       # the global batch over every rank
+    totals = Totals(tokens=12.0, rows=8, longest=3)            # the global batch over every rank
     assert micro_batch_weight("token-mean", chunk, totals) == pytest.approx(3 / 12)
     assert micro_batch_weight("seq-mean-token-mean", chunk, totals) == pytest.approx(2 / 8)
 

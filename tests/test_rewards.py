@@ -898,7 +898,7 @@ def test_a_required_argument_no_column_fills_is_refused_before_the_model_loads(t
     the function, the argument and the columns, from setup before the policy is built."""
     from rich.console import Console
 
-    import rlnotes.training.loop as common
+    import rlnotes.training.context as common
     from rlnotes.runners import REGISTRY
     from tests.conftest import compose
 
@@ -1193,7 +1193,7 @@ def test_trainer_state_counts_steps_and_epochs_of_rows_drawn():
     from types import SimpleNamespace
 
     from rlnotes.data.sampler import PromptSampler
-    from rlnotes.training.loop import trainer_state
+    from rlnotes.training.sampling import trainer_state
 
     sampler = PromptSampler([{"prompt": str(i)} for i in range(8)], batch_size=4, seed=0)
     for _ in range(3):

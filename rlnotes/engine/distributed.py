@@ -9,7 +9,8 @@ How W processes share a run (hardware.strategy):
         gradients, in one flat all-reduce before the optimizer step, gives the gradient one
         process would compute on the whole batch;
   fsdp  the same, with parameters, gradients and optimizer state sharded across ranks by
-        PyTorch's FSDP2 (fully_shard), for models whose training state does not fit one device.
+        PyTorch's FSDP2 (fully_shard, see rlnotes.engine.fsdp), for models whose training state
+        does not fit one device.
 
 Backends: gloo on CPU; on GPUs NCCL for CUDA tensors with gloo beside it for the small CPU-side
 exchanges (metrics, flags, objects). The process group starts once per process and is kept until
@@ -27,6 +28,9 @@ from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Ty
 
 import torch
 import torch.distributed as dist
+
+from rlnotes.core.errors import ConfigError
+from rlnotes.notes import masked_mean, masked_sum
 
 T = TypeVar("T")
 
@@ -70,8 +74,6 @@ def init(device: torch.device) -> torch.device:
         return device
     if device.type == "cuda":
         if local_rank() >= torch.cuda.device_count():
-            from rlnotes.core.errors import ConfigError
-
             raise ConfigError(f"{world_size()} processes on this machine but torch sees {torch.cuda.device_count()} "
                               "GPUs; start one process per GPU (hardware.nproc, torchrun's --nproc_per_node)")
         device = torch.device("cuda", local_rank())
@@ -137,8 +139,6 @@ def mean_over_ranks(value: float) -> float:
 
 def masked_mean_over_ranks(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """sum(v m) / sum(m) over every rank's rows (rlnotes.notes.masked_mean with one process)."""
-    from rlnotes.notes import masked_mean, masked_sum
-
     if not active():
         return masked_mean(values, mask)
     total, count = sum_over_ranks([float(masked_sum(values, mask)), float((mask != 0).sum())])
@@ -296,81 +296,7 @@ def broadcast_parameters(params: Iterable[torch.nn.Parameter]) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# FSDP2 (hardware.strategy=fsdp).
-
-
-def _fsdp_modules(model: torch.nn.Module) -> List[torch.nn.Module]:
-    from torch.distributed.fsdp import FSDPModule
-
-    return [m for m in model.modules() if isinstance(m, FSDPModule)]
-
-
-def is_sharded(model: torch.nn.Module) -> bool:
-    """Whether FSDP shards `model`'s parameters."""
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(model, FSDPModule)
-
-
-def shard_model(model: torch.nn.Module) -> None:
-    """FSDP2: each transformer block (the Hugging Face model's _no_split_modules) is a unit whose
-    weights are gathered for its forward and backward and freed after; the whole model is the root
-    unit. Gradients are reduce-scattered as sums, since each rank's loss is already its share of
-    the global batch's loss."""
-    from torch.distributed.fsdp import fully_shard
-
-    blocks = set(model._no_split_modules or ())
-    for module in list(model.modules()):
-        if type(module).__name__ in blocks:
-            fully_shard(module)
-    fully_shard(model)
-    for module in _fsdp_modules(model):
-        module.set_gradient_divide_factor(1.0)
-        module.set_force_sum_reduction_for_comms(True)  # a plain SUM: gloo has no pre-multiplied sum
-
-
-@contextmanager
-def gathered(model: torch.nn.Module) -> Iterator[None]:
-    """Under FSDP, every weight of `model` whole on every rank for the block, with no collective in
-    its forward passes: for generation, where each rank runs as many passes as its own samples need
-    (sharded weights are gathered in lock-step, one layer at a time). A no-op otherwise."""
-    units = _fsdp_modules(model)
-    if not units:
-        yield
-        return
-    for unit in units:
-        unit.set_reshard_after_forward(False, recurse=False)
-        unit.unshard()
-    try:
-        yield
-    finally:
-        for unit in units:
-            unit.reshard()
-            # The root keeps its weights from forward to backward (FSDP's own default for it).
-            unit.set_reshard_after_forward(unit is not model, recurse=False)
-
-
-def full_state(model: torch.nn.Module) -> Optional[Dict[str, torch.Tensor]]:
-    """The full state dict of a sharded `model` on rank 0 (on CPU; empty on other ranks); every rank
-    must call it. None when the model is not sharded: it saves itself."""
-    if not is_sharded(model):
-        return None
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-    )
-
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-
-
-def load_full_state(model: torch.nn.Module, state: Dict[str, torch.Tensor]) -> None:
-    """Copy a full state dict into a sharded `model` (each rank keeps its shards)."""
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        set_model_state_dict,
-    )
-
-    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=False))
+# FSDP2's optimizer state (hardware.strategy=fsdp; the model's sharding is in rlnotes.engine.fsdp).
 
 
 def _to_local(value):

@@ -164,6 +164,18 @@ def sample_keyed(probs: torch.Tensor, keys: torch.Tensor, t: int) -> torch.Tenso
     return torch.searchsorted(cdf, target[:, None]).squeeze(-1).clamp(max=probs.shape[-1] - 1)
 
 
+def next_tokens(scaled: torch.Tensor, top_p: float, greedy: bool, keys: Optional[torch.Tensor], t: int,
+                generator: Optional[torch.Generator]) -> torch.Tensor:
+    """Token t of each row [N] from its logits z / temperature [N, V]: the most likely (greedy), or
+    a draw from the top-p filtered softmax, keyed by `keys` [N] (sample_keyed) or from `generator`."""
+    if greedy:
+        return scaled.argmax(-1)
+    probs = top_p_filter(scaled, top_p).softmax(-1)
+    if keys is not None:
+        return sample_keyed(probs, keys, t)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
 @torch.no_grad()
 def generate(model, tokenizer, prompts: Sequence[Sequence[int]], group_size: int, max_new_tokens: int,
              temperature: float = 1.0, top_p: float = 1.0, generator: Optional[torch.Generator] = None,
@@ -200,12 +212,7 @@ def generate(model, tokenizer, prompts: Sequence[Sequence[int]], group_size: int
     for t in range(max_new_tokens):
         scaled = logits.float() / temperature
         logp = scaled.log_softmax(-1)
-        if greedy:
-            tok = scaled.argmax(-1)
-        elif keys is not None:
-            tok = sample_keyed(top_p_filter(scaled, top_p).softmax(-1), keys[alive], t)
-        else:
-            tok = torch.multinomial(top_p_filter(scaled, top_p).softmax(-1), 1, generator=generator).squeeze(-1)
+        tok = next_tokens(scaled, top_p, greedy, keys[alive] if keys is not None else None, t, generator)
         tokens[alive, t] = tok
         logps[alive, t] = logp.gather(-1, tok[:, None]).squeeze(-1)
         done = torch.isin(tok, eos)

@@ -21,6 +21,8 @@ from typing import List, Optional, Sequence
 
 import torch
 
+from rlnotes.engine import distributed
+from rlnotes.engine.models import SMOLLM2, smollm2_dir
 from rlnotes.engine.rollout import Rollout, left_pad
 
 
@@ -34,8 +36,6 @@ class Sample:
 
 def model_path(model_cfg) -> str:
     """The directory or hub id vLLM loads the base model from (SmolLM2: its converted cache dir)."""
-    from rlnotes.engine.models import SMOLLM2, smollm2_dir
-
     return str(smollm2_dir()) if model_cfg.name_or_path == SMOLLM2 else model_cfg.name_or_path
 
 
@@ -78,9 +78,7 @@ class VLLMEngine:
     """A vLLM engine on this process's GPU, sampling with the policy's current LoRA adapter."""
 
     def __init__(self, cfg, tokenizer):
-        from vllm import LLM
-
-        from rlnotes.engine import distributed
+        from vllm import LLM  # optional: vllm, only with rollout.engine=vllm
 
         lora = cfg.model.lora
         extra = {"distributed_executor_backend": "external_launcher"} if distributed.active() else {}
@@ -97,7 +95,7 @@ class VLLMEngine:
         """Hand the policy's adapter to vLLM, once per optimizer step."""
         if step == self.step:
             return
-        from vllm.lora.request import LoRARequest
+        from vllm.lora.request import LoRARequest  # optional: vllm
 
         if self.request is not None:
             self.llm.llm_engine.remove_lora(self.request.lora_int_id)
@@ -109,8 +107,8 @@ class VLLMEngine:
                  device: torch.device) -> Rollout:
         """group_size completions of each prompt; `seeds` (one per prompt) make each prompt's draw
         its own (rollout.per_prompt_seed), None leaves them to the engine's stream."""
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
+        from vllm import SamplingParams  # optional: vllm
+        from vllm.inputs import TokensPrompt  # optional: vllm
 
         r = self.cfg.rollout
         params = [SamplingParams(n=group_size, temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_new_tokens,

@@ -20,17 +20,18 @@ whose keys are the config option names.
 
 from rlnotes.notes.dpo import DPO_LOSS_TYPES, dpo_implicit_rewards, dpo_loss
 from rlnotes.notes.gae import gae
-from rlnotes.notes.grpo import group_advantages, grpo_loss
+from rlnotes.notes.grpo import group_advantages, grpo_loss, informative_groups
 from rlnotes.notes.kl import KL_ESTIMATORS, kl_penalty
 from rlnotes.notes.masked import (
     AGGREGATIONS,
     aggregate,
+    aggregation_divisor,
     masked_mean,
     masked_sum,
     masked_whiten,
 )
 from rlnotes.notes.policy_gradient import policy_gradient_loss
-from rlnotes.notes.ppo import ppo_clip_fraction, ppo_clip_loss, value_loss
+from rlnotes.notes.ppo import ppo_clip_fraction, ppo_clip_loss, ppo_loss, value_loss
 from rlnotes.notes.reinforce import returns_to_go
 from rlnotes.notes.reward_model import bradley_terry_loss
 from rlnotes.notes.tis import truncated_is_weights
@@ -40,12 +41,14 @@ __all__ = [
     "DPO_LOSS_TYPES",
     "KL_ESTIMATORS",
     "aggregate",
+    "aggregation_divisor",
     "bradley_terry_loss",
     "dpo_implicit_rewards",
     "dpo_loss",
     "gae",
     "group_advantages",
     "grpo_loss",
+    "informative_groups",
     "kl_penalty",
     "masked_mean",
     "masked_sum",
@@ -53,6 +56,7 @@ __all__ = [
     "policy_gradient_loss",
     "ppo_clip_fraction",
     "ppo_clip_loss",
+    "ppo_loss",
     "returns_to_go",
     "truncated_is_weights",
     "value_loss",

@@ -82,6 +82,26 @@ AGGREGATIONS = {
 }
 
 
+# The divisor Z of each mode, from a batch's real tokens, rows and L (see aggregation_divisor).
+_DIVISORS = {
+    "token-mean": lambda tokens, rows, length: tokens,
+    "seq-mean-token-mean": lambda tokens, rows, length: rows,
+    "seq-mean-token-sum": lambda tokens, rows, length: rows,
+    "seq-mean-token-sum-norm": lambda tokens, rows, length: rows * length,
+}
+
+
+def aggregation_divisor(mode: str, tokens: float, rows: float, length: int) -> float:
+    """Z of aggregate(v, m, mode) = S / Z, where S adds up over rows (sum_t v m, or each row's mean).
+
+    Z = sum(m) for token-mean, B for seq-mean-token-mean and seq-mean-token-sum, B L for
+    seq-mean-token-sum-norm; tokens = sum(m), rows = B and length = L of one batch. Split a batch
+    into micro-batches k: aggregate(batch) = sum_k aggregate(k) Z_k / Z_batch, whatever the split.
+    """
+    check_choice("aggregation", mode, AGGREGATIONS)
+    return _DIVISORS[mode](tokens, rows, length)
+
+
 def aggregate(
     values: Tensor, mask: Tensor, mode: str = "token-mean", max_len: int | None = None
 ) -> Tensor:

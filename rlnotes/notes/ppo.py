@@ -1,10 +1,13 @@
 """PPO's clipped surrogate and clipped value loss (Schulman et al. 2017)."""
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
 from rlnotes.notes._common import per_token, upcast
-from rlnotes.notes.masked import masked_mean
+from rlnotes.notes.kl import kl_penalty
+from rlnotes.notes.masked import aggregate, masked_mean
 
 # exp(20) ~ 5e8: a larger log-ratio is clamped so rho stays finite (its gradient is then 0).
 _MAX_LOG_RATIO = 20.0
@@ -44,6 +47,24 @@ def ppo_clip_loss(
     return (-torch.minimum(unclipped, clipped)).to(logprobs.dtype)
 
 
+def clipped_surrogate(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip_eps: float = 0.2,
+    clip_eps_high: float | None = None,
+) -> tuple[Tensor, Tensor]:
+    """(ppo_clip_loss, ppo_clip_fraction) from one computation of rho A and clip(rho) A.
+
+    Shapes as ppo_clip_loss, mask [B, T]: the per-token loss [B, T] and the clip fraction, a
+    scalar (detached: it is for the log).
+    """
+    unclipped, clipped = _surrogates(logprobs, old_logprobs, advantages, clip_eps, clip_eps_high)
+    frac = masked_mean((clipped < unclipped).to(unclipped.dtype), mask).detach()
+    return (-torch.minimum(unclipped, clipped)).to(logprobs.dtype), frac
+
+
 def ppo_clip_fraction(
     logprobs: Tensor,
     old_logprobs: Tensor,
@@ -81,3 +102,42 @@ def value_loss(
         v_clipped = torch.clamp(v, old - clip_eps, old + clip_eps)
         loss = torch.maximum(loss, (v_clipped - target) ** 2)
     return (0.5 * loss).to(values.dtype)
+
+
+class PPOLoss(NamedTuple):
+    """ppo_loss's scalar, its parts and what it measured on the way (detached, for the log)."""
+    loss: Tensor        # L = L_clip + c1 L_value - c2 entropy, to minimise
+    value_loss: Tensor  # the aggregated value loss L_value
+    clip_frac: Tensor   # share of real tokens whose gradient the clip set to 0
+    approx_kl: Tensor   # mean k3 KL(pi_old || pi) per real token: how far the update moved
+
+
+def ppo_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    values: Tensor,
+    old_values: Tensor,
+    returns: Tensor,
+    mask: Tensor,
+    clip_eps: float = 0.2,
+    value_clip_eps: float | None = None,
+    vf_coef: float = 0.5,
+    entropy: Tensor | None = None,
+    entropy_coef: float = 0.0,
+    aggregation: str = "token-mean",
+    max_len: int | None = None,
+) -> PPOLoss:
+    """L = agg(-min(rho A, clip(rho) A)) + c1 agg(L_V) - c2 agg(H) (Schulman et al. 2017, Eq. 9).
+
+    logprobs, old_logprobs, advantages, values, old_values, returns, mask: [B, T]; entropy: [B, T]
+    per-token entropy of pi, or None (no bonus). The sign of L is the paper's objective's
+    negated: a loss to minimise. max_len is L of seq-mean-token-sum-norm (default T).
+    """
+    pg, clip_frac = clipped_surrogate(logprobs, old_logprobs, advantages, mask, clip_eps)
+    v_loss = aggregate(value_loss(values, old_values, returns, value_clip_eps), mask, aggregation, max_len)
+    loss = aggregate(pg, mask, aggregation, max_len) + vf_coef * v_loss
+    if entropy is not None:
+        loss = loss - entropy_coef * aggregate(entropy, mask, aggregation, max_len)
+    approx_kl = masked_mean(kl_penalty(old_logprobs, logprobs.detach(), "k3"), mask)
+    return PPOLoss(loss, v_loss.detach(), clip_frac, approx_kl)

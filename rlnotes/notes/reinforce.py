@@ -45,3 +45,13 @@ def leave_one_out_baseline(returns: Tensor, group_size: int) -> Tensor:
         raise ValueError(f"leave-one-out needs groups of at least 2; got {returns.shape[0]} returns, G={group_size}")
     r = upcast(returns).reshape(-1, group_size)
     return ((r.sum(-1, keepdim=True) - r) / (group_size - 1)).reshape(-1).to(returns.dtype)
+
+
+def kl_penalized_rewards(rewards: Tensor, kl: Tensor, mask: Tensor, beta: float) -> Tensor:
+    """r_t = R 1[t = |o|] - beta KL_t (Ouyang et al. 2022, InstructGPT, Eq. 2, per token).
+
+    The outcome R on the last real token and a KL(pi || pi_ref) penalty on every token.
+    rewards: [B]; kl: [B, T] per-token KL estimates (kl_penalty); mask: [B, T] -> [B, T] in at
+    least float32. Padding positions are left to the caller's mask.
+    """
+    return terminal_rewards(rewards, mask) - beta * kl

@@ -26,8 +26,11 @@ from rlnotes.data.tasks import Row
 from rlnotes.engine import distributed
 from rlnotes.engine.sequences import Sequences, summed_logprobs
 from rlnotes.notes import DPO_LOSS_TYPES, dpo_implicit_rewards, dpo_loss
-from rlnotes.training.loop import Context, next_rows, optimizer_step
-from rlnotes.training.offline import chunks, encode_pairs
+from rlnotes.training.batching import micro_batches, row_totals
+from rlnotes.training.context import Context
+from rlnotes.training.loop import optimizer_step
+from rlnotes.training.offline import encode_pairs
+from rlnotes.training.sampling import next_rows
 
 
 @dataclass
@@ -70,7 +73,9 @@ def precompute_reference(ctx: Context) -> None:
     padded = [unique[i % len(unique)] for i in range(len(unique) + (-len(unique)) % distributed.world_size())]
     table: Dict[tuple, tuple] = {}
     size = ctx.cfg.trainer.micro_batch_size or ctx.cfg.trainer.batch_size
-    for chunk, _ in chunks(distributed.shard(padded), size):
+    mine = distributed.shard(padded)
+    for idx in micro_batches(len(mine), size):
+        chunk = [mine[i] for i in idx]
         seqs = encode_pairs(ctx, chunk)
         ref = ref_logprobs(ctx, chunk, seqs).tolist()
         for i, r in enumerate(chunk):
@@ -85,7 +90,8 @@ def evaluate(ctx: Context) -> Dict[str, float]:
     ctx.policy.model.eval()
     margins = []
     refs = ctx.cache.setdefault("eval_ref", {})  # the reference never changes: one pass per eval chunk
-    for i, (chunk, _) in enumerate(chunks(rows, ctx.cfg.trainer.micro_batch_size or ctx.cfg.trainer.batch_size)):
+    for i, idx in enumerate(micro_batches(len(rows), ctx.cfg.trainer.micro_batch_size or ctx.cfg.trainer.batch_size)):
+        chunk = [rows[j] for j in idx]
         seqs = encode_pairs(ctx, chunk)
         if i not in refs:
             refs[i] = summed_logprobs(ctx.policy.ref_logprobs(seqs.input_ids, seqs.attention_mask,
@@ -106,12 +112,12 @@ def train_step(ctx: Context) -> Dict[str, float]:
             precompute_reference(ctx)
 
     rows = next_rows(ctx)
-    scale = len(rows) / cfg.trainer.batch_size  # this rank's share of the global batch
+    totals = row_totals(len(rows))  # the global batch's pairs
     sums = {"loss": 0.0, "dpo/chosen_reward": 0.0, "dpo/rejected_reward": 0.0, "dpo/margin": 0.0,
             "dpo/accuracy": 0.0}
     tokens = 0.0
-    for chunk, part in chunks(rows, cfg.trainer.micro_batch_size):
-        share = part * scale  # the chunk's share of the global batch
+    for idx in micro_batches(len(rows), cfg.trainer.micro_batch_size):
+        chunk, share = [rows[i] for i in idx], len(idx) / totals.rows  # the chunk's share of the global batch
         seqs = encode_pairs(ctx, chunk)
         n = len(chunk)
         # 1. Reference log-probs (no grad).
@@ -122,12 +128,12 @@ def train_step(ctx: Context) -> Dict[str, float]:
         with ctx.timed("policy"):
             logp = summed_logprobs(policy.logprobs(seqs.input_ids, seqs.attention_mask, seqs.n_completion), seqs)
             # 3. The DPO loss, its share of the batch mean.
-            loss = dpo_loss(logp[:n], logp[n:], ref[:n], ref[n:], beta=algo.beta, loss_type=algo.loss_type,
-                            label_smoothing=algo.label_smoothing).mean()
+            out = dpo_loss(logp[:n], logp[n:], ref[:n], ref[n:], beta=algo.beta, loss_type=algo.loss_type,
+                           label_smoothing=algo.label_smoothing)
+            loss = out.loss.mean()
             (loss * share).backward()
         # 4. Implicit rewards of the batch as it was before the update.
-        rewards = dpo_implicit_rewards(logp.detach(), ref, algo.beta)
-        chosen, rejected = rewards[:n], rewards[n:]
+        chosen, rejected = out.chosen_rewards, out.rejected_rewards
         for key, value in (("loss", loss.detach()), ("dpo/chosen_reward", chosen.mean()),
                            ("dpo/rejected_reward", rejected.mean()), ("dpo/margin", (chosen - rejected).mean()),
                            ("dpo/accuracy", (chosen > rejected).float().mean())):

@@ -36,19 +36,14 @@ from rlnotes.notes import (
     KL_ESTIMATORS,
     group_advantages,
     grpo_loss,
-    kl_penalty,
-    masked_mean,
-    ppo_clip_fraction,
-)
-from rlnotes.training.loop import (
-    Context,
-    batch_totals,
-    eval_metrics,
     informative_groups,
-    micro_batch_weight,
-    micro_batches,
+)
+from rlnotes.training.batching import batch_totals, micro_batch_weight, micro_batches
+from rlnotes.training.context import Context
+from rlnotes.training.loop import optimizer_step
+from rlnotes.training.sampling import (
+    eval_metrics,
     next_rows,
-    optimizer_step,
     rollout_metrics,
     sample_and_score,
     tis_weights,
@@ -159,19 +154,17 @@ def train_step(ctx: Context) -> Dict[str, float]:
                 tis = tis_weights(ctx, b)  # rollout.tis_cap: tokens vLLM sampled weigh min(pi_old / pi_vllm, C)
                 if tis is not None:
                     adv = adv[:, None] * tis
-                loss = grpo_loss(logp, old, ref_logp, adv, mask, clip_eps=algo.clip_eps, beta=algo.beta,
-                                 clip_eps_high=algo.clip_eps_high, kl_estimator=algo.kl_estimator,
-                                 aggregation=algo.aggregation, max_len=cfg.rollout.max_new_tokens)
-                weight = micro_batch_weight(algo.aggregation, mask, totals)
-                (loss * weight).backward()
+                out = grpo_loss(logp, old, ref_logp, adv, mask, clip_eps=algo.clip_eps, beta=algo.beta,
+                                clip_eps_high=algo.clip_eps_high, kl_estimator=algo.kl_estimator,
+                                aggregation=algo.aggregation, max_len=cfg.rollout.max_new_tokens)
+                weight = micro_batch_weight(algo.aggregation, mask, totals, cfg.rollout.max_new_tokens)
+                (out.loss * weight).backward()
                 if epoch == 0:  # report the batch as sampled, before any update moved the policy
                     share = float(mask.sum()) / totals.tokens  # token means over the global batch
-                    sums["loss"] += float(loss.detach()) * weight
-                    sums["policy/clip_frac"] += float(ppo_clip_fraction(logp.detach(), old, adv, mask,
-                                                                        algo.clip_eps, algo.clip_eps_high)) * share
+                    sums["loss"] += float(out.loss.detach()) * weight
+                    sums["policy/clip_frac"] += float(out.clip_frac) * share
                     if ref_logp is not None:
-                        sums["kl/ref"] += float(masked_mean(kl_penalty(logp.detach(), ref_logp, algo.kl_estimator),
-                                                            mask)) * share
+                        sums["kl/ref"] += float(out.kl) * share
             metrics.update(optimizer_step(ctx))
     sums = distributed.sum_shares(sums)
     if algo.beta == 0:

@@ -39,24 +39,17 @@ from rlnotes.engine.critic import (
 from rlnotes.notes import (
     AGGREGATIONS,
     KL_ESTIMATORS,
-    aggregate,
     gae,
-    kl_penalty,
-    masked_mean,
     masked_whiten,
-    ppo_clip_fraction,
-    ppo_clip_loss,
-    value_loss,
+    ppo_loss,
 )
-from rlnotes.training.loop import (
-    Context,
-    add_head,
-    batch_totals,
+from rlnotes.notes.ppo import PPOLoss
+from rlnotes.training.batching import batch_totals, micro_batch_weight, micro_batches
+from rlnotes.training.context import Context, add_head
+from rlnotes.training.loop import optimizer_step
+from rlnotes.training.sampling import (
     eval_metrics,
-    micro_batch_weight,
-    micro_batches,
     next_rows,
-    optimizer_step,
     penalized_token_rewards,
     rollout_metrics,
     sample_and_score,
@@ -124,25 +117,18 @@ def batch_explained_variance(old_values: torch.Tensor, returns: torch.Tensor, ma
     return float(1 - var_d / var_r.clamp(min=1e-8))
 
 
-def minibatch_loss(ctx: Context, b, adv, returns, old_values) -> tuple[torch.Tensor, Dict[str, torch.Tensor]]:
-    """PPO's loss on the rollout rows `b` (trimmed to width w) and its parts, for logging."""
+def minibatch_loss(ctx: Context, b, adv, returns, old_values) -> PPOLoss:
+    """PPO's loss on the rollout rows `b` (trimmed to width w), with its parts for the log."""
     cfg, algo = ctx.cfg, ctx.cfg.algo
-    w, m = b.completion_ids.shape[1], b.completion_mask
+    w = b.completion_ids.shape[1]
     logp, v, entropy = logprobs_and_values(ctx.policy.model, ctx.heads["value_head"], b.input_ids, b.attention_mask,
                                            w, cfg.rollout.temperature, entropy=algo.entropy_coef > 0,
                                            share_prompts=ctx.policy.share_prompts)
-    agg = lambda x: aggregate(x, m, algo.aggregation, cfg.rollout.max_new_tokens)  # noqa: E731
     tis = tis_weights(ctx, b)  # rollout.tis_cap: tokens vLLM sampled weigh min(pi_old / pi_vllm, C)
-    pg_loss = agg(ppo_clip_loss(logp, b.logprobs, adv if tis is None else adv * tis, algo.clip_eps))
-    v_loss = agg(value_loss(v, old_values, returns, algo.value_clip_eps))
-    loss = pg_loss + algo.vf_coef * v_loss
-    if entropy is not None:
-        loss = loss - algo.entropy_coef * agg(entropy)
-    logp = logp.detach()
-    parts = {"value/loss": v_loss.detach(),
-             "policy/clip_frac": ppo_clip_fraction(logp, b.logprobs, adv, m, algo.clip_eps),
-             "policy/approx_kl": masked_mean(kl_penalty(b.logprobs, logp, "k3"), m)}  # KL(pi_old || pi)
-    return loss, parts
+    return ppo_loss(logp, b.logprobs, adv if tis is None else adv * tis, v, old_values, returns, b.completion_mask,
+                    clip_eps=algo.clip_eps, value_clip_eps=algo.value_clip_eps, vf_coef=algo.vf_coef,
+                    entropy=entropy, entropy_coef=algo.entropy_coef, aggregation=algo.aggregation,
+                    max_len=cfg.rollout.max_new_tokens)
 
 
 def train_step(ctx: Context) -> Dict[str, float]:
@@ -186,13 +172,14 @@ def train_step(ctx: Context) -> Dict[str, float]:
                     idx = mb[part]
                     b = rollout.select(idx)
                     w = b.completion_ids.shape[1]
-                    loss, parts = minibatch_loss(ctx, b, adv[idx, :w], returns[idx, :w], old_values[idx, :w])
-                    weight = micro_batch_weight(algo.aggregation, b.completion_mask, totals)
-                    (loss * weight).backward()
-                    sums["loss"] += float(loss.detach()) * weight
-                    for key, value in parts.items():
+                    out = minibatch_loss(ctx, b, adv[idx, :w], returns[idx, :w], old_values[idx, :w])
+                    weight = micro_batch_weight(algo.aggregation, b.completion_mask, totals, cfg.rollout.max_new_tokens)
+                    (out.loss * weight).backward()
+                    sums["loss"] += float(out.loss.detach()) * weight
+                    for key, value in (("value/loss", out.value_loss), ("policy/clip_frac", out.clip_frac),
+                                       ("policy/approx_kl", out.approx_kl)):
                         sums[key] += float(value) * len(idx) / totals.rows
-                    epoch_kl += float(parts["policy/approx_kl"]) * len(idx) / n_global
+                    epoch_kl += float(out.approx_kl) * len(idx) / n_global
                 metrics.update(optimizer_step(ctx))
                 updates += 1
                 if ctx.step >= cfg.trainer.steps:

@@ -34,15 +34,12 @@ from rlnotes.notes import (
     value_loss,
 )
 from rlnotes.notes.reinforce import leave_one_out_baseline
-from rlnotes.training.loop import (
-    Context,
-    add_head,
-    batch_totals,
+from rlnotes.training.batching import batch_totals, micro_batch_weight, micro_batches
+from rlnotes.training.context import Context, add_head
+from rlnotes.training.loop import optimizer_step
+from rlnotes.training.sampling import (
     eval_metrics,
-    micro_batch_weight,
-    micro_batches,
     next_rows,
-    optimizer_step,
     penalized_token_rewards,
     rollout_metrics,
     sample_and_score,

@@ -23,8 +23,11 @@ from rlnotes.core.schema import AlgoConfig
 from rlnotes.engine import distributed
 from rlnotes.notes import bradley_terry_loss
 from rlnotes.rewards.model import HEAD, make_head, sequence_rewards
-from rlnotes.training.loop import Context, add_head, next_rows, optimizer_step
-from rlnotes.training.offline import chunks, encode_pairs
+from rlnotes.training.batching import micro_batches, row_totals
+from rlnotes.training.context import Context, add_head
+from rlnotes.training.loop import optimizer_step
+from rlnotes.training.offline import encode_pairs
+from rlnotes.training.sampling import next_rows
 
 
 @dataclass
@@ -53,8 +56,8 @@ def evaluate(ctx: Context) -> Dict[str, float]:
     ctx.policy.model.eval()
     rows = ctx.eval_rows[:ctx.cfg.eval.size]
     margins = []
-    for chunk, _ in chunks(rows, ctx.cfg.trainer.micro_batch_size or ctx.cfg.trainer.batch_size):
-        chosen, rejected, _ = pair_rewards(ctx, chunk)
+    for idx in micro_batches(len(rows), ctx.cfg.trainer.micro_batch_size or ctx.cfg.trainer.batch_size):
+        chosen, rejected, _ = pair_rewards(ctx, [rows[i] for i in idx])
         margins.append(chosen - rejected)
     margin = torch.cat(margins)
     return {"eval/rm_accuracy": float((margin > 0).float().mean()), "eval/rm_margin": float(margin.mean())}
@@ -65,15 +68,15 @@ def train_step(ctx: Context) -> Dict[str, float]:
     metrics: Dict[str, float] = {}
 
     rows = next_rows(ctx)
-    scale = len(rows) / cfg.trainer.batch_size  # this rank's share of the global batch
+    totals = row_totals(len(rows))  # the global batch's pairs
     ctx.policy.model.train()
     sums = {"loss": 0.0, "rm/accuracy": 0.0, "rm/margin": 0.0, "rm/chosen_reward": 0.0}
     tokens = 0.0
     with ctx.timed("policy"):
-        for chunk, part in chunks(rows, cfg.trainer.micro_batch_size):
-            share = part * scale  # the chunk's share of the global batch
+        for idx in micro_batches(len(rows), cfg.trainer.micro_batch_size):
+            share = len(idx) / totals.rows  # the chunk's share of the global batch
             # 1. Rewards of chosen and rejected completions in one pass.
-            chosen, rejected, chunk_tokens = pair_rewards(ctx, chunk)
+            chosen, rejected, chunk_tokens = pair_rewards(ctx, [rows[i] for i in idx])
             # 2. Bradley-Terry loss, this micro-batch's share of the batch mean.
             loss = bradley_terry_loss(chosen, rejected).mean()
             (loss * share).backward()

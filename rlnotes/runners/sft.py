@@ -23,15 +23,11 @@ from rlnotes.core.schema import AlgoConfig
 from rlnotes.engine import distributed
 from rlnotes.engine.sequences import Sequences
 from rlnotes.notes import AGGREGATIONS, aggregate
-from rlnotes.training.loop import (
-    Context,
-    batch_totals,
-    micro_batch_weight,
-    micro_batches,
-    next_rows,
-    optimizer_step,
-)
+from rlnotes.training.batching import batch_totals, micro_batch_weight, micro_batches
+from rlnotes.training.context import Context
+from rlnotes.training.loop import optimizer_step
 from rlnotes.training.offline import encode_rows
+from rlnotes.training.sampling import next_rows
 
 
 @dataclass

@@ -25,8 +25,3 @@ def encode_pairs(ctx, rows) -> Sequences:
     return encode_rows(ctx, rows + rows, None)
 
 
-def chunks(rows: list, size: Optional[int]) -> list[tuple[list, float]]:
-    """Micro-batches of rows and the share of the batch each is: a mean over rows accumulated
-    chunk by chunk, each chunk's mean times its share, equals the mean over the whole batch."""
-    size = size or len(rows)
-    return [(rows[i:i + size], len(rows[i:i + size]) / len(rows)) for i in range(0, len(rows), size)]

@@ -13,8 +13,12 @@ SIGNATURES = {
     "ppo_clip_loss": "(logprobs, old_logprobs, advantages, clip_eps=0.2, clip_eps_high=None)",
     "ppo_clip_fraction": "(logprobs, old_logprobs, advantages, mask, clip_eps=0.2, clip_eps_high=None)",
     "value_loss": "(values, old_values, returns, clip_eps=None)",
+    "ppo_loss": "(logprobs, old_logprobs, advantages, values, old_values, returns, mask, clip_eps=0.2, "
+    "value_clip_eps=None, vf_coef=0.5, entropy=None, entropy_coef=0.0, aggregation='token-mean', max_len=None)",
     "group_advantages": "(rewards, group_size, scale_by_std=True, eps=0.0001)",
+    "informative_groups": "(rewards, group_size)",
     "aggregate": "(values, mask, mode='token-mean', max_len=None)",
+    "aggregation_divisor": "(mode, tokens, rows, length)",
     "masked_mean": "(values, mask, dim=None)",
     "masked_sum": "(values, mask, dim=None)",
     "masked_whiten": "(values, mask, shift_mean=True)",

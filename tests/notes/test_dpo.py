@@ -24,12 +24,12 @@ def test_dpo_loss_hand_values():
     # h = (-1 - -2) - (-3 - -2.5) = 1 + 0.5 = 1.5; beta h = 0.15
     args = [torch.tensor([x]) for x in (-1.0, -3.0, -2.0, -2.5)]
     # sigmoid: -log sigma(0.15) = log(1 + e^-0.15) = log(1.8607080) = 0.6209571
-    assert dpo_loss(*args).item() == pytest.approx(0.6209571, rel=1e-6)
+    assert dpo_loss(*args).loss.item() == pytest.approx(0.6209571, rel=1e-6)
     # ls = 0.1: -log sigma(-0.15) = 0.15 + 0.6209571 = 0.7709571;
     # 0.9 * 0.6209571 + 0.1 * 0.7709571 = 0.5588614 + 0.0770957 = 0.6359571
-    assert dpo_loss(*args, label_smoothing=0.1).item() == pytest.approx(0.6359571, rel=1e-6)
+    assert dpo_loss(*args, label_smoothing=0.1).loss.item() == pytest.approx(0.6359571, rel=1e-6)
     # ipo: (1.5 - 1 / 0.2)^2 = (-3.5)^2 = 12.25
-    assert dpo_loss(*args, loss_type="ipo").item() == pytest.approx(12.25)
+    assert dpo_loss(*args, loss_type="ipo").loss.item() == pytest.approx(12.25)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -37,7 +37,7 @@ def test_dpo_loss_hand_values():
 def test_dpo_loss_matches_loop_reference(dtype, loss_type, ls):
     gen = torch.Generator().manual_seed(0)
     pc, pr, rc, rr = (-20 * torch.rand(4, 16, generator=gen)).to(dtype)
-    out = unmodified(dpo_loss, pc, pr, rc, rr, 0.3, loss_type, ls)
+    out = unmodified(dpo_loss, pc, pr, rc, rr, 0.3, loss_type, ls).loss
     rows = zip(*(x.double().tolist() for x in (pc, pr, rc, rr)))
     expect = [ref_dpo(*xs, 0.3, loss_type, ls) for xs in rows]
     assert out.dtype == dtype and out.shape == (16,)
@@ -48,7 +48,7 @@ def test_dpo_loss_matches_loop_reference(dtype, loss_type, ls):
 def test_dpo_loss_is_log2_when_policy_equals_reference(dtype):
     gen = torch.Generator().manual_seed(1)
     chosen, rejected = (-30 * torch.rand(2, 8, generator=gen)).to(dtype)
-    out = dpo_loss(chosen, rejected, chosen, rejected)
+    out = dpo_loss(chosen, rejected, chosen, rejected).loss
     torch.testing.assert_close(out.float(), torch.full((8,), math.log(2)), **tol(dtype))
 
 
@@ -57,7 +57,7 @@ def test_dpo_gradient_raises_chosen_and_lowers_rejected():
     pc, pr, rc, rr = -20 * torch.rand(4, 32, generator=gen)
     pc.requires_grad_()
     pr.requires_grad_()
-    dpo_loss(pc, pr, rc, rr, beta=0.5).sum().backward()
+    dpo_loss(pc, pr, rc, rr, beta=0.5).loss.sum().backward()
     assert torch.all(pc.grad < 0) and torch.all(pr.grad > 0)
     # d/d pi_c of -log sigma(beta h) = -beta sigma(-beta h); the opposite for pi_r.
     h = (pc - rc) - (pr - rr)
@@ -70,7 +70,7 @@ def test_dpo_gradient_raises_chosen_and_lowers_rejected():
 def test_dpo_loss_large_margins_are_finite(dtype, loss_type):
     big = torch.tensor([-1e4, 1e4, 0.0], dtype=dtype).requires_grad_()
     zeros = torch.zeros(3, dtype=dtype)
-    out = dpo_loss(big, zeros, zeros, zeros, beta=1.0, loss_type=loss_type)
+    out = dpo_loss(big, zeros, zeros, zeros, beta=1.0, loss_type=loss_type).loss
     out.sum().backward()
     assert_finite(out, big.grad)
 
@@ -91,8 +91,11 @@ def test_dpo_implicit_rewards():
     assert rewards.requires_grad  # the caller decides whether to detach
     # The DPO loss is -log sigma of the chosen-minus-rejected implicit reward.
     margin = rewards[:1] - rewards[1:]
-    loss = dpo_loss(policy[:1], policy[1:], ref[:1], ref[1:], beta=0.1)
-    torch.testing.assert_close(loss, -torch.nn.functional.logsigmoid(margin))
+    out = dpo_loss(policy[:1], policy[1:], ref[:1], ref[1:], beta=0.1)
+    torch.testing.assert_close(out.loss, -torch.nn.functional.logsigmoid(margin))
+    # ... and reports those rewards, detached (they are for the log).
+    torch.testing.assert_close(torch.cat([out.chosen_rewards, out.rejected_rewards]), rewards.detach())
+    assert not out.chosen_rewards.requires_grad
 
 
 def test_dpo_signature_defaults():

@@ -4,7 +4,7 @@ import statistics
 import pytest
 import torch
 
-from rlnotes.notes import AGGREGATIONS, group_advantages, grpo_loss
+from rlnotes.notes import AGGREGATIONS, group_advantages, grpo_loss, masked_mean, ppo_clip_fraction
 
 from .helpers import (
     DTYPES,
@@ -97,7 +97,7 @@ def test_grpo_loss_matches_loop_reference(dtype, mode):
     logp = (old.float() + 0.3 * torch.randn(B, T, generator=gen)).to(dtype)
     ref = (old.float() + 0.3 * torch.randn(B, T, generator=gen)).to(dtype)
     adv = group_advantages(torch.randn(B, generator=gen), 4).to(dtype)
-    out = unmodified(grpo_loss, logp, old, ref, adv, mask.float(), 0.2, 0.04, None, "k3", mode)
+    out = unmodified(grpo_loss, logp, old, ref, adv, mask.float(), 0.2, 0.04, None, "k3", mode).loss
     expect = ref_grpo(
         *(x.double().tolist() for x in (logp, old, ref, adv)), mask.tolist(), 0.2, 0.04, mode
     )
@@ -113,7 +113,7 @@ def test_grpo_gradient_at_pi_old_equals_pi_ref_is_the_policy_gradient(dtype):
     mask = make_mask(gen, B, T, "right")
     logp = (-2 * torch.rand(B, T, generator=gen)).to(dtype).requires_grad_()
     adv = torch.randn(B, generator=gen).to(dtype)
-    grpo_loss(logp, logp, logp, adv, mask).backward()  # one tensor for pi, pi_old and pi_ref
+    grpo_loss(logp, logp, logp, adv, mask).loss.backward()  # one tensor for pi, pi_old and pi_ref
     # seq-mean-token-mean: d L / d log pi_{i,t} = -(1/B) A_i / |o_i| on real tokens, else 0
     # (rho = 1 sits inside the clip, and k3 has zero gradient at pi = pi_ref).
     lengths = mask.sum(1, keepdim=True).clamp(min=1)
@@ -125,10 +125,10 @@ def test_grpo_gradient_at_pi_old_equals_pi_ref_is_the_policy_gradient(dtype):
 def test_grpo_kl_term_gradient_is_zero_only_at_the_reference():
     logp = torch.randn(3, 4).requires_grad_()
     mask, zero_adv = torch.ones(3, 4), torch.zeros(3)
-    grpo_loss(logp, logp, logp.detach(), zero_adv, mask, beta=0.5).backward()
+    grpo_loss(logp, logp, logp.detach(), zero_adv, mask, beta=0.5).loss.backward()
     assert torch.equal(logp.grad, torch.zeros(3, 4))
     logp.grad = None
-    grpo_loss(logp, logp, logp.detach() + 0.1, zero_adv, mask, beta=0.5).backward()
+    grpo_loss(logp, logp, logp.detach() + 0.1, zero_adv, mask, beta=0.5).loss.backward()
     assert torch.all(logp.grad != 0)  # away from pi_ref the KL term does pull
 
 
@@ -136,9 +136,9 @@ def test_grpo_beta_zero_needs_no_reference_and_beta_positive_does():
     gen = torch.Generator().manual_seed(2)
     logp, old, ref = -torch.rand(3, 4, 5, generator=gen)
     adv, mask = torch.randn(4, generator=gen), torch.ones(4, 5)
-    without_kl = grpo_loss(logp, old, ref, adv, mask, beta=0.0)
-    torch.testing.assert_close(grpo_loss(logp, old, None, adv, mask, beta=0.0), without_kl)
-    assert grpo_loss(logp, old, ref, adv, mask, beta=0.1) > without_kl  # k3 >= 0 adds a penalty
+    without_kl = grpo_loss(logp, old, ref, adv, mask, beta=0.0).loss
+    torch.testing.assert_close(grpo_loss(logp, old, None, adv, mask, beta=0.0).loss, without_kl)
+    assert grpo_loss(logp, old, ref, adv, mask, beta=0.1).loss > without_kl  # k3 >= 0 adds a penalty
     with pytest.raises(ValueError, match="ref_logprobs"):
         grpo_loss(logp, old, None, adv, mask, beta=0.04)
     with pytest.raises(ValueError, match="k1, k2, k3"):
@@ -158,6 +158,25 @@ def test_grpo_loss_edge_rows_are_finite(dtype):
     adv = group_advantages(torch.tensor([1.0, 1.0, 1.0]), 3).to(dtype)
     for mode in AGGREGATIONS:
         logp.grad = None
-        out = grpo_loss(logp, logp.detach(), ref, adv, mask, aggregation=mode)
+        out = grpo_loss(logp, logp.detach(), ref, adv, mask, aggregation=mode).loss
         out.backward()
         assert_finite(out, logp.grad)
+
+
+def test_grpo_loss_reports_its_clip_fraction_and_kl():
+    gen = torch.Generator().manual_seed(3)
+    old, ref = -torch.rand(2, 4, 5, generator=gen)
+    logp = old + 0.5 * torch.randn(4, 5, generator=gen)
+    adv, mask = torch.randn(4, generator=gen), make_mask(gen, 4, 5, "right")
+    out = grpo_loss(logp, old, ref, adv, mask, clip_eps=0.1, kl_estimator="k1")
+    torch.testing.assert_close(out.clip_frac, ppo_clip_fraction(logp, old, adv, mask, 0.1))
+    torch.testing.assert_close(out.kl, masked_mean(logp - ref, mask))
+    assert 0 < out.clip_frac < 1
+    assert grpo_loss(logp, old, None, adv, mask, beta=0.0).kl.isnan()  # no reference, no KL
+
+
+def test_informative_groups_are_those_whose_rewards_differ():
+    from rlnotes.notes import informative_groups
+
+    rewards = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.5, 0.5, 0.0, 0.0, 0.0])
+    assert informative_groups(rewards, 3).tolist() == [True, True, False]

@@ -6,6 +6,7 @@ import torch
 from rlnotes.notes import (
     AGGREGATIONS,
     aggregate,
+    aggregation_divisor,
     masked_mean,
     masked_sum,
     masked_whiten,
@@ -146,3 +147,12 @@ def test_masked_whiten_edge_cases_are_finite(dtype):
     const = masked_whiten(torch.full((2, 3), 5.0, dtype=dtype), torch.ones(2, 3))
     for out in (empty, one, const):
         assert torch.equal(out, torch.zeros_like(out))  # nothing to whiten: 0, not NaN
+
+
+@pytest.mark.parametrize("mode", sorted(AGGREGATIONS))
+def test_micro_batch_aggregates_weighted_by_their_divisors_add_up_to_the_batchs(mode):
+    values = torch.tensor([[1.0, 2.0, 3.0, 0.0], [4.0, 0.0, 0.0, 0.0], [5.0, 6.0, 0.0, 0.0]])
+    mask = values != 0
+    z = lambda m, length: aggregation_divisor(mode, float(m.sum()), m.shape[0], length)  # noqa: E731
+    parts = sum(aggregate(values[k], mask[k], mode, 4) * z(mask[k], 4) for k in (slice(0, 1), slice(1, 3)))
+    torch.testing.assert_close(parts / z(mask, 4), aggregate(values, mask, mode, 4))

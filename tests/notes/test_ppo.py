@@ -159,3 +159,21 @@ def test_value_loss_gradient_stops_where_the_clipped_error_wins():
 def test_value_loss_clip_needs_old_values():
     with pytest.raises(ValueError, match="old_values"):
         value_loss(torch.zeros(2), None, torch.zeros(2), clip_eps=0.2)
+
+
+def test_ppo_loss_is_the_sum_of_its_parts_and_reports_them():
+    from rlnotes.notes import aggregate, kl_penalty, masked_mean, ppo_loss
+
+    gen = torch.Generator().manual_seed(4)
+    old, v, old_v, ret, entropy = torch.randn(5, 3, 4, generator=gen)
+    logp, adv, mask = old + 0.5 * torch.randn(3, 4, generator=gen), torch.randn(3, 4, generator=gen), \
+        torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 1, 1]]).bool()
+    out = ppo_loss(logp, old, adv, v, old_v, ret, mask, clip_eps=0.1, value_clip_eps=0.2, vf_coef=0.5,
+                   entropy=entropy, entropy_coef=0.01, aggregation="seq-mean-token-mean")
+    agg = lambda x: aggregate(x, mask, "seq-mean-token-mean")  # noqa: E731
+    v_loss = agg(value_loss(v, old_v, ret, 0.2))
+    torch.testing.assert_close(out.loss, agg(ppo_clip_loss(logp, old, adv, 0.1)) + 0.5 * v_loss - 0.01 * agg(entropy))
+    torch.testing.assert_close(out.value_loss, v_loss)
+    torch.testing.assert_close(out.clip_frac, ppo_clip_fraction(logp, old, adv, mask, 0.1))
+    torch.testing.assert_close(out.approx_kl, masked_mean(kl_penalty(old, logp, "k3"), mask))  # KL(pi_old || pi)
+    assert 0 < out.clip_frac < 1

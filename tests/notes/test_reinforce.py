@@ -55,3 +55,14 @@ def test_returns_to_go_keeps_autograd():
     returns_to_go(rewards, torch.ones(3, 4), 0.5).sum().backward()
     # d(sum_t G_t)/dr_s = sum_{t<=s} gamma^(s-t): 1, 1.5, 1.75, 1.875 for every row.
     torch.testing.assert_close(rewards.grad, torch.tensor([[1.0, 1.5, 1.75, 1.875]]).expand(3, 4))
+
+
+def test_kl_penalized_rewards_put_the_outcome_on_the_last_real_token():
+    from rlnotes.notes.reinforce import kl_penalized_rewards
+
+    rewards = torch.tensor([1.0, -2.0])
+    kl = torch.tensor([[0.5, 1.0, 2.0], [0.1, 0.2, 0.3]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    # r_t = R 1[t = last] - beta KL_t, beta = 0.1
+    torch.testing.assert_close(kl_penalized_rewards(rewards, kl, mask, 0.1),
+                               torch.tensor([[-0.05, 1.0 - 0.1, -0.2], [-0.01, -0.02, -2.0 - 0.03]]))

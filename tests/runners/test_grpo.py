@@ -66,7 +66,12 @@ def test_non_finite_loss_skips_updates_then_stops(tmp_path, monkeypatch):
     from rlnotes.training import loop as common
 
     real = grpo.grpo_loss
-    monkeypatch.setattr(grpo, "grpo_loss", lambda *a, **k: real(*a, **k) * float("nan"))
+
+    def nan_loss(*args, **kwargs):
+        out = real(*args, **kwargs)
+        return out._replace(loss=out.loss * float("nan"))
+
+    monkeypatch.setattr(grpo, "grpo_loss", nan_loss)
     with pytest.raises(common.TrainingError, match="non-finite"):
         run(tmp_path, "trainer.steps=5")
     assert not (tmp_path / "final").exists()

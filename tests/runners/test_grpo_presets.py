@@ -8,8 +8,8 @@ import torch
 from rich.console import Console
 
 from rlnotes.commands.train import train
+from rlnotes.notes import informative_groups
 from rlnotes.runners import grpo
-from rlnotes.training import loop as common
 from tests.conftest import compose
 
 
@@ -31,7 +31,7 @@ def test_presets_compose_to_their_papers_settings():
 
 def test_informative_groups():
     rewards = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.5, 0.5])
-    assert common.informative_groups(rewards, 2).tolist() == [False, True, False]
+    assert informative_groups(rewards, 2).tolist() == [False, True, False]
 
 
 def test_dynamic_sampling_drops_groups_without_signal(tmp_path, monkeypatch):

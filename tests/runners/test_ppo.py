@@ -10,7 +10,7 @@ from rich.console import Console
 
 from rlnotes.commands.train import train
 from rlnotes.runners import REGISTRY, ppo
-from rlnotes.training.loop import setup
+from rlnotes.training.context import setup
 from tests.conftest import compose
 
 # 8 prompts x 4 completions per batch, two epochs of two minibatches: 4 optimizer steps a batch.

@@ -1,0 +1,175 @@
+"""The tree keeps the design the README draws: floors that import only downward (a foundation that
+imports nothing of rlnotes), no import circle, no function-local import of an rlnotes module
+except to defer a heavy optional dependency (said in a comment on that line), no comparison of
+algo.name outside the registry, and files and functions short enough to read.
+
+Run as a script for the figures: python tests/test_structure.py
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent / "rlnotes"
+# Floor of each top-level part, from the foundation up: a module may import its own floor and below.
+FLOORS = {"core": 0, "notes": 1, "engine": 2, "rewards": 3, "data": 4, "run": 5, "training": 6, "runners": 7,
+          "commands": 8, "__main__": 9, "__init__": 0}
+MAX_FILE_LINES = 400
+MAX_FUNCTION_LINES = 60
+# A function-local import of an rlnotes module must say why on its line: it defers this.
+DEFER_MARK = "optional"
+
+
+def modules() -> dict[str, Path]:
+    return {".".join(("rlnotes", *p.relative_to(ROOT).with_suffix("").parts)).removesuffix(".__init__"): p
+            for p in sorted(ROOT.rglob("*.py"))}
+
+
+def part(module: str) -> str:
+    return module.split(".")[1] if "." in module else "__init__"
+
+
+def imports(path: Path, module: str):
+    """(imported rlnotes module, line, whether inside a function) of every import in `path`."""
+    tree = ast.parse(path.read_text())
+    known = modules()
+    local = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+             for n in ast.walk(f) if isinstance(n, (ast.Import, ast.ImportFrom))}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in known else node.module
+                     for a in node.names]
+        else:
+            continue
+        for name in names:
+            if name.startswith("rlnotes") and name in known and name != module:
+                yield name, node.lineno, id(node) in local
+
+
+def graph() -> dict[str, set[str]]:
+    return {m: {target for target, _, _ in imports(p, m)} for m, p in modules().items()}
+
+
+def circles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in edges.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in edges:
+        if v not in index:
+            visit(v)
+    return out
+
+
+def upward() -> list[str]:
+    return [f"{m} -> {t}" for m, targets in graph().items() for t in sorted(targets)
+            if FLOORS[part(t)] > FLOORS[part(m)] and part(m) != "__init__"]
+
+
+def undeferred_local_imports() -> list[str]:
+    out = []
+    for m, p in modules().items():
+        lines = p.read_text().splitlines()
+        for target, line, local in imports(p, m):
+            if local and DEFER_MARK not in lines[line - 1]:
+                out.append(f"{p.relative_to(ROOT.parent)}:{line} imports {target} inside a function")
+    return out
+
+
+def local_imports() -> int:
+    return sum(local for m, p in modules().items() for _, _, local in imports(p, m))
+
+
+def algo_name_comparisons() -> list[str]:
+    out = []
+    for m, p in modules().items():
+        if m.startswith("rlnotes.runners"):
+            continue
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.Compare) and any(
+                    isinstance(x, ast.Attribute) and x.attr == "name" and isinstance(x.value, ast.Attribute)
+                    and x.value.attr == "algo" for x in [node.left, *node.comparators]):
+                out.append(f"{p.relative_to(ROOT.parent)}:{node.lineno}")
+    return out
+
+
+def long_files() -> list[str]:
+    return [f"{p.relative_to(ROOT.parent)}: {n} lines" for p in modules().values()
+            if (n := len(p.read_text().splitlines())) > MAX_FILE_LINES]
+
+
+def long_functions() -> list[str]:
+    out = []
+    for p in modules().values():
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > MAX_FUNCTION_LINES:
+                    out.append(f"{p.relative_to(ROOT.parent)}:{node.lineno} {node.name}: {n} lines")
+    return out
+
+
+def test_every_module_is_on_a_floor():
+    assert {part(m) for m in modules()} <= set(FLOORS)
+
+
+def test_no_import_circle():
+    assert circles(graph()) == []
+
+
+def test_imports_only_go_down_and_the_foundation_imports_nothing_of_rlnotes():
+    assert upward() == []
+    assert all(not targets for m, targets in graph().items() if part(m) == "core")
+
+
+def test_no_function_local_import_of_rlnotes_but_to_defer_an_optional_dependency():
+    assert undeferred_local_imports() == []
+
+
+def test_no_algo_name_comparison_outside_the_registry():
+    assert algo_name_comparisons() == []
+
+
+def test_files_and_functions_are_short():
+    assert long_files() == []
+    assert long_functions() == []
+
+
+if __name__ == "__main__":
+    largest = max(modules().values(), key=lambda p: len(p.read_text().splitlines()))
+    print(f"modules: {len(modules())}; import circles: {len(circles(graph()))} "
+          f"({', '.join(str(len(c)) for c in circles(graph())) or 'none'} modules)")
+    print(f"upward imports: {len(upward())}; function-local imports of rlnotes modules: {local_imports()} "
+          f"({len(undeferred_local_imports())} not deferring an optional dependency)")
+    print(f"algo.name comparisons outside the registry: {len(algo_name_comparisons())}")
+    print(f"largest file: {largest.relative_to(ROOT.parent)} ({len(largest.read_text().splitlines())} lines); "
+          f"files over {MAX_FILE_LINES}: {len(long_files())}; functions over {MAX_FUNCTION_LINES}: {len(long_functions())}")
+    if "-v" in sys.argv:
+        for line in [*upward(), *undeferred_local_imports(), *algo_name_comparisons(), *long_files(),
+                     *long_functions(), *map(str, circles(graph()))]:
+            print(" ", line)
