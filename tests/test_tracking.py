@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rlnotes.commands.cli import UsageError, check, main
+from rlnotes.commands.check import check
+from rlnotes.commands.cli import UsageError, main
 from rlnotes.core.errors import ConfigError
 from rlnotes.run import tracking
 from tests.conftest import compose
