@@ -36,9 +36,9 @@ COMPOSE_ERRORS = (HydraException, OmegaConfBaseException, ValueError)
 
 def config_loader(config_dir: Optional[str]) -> ConfigLoaderImpl:
     """A loader of rlnotes' configs as hydra.main finds them (a --config-dir first)."""
-    # private: Hydra's public compose() works only after initialize(), whose global state
-    # hydra.main then refuses, and it takes no --config-dir; its loader composes a config (the
-    # hydra node included) standalone, on the search path hydra.main builds (Hydra's configs, ours).
+    # private: Hydra's public compose() needs initialize()'s global state around each use and has
+    # no --config-dir; its config loader composes standalone on the search path hydra.main builds
+    # (Hydra's configs, a --config-dir, ours), the hydra node included, and lists a group's options.
     search = create_automatic_config_search_path(None, None, f"pkg://{CONFIG_MODULE}")
     if config_dir:
         search.prepend("command-line", f"file://{os.path.abspath(config_dir)}")
@@ -89,7 +89,7 @@ def job_dirs(jobs: List[DictConfig], keys: Sequence[str]) -> List[Optional[Path]
     """For each composed job (job number i), the path its `keys` (hydra.run.dir, or hydra.sweep.dir
     and hydra.sweep.subdir) resolve to, as Hydra resolves them when it runs the job; None where
     they read what only Hydra's launcher sets."""
-    setup_globals()  # the resolvers Hydra registers for its own start (hydra:, now:)
+    setup_globals()  # the resolvers Hydra registers for its own start (hydra:, now:); not documented
     previous, out = HydraConfig.instance().cfg, []
     try:
         for num, cfg in enumerate(jobs):
