@@ -177,6 +177,7 @@ def is_sweep(path: Path) -> bool:
 
 
 def split_override(override: str) -> Tuple[str, str]:
+    """(key, value) of an override as Hydra records it: "+trainer.steps=2" -> ("trainer.steps", "2")."""
     key, _, value = override.partition("=")
     return key.lstrip("+~"), value
 
@@ -227,6 +228,7 @@ def swept_overrides(run_dir: Path) -> List[str]:
 
 # ---------------------------------------------------------------------------------------------
 # The objective a sweep member returns to its sweeper
+
 
 def direction(metric: str) -> str:
     """Which way `metric` is better, for sorting: its KEY_METRICS direction, else by its name."""
