@@ -68,7 +68,7 @@ def run_one(name: str, steps: int) -> dict:
     from omegaconf import open_dict
     from rich.console import Console
 
-    from rlnotes.commands.cli import _loader, check
+    from rlnotes.commands.check import check, loader
     from rlnotes.commands.train import train
     from rlnotes.engine.rollout import encode_prompts
     from rlnotes.runners import algorithm
@@ -76,7 +76,7 @@ def run_one(name: str, steps: int) -> dict:
 
     overrides = MODELS[name] + SHAPE + [f"trainer.steps={steps}"]
     check(overrides, False, None)
-    cfg = _loader(None).load_configuration("config", overrides, RunMode.RUN)
+    cfg = loader(None).load_configuration("config", overrides, RunMode.RUN)
     with open_dict(cfg):
         del cfg["hydra"]
     threads = cfg.hardware.threads or torch.get_num_threads()

@@ -364,7 +364,9 @@ def grpo_trainer(shape: Shape, common: dict, model, tokenizer, dataset, lora, ti
     from trl import GRPOConfig, GRPOTrainer
     from trl.trainer import grpo_trainer as module
 
-    from rlnotes.rewards import number_match  # the reward rlnotes' reward=arith computes
+    from rlnotes.rewards import (
+        number_match,  # the reward rlnotes' reward=arith computes
+    )
 
     module.use_adapter = timed_context(module.use_adapter, timers, "reference_s")  # only the reference pass uses it
     # The notes' GRPO: 1/|o_i| token averaging (loss_type grpo), group std scaling, k3 KL with beta > 0.

@@ -25,13 +25,13 @@ def _one_thread():
 
 def compose(*overrides: str):
     """The composed, validated train config for `overrides`, as `rlnotes train` would build it."""
-    from rlnotes.commands.cli import _loader, check
+    from rlnotes.commands.check import check, loader
+    from rlnotes.commands.hydra import compose as compose_config
 
     check(list(overrides), multirun=False, config_dir=None)
-    from hydra.types import RunMode
     from omegaconf import open_dict
 
-    cfg = _loader(None).load_configuration("config", list(overrides), RunMode.RUN)
+    cfg = compose_config(loader(None), list(overrides))
     from rlnotes.commands.validate import resolve_auto
 
     with open_dict(cfg):

@@ -115,6 +115,16 @@ def test_unknown_command_and_usage(capsys):
     assert main([]) == 0 and "rlnotes train" in capsys.readouterr().out
 
 
+def test_usage_and_a_mistyped_command_answer_before_torch_is_imported():
+    """The environment the commands set (threads, hub timeouts) must be in place before torch and
+    the Hugging Face libraries load, and `rlnotes --help` needs neither."""
+    probe = ("import sys; from rlnotes.commands.cli import main; main(['--help']); main(['trian']); "
+             "print(sorted(m for m in ('torch', 'transformers', 'huggingface_hub') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
 def test_help_lists_the_config_groups(capsys):
     with pytest.raises(SystemExit):
         main(["train", "--help"])

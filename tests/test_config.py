@@ -8,7 +8,8 @@ import typing
 import pytest
 from omegaconf import OmegaConf
 
-from rlnotes.commands.cli import UsageError, check, main
+from rlnotes.commands.check import check
+from rlnotes.commands.cli import UsageError, main
 from rlnotes.commands.validate import validate
 from rlnotes.core.checks import CHECKED_ELSEWHERE, RANGES
 from rlnotes.core.errors import ConfigError

@@ -13,7 +13,14 @@ from rlnotes.core.errors import ConfigError
 from rlnotes.core.schema import DataConfig
 from rlnotes.data.datasets import load_task
 from rlnotes.data.sampler import PromptSampler
-from rlnotes.data.tasks import TASK_REWARDS, TASKS, arith, countdown, hidden_expression, letters
+from rlnotes.data.tasks import (
+    TASK_REWARDS,
+    TASKS,
+    arith,
+    countdown,
+    hidden_expression,
+    letters,
+)
 
 ARITH = re.compile(r"^What is (\d+)([+*-])(\d+)\? Answer with just the number\.$")
 

@@ -6,7 +6,7 @@ import io
 import pytest
 from rich.console import Console
 
-from rlnotes.commands.cli import UsageError, check
+from rlnotes.commands.check import UsageError, check
 from rlnotes.commands.train import train
 from rlnotes.run.diagnostics import (
     CHECKS,

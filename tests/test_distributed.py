@@ -15,7 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlnotes.commands.cli import main, stamp_dirs, torchrun_command
+from rlnotes.commands.cli import main
+from rlnotes.commands.launch import torchrun_command
+from rlnotes.commands.rundirs import stamp_dirs
 from rlnotes.engine import distributed
 from rlnotes.engine.rollout import (
     completion_keys,
@@ -58,7 +60,7 @@ def _never_exec(monkeypatch):
     """A check that wrongly passes must fail the test, not turn pytest into torchrun."""
     def refuse(nproc, argv):
         raise AssertionError(f"would have started {nproc} processes for {argv}")
-    monkeypatch.setattr("rlnotes.commands.cli._launch", refuse)
+    monkeypatch.setattr("rlnotes.commands.train.launch", refuse)
 
 
 def _env(**extra):

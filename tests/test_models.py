@@ -217,7 +217,7 @@ def test_a_bf16_run_trains_with_float32_weights_and_losses(tmp_path, algo):
 
 
 def test_unknown_precision_is_rejected_in_one_line():
-    from rlnotes.commands.cli import UsageError, check
+    from rlnotes.commands.check import UsageError, check
 
     with pytest.raises(UsageError, match="hardware.precision='fp16' is not valid; choose one of: fp32, bf16"):
         check(["hardware.precision=fp16"], multirun=False, config_dir=None)
@@ -300,7 +300,7 @@ def damaged(saved, tmp_path, how):
 def test_a_half_written_model_dir_is_named_before_anything_loads(saved_tiny, tmp_path, how, missing):
     """Through the command-line check (before torch loads a weight) and load_base itself: one line
     naming the dir and what it lacks."""
-    from rlnotes.commands.cli import UsageError, check
+    from rlnotes.commands.check import UsageError, check
 
     path = damaged(saved_tiny, tmp_path, how)
     with pytest.raises(UsageError) as err:

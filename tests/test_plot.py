@@ -11,15 +11,14 @@ import yaml
 
 from rlnotes.commands.cli import main
 from rlnotes.commands.plot import FIGURES, ema, plot, plot_metrics
-from rlnotes.run.sweep import (
+from rlnotes.commands.sweep import summarize, to_markdown
+from rlnotes.run.records import (
     RunError,
     differing_overrides,
     expand,
     labels,
     load_run,
-    summarize,
     swept_overrides,
-    to_markdown,
 )
 
 PNG = b"\x89PNG\r\n\x1a\n"

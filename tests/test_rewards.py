@@ -31,7 +31,12 @@ from rlnotes.rewards.builtin import (
     normalize_text,
     number_match,
 )
-from rlnotes.rewards.loading import check_reward_config, function_specs, metric_names, resolve
+from rlnotes.rewards.loading import (
+    check_reward_config,
+    function_specs,
+    metric_names,
+    resolve,
+)
 from rlnotes.rewards.scoring import RewardFailure, Rewards
 
 THINK = r"<think>.*?</think>\s*<answer>.*?</answer>"
@@ -975,7 +980,7 @@ def test_a_missing_file_names_it(in_project_dir):
 
 
 def test_cli_precheck_finds_a_module_in_the_working_directory(in_project_dir):
-    from rlnotes.commands.cli import check
+    from rlnotes.commands.check import check
 
     (cfg,) = check(["reward=custom", "reward.target=cwd_rewards:brevity",
                     "reward.functions=[{fn: sub/more.py:bonus, weight: 1.0}]"], False, None)

@@ -11,23 +11,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rlnotes.commands.cli import (
-    UsageError,
-    _launcher_overrides,
-    _loader,
-    _members,
-    check,
-    main,
-)
-from rlnotes.run.sweep import (
-    RESULT_FILE,
-    load_run,
-    objective_metric,
-    objective_value,
-    optuna_history,
-    seed_groups,
-    summarize,
-)
+from rlnotes.commands.check import check, loader
+from rlnotes.commands.check import members as job_members
+from rlnotes.commands.cli import UsageError, main
+from rlnotes.commands.launch import launcher_overrides
+from rlnotes.commands.sweep import optuna_history, seed_groups, summarize
+from rlnotes.run.records import RESULT_FILE, load_run, objective_metric, objective_value
 from rlnotes.runners import REGISTRY
 from tests.conftest import compose
 
@@ -44,7 +33,7 @@ def _result(run_dir: Path) -> dict:
 
 
 def objective(cfg):
-    return objective_metric(cfg, REGISTRY[cfg.algo.name])
+    return objective_metric(cfg.sweep, cfg.trainer.eval_every, REGISTRY[cfg.algo.name])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -98,7 +87,7 @@ def test_sweep_settings_are_bookkeeping_for_a_resumed_member():
 
 
 def test_search_members_are_representatives_one_parameter_at_a_time():
-    members = _members(["optim.lr=tag(log, interval(1e-5, 1e-2))", "algo=choice(grpo,ppo)", "trainer.steps=2"], True)
+    members = job_members(["optim.lr=tag(log, interval(1e-5, 1e-2))", "algo=choice(grpo,ppo)", "trainer.steps=2"], True)
     assert members == [["optim.lr=1e-05", "algo=grpo", "trainer.steps=2"],
                        ["optim.lr=0.01", "algo=grpo", "trainer.steps=2"],
                        ["optim.lr=1e-05", "algo=ppo", "trainer.steps=2"]]
@@ -128,8 +117,8 @@ def test_a_search_space_in_a_yaml_file_is_checked_too(tmp_path, capsys):
     assert "optim.lr=0 must be in (0, 1]" in capsys.readouterr().err
     assert not (tmp_path / "sweep").exists()
     # The command line's own range for a parameter replaces the file's.
-    members = _members(["experiment=search", "optim.lr=interval(1e-4, 1e-2)"], True,
-                       _loader(str(tmp_path / "conf")))
+    members = job_members(["experiment=search", "optim.lr=interval(1e-4, 1e-2)"], True,
+                       loader(str(tmp_path / "conf")))
     assert {m[2] for m in members} == {"optim.lr=0.0001", "optim.lr=0.01"}  # after experiment=search
     assert {m[0] for m in members} == {"algo.beta=0.0", "algo.beta=0.1"}
 
@@ -227,12 +216,12 @@ def _plugin(name: str):
 def test_optuna_direction_follows_the_objective():
     _plugin("hydra_plugins.hydra_optuna_sweeper")
     optuna = ["hydra/sweeper=optuna", "optim.lr=interval(1e-5, 1e-2)"]
-    assert "hydra.sweeper.direction=maximize" in _launcher_overrides(check(optuna, True, None), optuna)
+    assert "hydra.sweeper.direction=maximize" in launcher_overrides(check(optuna, True, None), optuna)
     sft = [*optuna, "algo=sft"]
-    assert "hydra.sweeper.direction=minimize" in _launcher_overrides(check(sft, True, None), sft)
+    assert "hydra.sweeper.direction=minimize" in launcher_overrides(check(sft, True, None), sft)
     clash = [*optuna, "hydra.sweeper.direction=minimize"]
     with pytest.raises(UsageError, match="disagrees with the objective's direction"):
-        _launcher_overrides(check(clash, True, None), clash)
+        launcher_overrides(check(clash, True, None), clash)
 
 
 def test_optuna_study_of_three_trials_survives_a_failed_trial(tmp_path, monkeypatch):

@@ -9,7 +9,8 @@ import pytest
 import yaml
 from omegaconf import OmegaConf
 
-from rlnotes.commands.cli import UsageError, check, main
+from rlnotes.commands.check import check
+from rlnotes.commands.cli import UsageError, main
 from rlnotes.core.errors import ConfigError
 from rlnotes.run import tracking
 from tests.conftest import compose

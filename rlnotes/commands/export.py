@@ -12,16 +12,24 @@ checked against the adapter model's on a probe text.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import tempfile
 import warnings
 from pathlib import Path
-from typing import Iterator, Tuple, Union
+from typing import Iterator, List, Tuple, Union
 
 import torch
+from omegaconf import OmegaConf
+from peft import PeftModel
+from rich.console import Console
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from rlnotes.commands.usage import Parser, UsageError
 from rlnotes.core.errors import ConfigError
+from rlnotes.core.schema import ModelConfig
+from rlnotes.engine.models import load_base, usual_modes
 
 ADAPTER_FILE = "adapter_config.json"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -41,10 +49,6 @@ def find_run_config(policy_dir: Path) -> Path:
 
 def model_config(config_path: Path):
     """The run's `model` section, filled with the schema's defaults for keys an older run lacks."""
-    from omegaconf import OmegaConf
-
-    from rlnotes.core.schema import ModelConfig
-
     run = OmegaConf.load(config_path)
     if "model" not in run:
         raise ConfigError(f"{config_path} has no model section; is it the config.yaml of an rlnotes run?")
@@ -54,18 +58,12 @@ def model_config(config_path: Path):
 def load_policy(policy_dir: Path) -> Tuple[torch.nn.Module, object]:
     """(model, tokenizer) of a saved policy in float32 on CPU: a peft model (base + adapter) for a
     LoRA run, a plain causal LM for a full fine-tuning run."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     tokenizer = AutoTokenizer.from_pretrained(policy_dir)
     if not (policy_dir / ADAPTER_FILE).exists():
         if not (policy_dir / "config.json").exists():
             raise ConfigError(f"{policy_dir} holds neither a LoRA adapter ({ADAPTER_FILE}) nor a model (config.json); "
                               "pass RUN_DIR/final")
         return AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32), tokenizer
-    from peft import PeftModel
-
-    from rlnotes.engine.models import load_base
-
     base, _ = load_base(base_config(policy_dir))
     return PeftModel.from_pretrained(base, policy_dir).eval(), tokenizer
 
@@ -73,12 +71,6 @@ def load_policy(policy_dir: Path) -> Tuple[torch.nn.Module, object]:
 def base_config(adapter_dir: Path):
     """The model section to load a LoRA adapter's base with: its run's, else (an adapter dir copied
     away from its run) the base its adapter_config.json names, with default settings."""
-    import json
-
-    from omegaconf import OmegaConf
-
-    from rlnotes.core.schema import ModelConfig
-
     try:
         return model_config(find_run_config(adapter_dir))
     except ConfigError:
@@ -130,8 +122,6 @@ def export(policy_dir: Union[str, Path], out_dir: Union[str, Path], dtype: str =
             raise ConfigError(f"the merged model's log-probs differ from the adapter's by {gap:.2e} (> {TOLERANCE}); "
                               "the adapter may not match the base model in config.yaml")
     model = model.to(DTYPES[dtype])
-    from rlnotes.engine.models import usual_modes
-
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-"))
     try:
@@ -156,3 +146,19 @@ def export(policy_dir: Union[str, Path], out_dir: Union[str, Path], dtype: str =
             console.print("[yellow]note: reward_head.safetensors (a reward model's scalar head) is not part of a "
                           "causal LM and was not exported[/]")
     return out_dir
+
+
+def main(argv: List[str]) -> int:
+    """`rlnotes export POLICY_DIR OUT_DIR [--dtype D]`."""
+    parser = Parser(prog="rlnotes export", description="Merge a trained LoRA adapter into its base model (or "
+                    "copy a fully fine-tuned one) and save a standard Hugging Face model dir.")
+    parser.add_argument("policy", metavar="POLICY_DIR", help="RUN_DIR/final, RUN_DIR/interrupted or a checkpoint dir")
+    parser.add_argument("out", metavar="OUT_DIR", help="new (or empty) dir for the model, tokenizer and config")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                        help="dtype of the saved weights (default float32)")
+    args = parser.parse_args(argv)
+    try:
+        export(args.policy, args.out, args.dtype, Console(stderr=True))
+    except ConfigError as e:
+        raise UsageError(str(e)) from None
+    return 0

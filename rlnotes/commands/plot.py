@@ -18,22 +18,26 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List, Optional, Sequence, Tuple, Union
 
-from rlnotes.run.sweep import (
+from rlnotes.commands.sweep import (
+    Summary,
+    objective_sense,
+    optuna_history,
+    print_summary,
+    stdout_console,
+    summarize,
+    sweep_sections,
+    write_summary,
+)
+from rlnotes.commands.usage import Parser, UsageError
+from rlnotes.run.records import (
     OPTUNA_FILE,
     Run,
     RunError,
-    Summary,
     expand,
     is_sweep,
     labels,
     load_run,
-    objective_sense,
-    optuna_history,
-    print_summary,
-    summarize,
     sweep_dir_of,
-    sweep_sections,
-    write_summary,
 )
 
 PathLike = Union[str, Path]
@@ -218,3 +222,26 @@ def plot(paths: Sequence[PathLike], out: Optional[PathLike] = None, sort_by: Opt
     if chosen and len(paths) > 1 and console is not None:
         console.print(f"no --out given: figures and table written to {out}", highlight=False)
     return PlotResult(figures=figures, summary=summary, out=out, written=written)
+
+
+def main(argv: List[str]) -> int:
+    """`rlnotes plot DIR [DIR...] [--out DIR] [--sort METRIC] [--smooth W]`."""
+    parser = Parser(prog="rlnotes plot", description="PNG figures of runs overlaid (reward, eval accuracy, KL, "
+                    "loss, length; DPO margin and accuracy) and a table of their final metrics.")
+    parser.add_argument("paths", nargs="+", metavar="DIR", help="run dirs (with metrics.jsonl) or multirun sweep dirs")
+    parser.add_argument("--out", help="where the PNGs go (default: the one run or sweep dir given, the sweep dir the "
+                        "runs share, or a plot-... dir beside the first one)")
+    parser.add_argument("--sort", metavar="METRIC", help="sort the table by this metric's final value, best first "
+                        "(default: reward/mean or the first key metric logged)")
+    parser.add_argument("--smooth", type=float, default=0.0, metavar="W",
+                        help="exponential smoothing weight in [0, 1) for dense curves (default 0: none)")
+    args = parser.parse_args(argv)
+    if not 0 <= args.smooth < 1:
+        raise UsageError(f"--smooth {args.smooth} must be in [0, 1)")
+    console = stdout_console()
+    try:
+        result = plot(args.paths, args.out, args.sort, args.smooth, console)
+    except RunError as e:
+        raise UsageError(str(e)) from None
+    console.print(f"figures: {', '.join(str(f) for f in result.figures + result.written)}")
+    return 0

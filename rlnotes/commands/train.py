@@ -1,12 +1,46 @@
-"""A training run from a composed config: the algorithm algo.name names, trained in `run_dir`."""
+"""`rlnotes train [overrides]`: check every job of the command, settle how it starts (one process,
+torchrun, a sweep's launcher) and where it writes, then hand it to Hydra, which calls `train_job`
+once or for each member of a sweep."""
 
 from __future__ import annotations
 
+import logging
+import os
+import sys
+from datetime import datetime
 from pathlib import Path
-from typing import Dict
+from typing import Dict, List, Optional, Tuple
 
 from rich.console import Console
+from rich.markup import escape
 
+from rlnotes.commands import hydra
+from rlnotes.commands.check import check
+from rlnotes.commands.launch import (
+    in_process,
+    launch,
+    launcher_overrides,
+    member_torchrun,
+    processes,
+    rank_overrides,
+    with_seeds,
+)
+from rlnotes.commands.rundirs import claim_run_dirs, pin_dirs
+from rlnotes.commands.sweep import SweepSummary
+from rlnotes.commands.usage import UsageError
+from rlnotes.commands.validate import register, resolve_auto
+from rlnotes.core.errors import ConfigError, SaveFailed, TrainingError
+from rlnotes.engine import distributed
+from rlnotes.rewards.scoring import RewardFailure
+from rlnotes.run.checkpoint import checkpoints
+from rlnotes.run.records import (
+    METRICS_FILE,
+    objective_metric,
+    objective_value,
+    read_metrics,
+    write_result,
+)
+from rlnotes.run.signals import resume_command
 from rlnotes.runners import algorithm
 from rlnotes.training import loop
 
@@ -15,3 +49,103 @@ def train(cfg, run_dir: Path, console: Console) -> Dict[str, float]:
     """Train the policy of `cfg` (composed, resolved and validated) with its algorithm; the last
     step's metrics."""
     return loop.train(cfg, algorithm(cfg.algo.name), run_dir, console)
+
+
+def main(argv: List[str]) -> int:
+    """`rlnotes train [overrides]`: 0 when every job ran, 1 when a member of a sweep failed."""
+    args = hydra.parse_args(argv)
+    informational = args.help or args.hydra_help or args.cfg or args.info or args.shell_completion
+    if not informational:
+        argv = _prepared(argv, args)
+        if argv is None:
+            return 1  # not reached: this process became torchrun
+    register()
+    SweepSummary.failed = []
+    hydra.run(train_job, argv)
+    return 1 if SweepSummary.failed else 0  # every member ran; the summary names those that failed
+
+
+def _prepared(argv: List[str], args) -> Optional[List[str]]:
+    """The command line Hydra runs, once every job is checked: its seeds, the settings its sweeper
+    and launcher need, the dirs pinned and claimed. Hands over to torchrun (hardware.nproc > 1)."""
+    jobs = check(args.overrides, args.multirun, args.config_dir)
+    seeded = with_seeds(argv, args, jobs)
+    if seeded is not None:
+        argv, args = seeded, hydra.parse_args(seeded)
+        jobs = check(args.overrides, args.multirun, args.config_dir)
+    argv = [*argv, *launcher_overrides(jobs, args.overrides)]
+    nproc = processes(jobs)
+    if "WORLD_SIZE" in os.environ:  # a process torchrun started (ours or the user's)
+        try:
+            argv = [*argv, *rank_overrides(jobs)]
+        except ConfigError as e:
+            raise UsageError(str(e)) from None
+    elif nproc > 1 and in_process(jobs[0]):  # other launchers start torchrun in each member
+        launch(nproc, argv)
+        return None
+    else:
+        argv = [*argv, *pin_dirs(jobs, datetime.now())]
+    if os.environ.get("RANK", "0") == "0":  # under torchrun rank 0 owns the run dir
+        argv = [*argv, *claim_run_dirs(jobs, args.multirun, datetime.now())]
+    return argv
+
+
+def train_job(cfg) -> Optional[float]:
+    """One run: the task function Hydra calls, once or for each member of a sweep. At module level,
+    so launchers that run members in other processes (joblib, submitit) pickle it by reference.
+    Returns the run's objective (sweep.objective) to the sweeper. In a sweep a member that fails
+    returns None and leaves its error in RUN_DIR/result.json, so the sweep goes on and its summary
+    shows the failure. None because Hydra's optuna sweeper (1.3) records a value it cannot convert
+    to float as a failed trial and goes on, whereas NaN crashes it (it tells Optuna the failed
+    trial's value, which Optuna refuses) and so does an exception (unless
+    hydra.sweeper.max_failure_rate allows it; Hydra's basic sweeper has no such setting)."""
+    # A message is one line, however narrow the screen; with several processes rank 0 speaks.
+    console = Console(stderr=True, soft_wrap=True, quiet=not distributed.is_main())
+    run_dir, member = hydra.job_dir(), hydra.in_sweep()
+    algo = resolve_auto(cfg)
+    objective = objective_metric(cfg.sweep, cfg.trainer.eval_every, algo)
+    try:
+        if member and (cfg.hardware.nproc or 1) > 1 and "WORLD_SIZE" not in os.environ:
+            member_torchrun(cfg.hardware.nproc, run_dir)
+        else:
+            loop.train(cfg, algo, run_dir, console)
+    except (TrainingError, ConfigError, RewardFailure) as e:
+        console.print(f"[red]rlnotes: error:[/] {escape(str(e))}")
+        if not isinstance(e, (ConfigError, SaveFailed)):  # a setting is fixed anew; SaveFailed says how
+            _resume_hint(console, run_dir)
+        if not member:
+            sys.exit(1)
+        error = str(e)
+    except KeyboardInterrupt:  # however it stopped (loading, a step, a save, a sweep member): how to go on
+        console.print(f"[yellow]resume with:[/]\n  {escape(resume_command(run_dir))}", highlight=False)
+        raise
+    except Exception as e:  # a bug or a crash in one member must not take the others down
+        _resume_hint(console, run_dir)  # a bug: the traceback follows (Hydra's, or the log's in a sweep)
+        if not member:
+            raise
+        logging.getLogger("rlnotes").exception("this member failed; the sweep goes on")
+        error = f"{type(e).__name__}: {e}".splitlines()[0]
+    else:
+        value, error = _objective(run_dir, objective, cfg.sweep.last_steps)
+        if value is not None:
+            return value
+    if distributed.is_main():
+        write_result(run_dir, "failed", objective, None, error)
+    return None
+
+
+def _objective(run_dir: Path, objective: Tuple[str, str], last_steps: int) -> Tuple[Optional[float], str]:
+    """The objective value of a run that finished, recorded in its result.json; else None and why."""
+    metrics = run_dir / METRICS_FILE
+    value = objective_value(read_metrics(metrics) if metrics.exists() else [], objective[0], last_steps)
+    if value is None:
+        return None, f"sweep.objective={objective[0]} was not logged by this run; choose a metric of its metrics.jsonl"
+    if distributed.is_main():
+        write_result(run_dir, "completed", objective, value)
+    return value, ""
+
+
+def _resume_hint(console, run_dir: Path) -> None:
+    """How to go on from a run that stopped on an error, when it has a checkpoint to go on from."""
+    if checkpoints(run_dir):
+        console.print(f"[yellow]after a fix, resume with:[/]\n  {escape(resume_command(run_dir))}", highlight=False)

@@ -25,7 +25,14 @@ from rich.console import Console
 from rich.table import Table
 
 from rlnotes.run.diagnostics import Alert, Watcher
-from rlnotes.run.display import live_progress, metrics_panel, pick, plain_line, samples_table, summary_table
+from rlnotes.run.display import (
+    live_progress,
+    metrics_panel,
+    pick,
+    plain_line,
+    samples_table,
+    summary_table,
+)
 
 # The diagnostics' warnings of a run, one line each: "step N kind: message".
 WARNINGS = "warnings.log"

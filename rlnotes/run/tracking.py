@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Protocol
 
 from rlnotes.core.errors import ConfigError
-from rlnotes.run.sweep import read_overrides, sweep_dir_of, swept_overrides
+from rlnotes.run.records import read_overrides, sweep_dir_of, swept_overrides
 
 # Tracker -> the module it needs (each installed by the pip extra of the tracker's name).
 BACKENDS: Dict[str, str] = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow", "trackio": "trackio"}
@@ -116,7 +116,9 @@ class TensorBoardSink:
 
     def __init__(self, info: RunInfo):
         _import("tensorboard")
-        from torch.utils.tensorboard import SummaryWriter  # optional: needs the tensorboard extra, checked above
+        from torch.utils.tensorboard import (
+            SummaryWriter,  # optional: needs the tensorboard extra, checked above
+        )
 
         self.writer = SummaryWriter(log_dir=str(info.run_dir / "tensorboard"), flush_secs=10)
         self.writer.add_text("run/name", info.name)

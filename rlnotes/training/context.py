@@ -27,7 +27,12 @@ from rlnotes.engine.models import configure_backends, mixed_precision, resolve_d
 from rlnotes.engine.policy import Policy
 from rlnotes.rewards.scoring import Rewards
 from rlnotes.run import restore
-from rlnotes.run.diagnostics import Settings, Watcher, batch_arithmetic, describe_batches
+from rlnotes.run.diagnostics import (
+    Settings,
+    Watcher,
+    batch_arithmetic,
+    describe_batches,
+)
 from rlnotes.run.logger import MetricsLogger, NullLogger
 from rlnotes.run.tracking import open_sinks
 from rlnotes.training.evaluation import checker_config

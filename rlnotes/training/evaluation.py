@@ -21,9 +21,12 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 import torch
-from omegaconf import OmegaConf
+from omegaconf import OmegaConf, open_dict
 
+from rlnotes.data.datasets import load_checked
+from rlnotes.data.fitting import fit_and_split
 from rlnotes.data.settings import system_prompt
+from rlnotes.data.tasks import TASK_REWARDS
 from rlnotes.engine.rollout import encode_prompts, generate
 
 
@@ -42,14 +45,9 @@ def eval_data(cfg):
 
 def eval_rows(cfg, tokenizer, limit: Optional[int], console=None) -> List[dict]:
     """The eval split: the training data's, or that of `data` + `eval.data` when eval.data is set."""
-    from rlnotes.data.datasets import load_checked
-    from rlnotes.data.fitting import fit_and_split
-
     if not cfg.eval.data:
         data = load_checked(cfg.data, None, generating="evaluation")
         return fit_and_split(data, cfg, tokenizer, limit, console, evaluating=True)[1]
-    from omegaconf import open_dict
-
     other = cfg.copy()
     with open_dict(other):
         other.data = eval_data(cfg)
@@ -63,8 +61,6 @@ def eval_rows(cfg, tokenizer, limit: Optional[int], console=None) -> List[dict]:
 def checker_config(cfg):
     """The reward config that scores evaluation: `eval.reward`, else the task's own checker, else
     the training reward."""
-    from rlnotes.data.tasks import TASK_REWARDS
-
     name = cfg.eval.reward or TASK_REWARDS.get(eval_data(cfg).name)
     if name is None:
         return cfg.reward
@@ -130,87 +126,3 @@ def write(evaluation: Evaluation, out_dir: Path, step: int, samples_name: Option
     with samples.open("w") as f:
         for s in evaluation.samples:
             f.write(json.dumps(s) + "\n")
-
-
-# What `rlnotes eval` takes from the run that trained eval.policy: its model (chat template and
-# system prompt included), data (file, columns, template), rollout settings and reward functions,
-# and the eval split and checker its trainer.eval_every used.
-RUN_SETTINGS = ("model", "data", "rollout", "reward", "eval.data", "eval.reward")
-
-
-def with_run_settings(cfg, overrides: List[str]):
-    """`cfg` with the RUN_SETTINGS of the run that trained eval.policy: for each that the command line
-    does not choose itself (`data=...`, `eval.reward=...`), the run's values with the command line's
-    dotted overrides (`data.digits=2`) on top."""
-    if not cfg.eval.policy:
-        return cfg
-    from rlnotes.core.schema import saved_run_config
-
-    trained = saved_run_config(cfg.eval.policy)
-    if trained is None:
-        return cfg
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from omegaconf import open_dict
-
-    parsed = OverridesParser.create().parse_overrides(overrides)
-    with open_dict(cfg):
-        for group in RUN_SETTINGS:
-            theirs = OmegaConf.select(trained, group, default=None)
-            if theirs is None or any(o.key_or_group == group for o in parsed):
-                continue
-            merged = OmegaConf.merge(OmegaConf.select(cfg, group), theirs) if OmegaConf.is_config(theirs) else theirs
-            for o in parsed:
-                if o.key_or_group.startswith(group + "."):
-                    OmegaConf.update(merged, o.key_or_group[len(group) + 1:], o.value(), merge=True)
-            OmegaConf.update(cfg, group, merged, merge=False)
-    return cfg
-
-
-def run(cfg, console) -> tuple[Evaluation, Path]:
-    """`rlnotes eval`: load the policy, evaluate it on the task's eval split, write the results."""
-    import time
-
-    from rlnotes.engine.models import (
-        configure_backends,
-        load_base,
-        mixed_precision,
-        resolve_device,
-    )
-    from rlnotes.engine.policy import Policy
-    from rlnotes.rewards.scoring import Rewards, TrainerState
-
-    if cfg.hardware.threads:
-        torch.set_num_threads(cfg.hardware.threads)
-    device = resolve_device(cfg.hardware.device)
-    configure_backends(cfg.hardware, device)
-    scorer = Rewards(checker_config(cfg), console)
-    scorer.state = TrainerState(max_steps=cfg.trainer.steps)   # a reward may divide by max_steps
-    from rlnotes.data.datasets import load_checked
-
-    # Rows to sample from, and the columns a checker needs: a mistake fails now, before the model loads.
-    load_checked(eval_data(cfg), None, scorer.fns, generating="evaluation")
-    if cfg.eval.policy:
-        path = Path(cfg.eval.policy)
-        if not path.is_dir():
-            from rlnotes.core.errors import ConfigError
-
-            raise ConfigError(f"eval.policy={cfg.eval.policy!r} is not a directory; pass a run's final/ dir or a "
-                              "checkpoint dir")
-        policy = Policy.from_saved(cfg.model, path, device)
-        out = Path(cfg.eval.out) if cfg.eval.out else path.parent / "eval" / path.name
-    else:
-        base, tokenizer = load_base(cfg.model)
-        policy = Policy(base.to(device).eval(), tokenizer, reference=base)
-        out = Path(cfg.eval.out) if cfg.eval.out else Path("outputs") / "eval" / time.strftime("%Y-%m-%d_%H-%M-%S")
-    from rlnotes.data.fitting import max_positions
-
-    rows = eval_rows(cfg, policy.tokenizer, max_positions(policy.model), console)
-    start = time.perf_counter()
-    with mixed_precision(cfg.hardware.precision, device):
-        evaluation = evaluate(policy, cfg, rows, scorer)
-    evaluation.metrics["time/eval_s"] = time.perf_counter() - start
-    if (out / "eval.jsonl").exists():
-        (out / "eval.jsonl").unlink()
-    write(evaluation, out, 0, samples_name="samples.jsonl")
-    (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-    return evaluation, out

@@ -4,7 +4,13 @@ import statistics
 import pytest
 import torch
 
-from rlnotes.notes import AGGREGATIONS, group_advantages, grpo_loss, masked_mean, ppo_clip_fraction
+from rlnotes.notes import (
+    AGGREGATIONS,
+    group_advantages,
+    grpo_loss,
+    masked_mean,
+    ppo_clip_fraction,
+)
 
 from .helpers import (
     DTYPES,

@@ -1,0 +1,107 @@
+"""Every override checked before anything heavy loads: each job of the command (each member of a
+multirun sweep) is composed against the typed schema and validated, and a mistake is reported as
+one line naming the key and what it accepts.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+from omegaconf import OmegaConf
+
+from rlnotes.commands import hydra
+from rlnotes.commands.usage import UsageError
+from rlnotes.commands.validate import register, resolve_auto, validate
+from rlnotes.core.errors import ConfigError
+
+# Said when a sweeper or launcher is not an option: the Hydra plugins rlnotes documents.
+SWEEP_EXTRA = (" (hydra/sweeper=optuna and hydra/launcher=joblib, submitit_local, submitit_slurm come with "
+               "pip install 'rlnotes[sweep]')")
+
+
+def loader(config_dir: Optional[str]):
+    """A loader of rlnotes' configs, its schema registered (--config-dir: a user's configs first)."""
+    register()
+    return hydra.config_loader(config_dir)
+
+
+def check(overrides: List[str], multirun: bool, config_dir: Optional[str]) -> list:
+    """Compose and validate every job of the command; raise UsageError with one line if one fails.
+    Returns the composed configs (with their hydra node), one per job."""
+    configs = loader(config_dir)
+    jobs = []
+    try:
+        job_overrides = members(overrides, multirun, configs)
+    except hydra.HydraException as e:  # an override that does not parse
+        raise UsageError(f"{str(e).strip().splitlines()[0]} (quote a value with spaces or special characters: "
+                         "'key=\"...\"')") from None
+    for job in job_overrides:
+        try:
+            cfg = hydra.compose(configs, job)
+            resolve_auto(cfg)
+            validate(cfg)
+        except (*hydra.COMPOSE_ERRORS, ConfigError) as e:
+            raise UsageError(explain(e, configs, job)) from None
+        jobs.append(cfg)
+    return jobs
+
+
+def members(overrides: List[str], multirun: bool, configs=None) -> List[List[str]]:
+    """The override lists of every job the command would run (one unless it is a sweep). A search
+    (hydra/sweeper=optuna, an interval(...) to sample from, or a search space in a YAML file's
+    hydra.sweeper.params, read through the loader `configs`) does not know its members ahead: it
+    gets representatives instead, each value of a choice or range and both ends of an interval, one
+    parameter at a time, so a typo or a value out of range still fails before any run."""
+    if not multirun:
+        return [overrides]
+    parsed = hydra.parse_overrides(overrides)
+    space = _yaml_search_space(configs, parsed) if configs is not None else []
+    if space:
+        parsed = hydra.parse_overrides(space) + parsed
+    search = space or any(hydra.is_interval(o) for o in parsed) or any(
+        o.key_or_group == "hydra/sweeper" and o.value() != "basic" for o in parsed)
+    if not search:
+        return hydra.grid(parsed)
+    options = [[f"{o.get_key_element()}={v}" for v in hydra.representatives(o)] if o.is_sweep_override()
+               else [o.input_line] for o in parsed]
+    first = [values[0] for values in options]
+    return [first] + [first[:i] + [value] + first[i + 1:] for i, values in enumerate(options) for value in values[1:]]
+
+
+def _yaml_search_space(configs, parsed) -> List[str]:
+    """hydra.sweeper.params of the configured search (an experiment file's search space) as
+    overrides, less the keys the command line sets itself; empty when there is none."""
+    fixed = [o.input_line for o in parsed if not o.is_sweep_override()]
+    try:
+        cfg = hydra.compose(configs, fixed)
+    except hydra.COMPOSE_ERRORS:
+        return []  # the command's own check reports it
+    params = OmegaConf.select(cfg, "hydra.sweeper.params", default=None) or {}
+    given = {o.key_or_group for o in parsed}
+    return [f"{key}={value}" for key, value in params.items() if key not in given]
+
+
+def explain(exc: BaseException, configs, overrides: List[str]) -> str:
+    """One line for a composition error: what was wrong and what is accepted."""
+    if isinstance(exc, ConfigError):
+        return str(exc)
+    problem = hydra.read_error(exc)
+    key = problem.key
+    if problem.kind == "missing_option":
+        options = hydra.group_options(configs, problem.group)
+        extra = SWEEP_EXTRA if problem.group in ("hydra/sweeper", "hydra/launcher") else ""
+        return f"{problem.group}={problem.option} is not an option; choose one of: {', '.join(options)}{extra}"
+    if problem.kind == "unknown_key":
+        parent, _, _ = key.rpartition(".")
+        base = hydra.compose(configs, [o for o in overrides if not o.lstrip("+~").startswith(key)])
+        node = OmegaConf.select(base, parent) if parent else base
+        keys = [k for k in node.keys() if k != "hydra"] if node is not None and hasattr(node, "keys") else []
+        where = f"under {parent}" if parent else "at the top level"
+        return f"{key} is not a setting; valid keys {where}: {', '.join(map(str, keys))}"
+    if problem.kind == "bad_value":
+        return f"{key or 'a value'}: {problem.line}"
+    if problem.kind == "ambiguous":
+        return f"{problem.line}; to sweep over the values add -m (rlnotes train -m ...)"
+    if problem.kind == "missing_value":
+        return f"{key} is required; set it on the command line ({key}=...)"
+    return problem.line + (f" (key: {key})" if key else "")

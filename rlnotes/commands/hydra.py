@@ -1,0 +1,184 @@
+"""Everything the commands ask of Hydra, in one place: composing `conf/` before a run, reading
+Hydra's own flags and overrides, a sweep's members, the dirs a job will write, running the task,
+and reading Hydra's composition errors.
+
+Most of it is Hydra's public API. What Hydra does not expose is used here alone, each use marked
+`# private:` with why; tests/test_hydra_adapter.py fails, naming the internal, if an installed
+Hydra changes one of them (a name, a signature, the text of an error read below).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, List, Optional, Sequence
+
+import hydra
+from hydra._internal.config_loader_impl import (
+    ConfigLoaderImpl,  # private: see config_loader
+)
+from hydra._internal.core_plugins.basic_sweeper import BasicSweeper  # private: see grid
+from hydra._internal.utils import (  # private: see below
+    create_automatic_config_search_path,
+    get_args_parser,
+)
+from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import IntervalSweep, Override
+from hydra.core.utils import setup_globals
+from hydra.errors import HydraException
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
+from omegaconf.errors import OmegaConfBaseException
+
+CONFIG_MODULE = "rlnotes.conf"
+# What composing a config raises for a mistake in it (ValueError: a group set to null, logging=null).
+COMPOSE_ERRORS = (HydraException, OmegaConfBaseException, ValueError)
+
+
+def config_loader(config_dir: Optional[str]) -> ConfigLoaderImpl:
+    """A loader of rlnotes' configs as hydra.main finds them (a --config-dir first)."""
+    # private: Hydra's public compose() needs initialize()'s global state around each use and has
+    # no --config-dir; its config loader composes standalone on the search path hydra.main builds
+    # (Hydra's configs, a --config-dir, ours), the hydra node included, and lists a group's options.
+    search = create_automatic_config_search_path(None, None, f"pkg://{CONFIG_MODULE}")
+    if config_dir:
+        search.prepend("command-line", f"file://{os.path.abspath(config_dir)}")
+    return ConfigLoaderImpl(config_search_path=search)
+
+
+def compose(loader: ConfigLoaderImpl, overrides: List[str]) -> DictConfig:
+    """The config of one run of `overrides` (a sweep member's), with its hydra node."""
+    return loader.load_configuration("config", overrides, RunMode.RUN)
+
+
+def group_options(loader: ConfigLoaderImpl, group: str) -> List[str]:
+    """The options of a config group (`algo`, `hydra/sweeper`)."""
+    return loader.get_group_options(group)
+
+
+def parse_args(argv: List[str]):
+    """Hydra's flags and overrides of a command line (args.overrides, .multirun, .config_dir, .help...)."""
+    # private: hydra.main's own parser, so the command reads its flags (-m, --cfg, --config-dir) as
+    # Hydra will when it runs the command line.
+    return get_args_parser().parse_args(argv)
+
+
+def parse_overrides(overrides: Sequence[str]) -> List[Override]:
+    return OverridesParser.create().parse_overrides(list(overrides))
+
+
+def grid(parsed: List[Override]) -> List[List[str]]:
+    """The override lists of every member of a basic (grid) sweep, in Hydra's order."""
+    # private: Hydra's basic sweeper's own split, so the members checked are the ones it will run.
+    return [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
+
+
+def is_interval(override: Override) -> bool:
+    """An interval(...) to sample from, which only a search sweeper can run."""
+    return isinstance(override.value(), IntervalSweep)
+
+
+def representatives(override: Override) -> List[str]:
+    """Values that stand for a search parameter: a choice's or range's values, an interval's ends."""
+    value = override.value()
+    if isinstance(value, IntervalSweep):
+        return [str(value.start), str(value.end)]
+    return list(override.sweep_string_iterator())
+
+
+def job_dirs(jobs: List[DictConfig], keys: Sequence[str]) -> List[Optional[Path]]:
+    """For each composed job (job number i), the path its `keys` (hydra.run.dir, or hydra.sweep.dir
+    and hydra.sweep.subdir) resolve to, as Hydra resolves them when it runs the job; None where
+    they read what only Hydra's launcher sets."""
+    setup_globals()  # the resolvers Hydra registers for its own start (hydra:, now:); not documented
+    previous, out = HydraConfig.instance().cfg, []
+    try:
+        for num, cfg in enumerate(jobs):
+            with read_write(cfg.hydra), open_dict(cfg.hydra):
+                cfg.hydra.job.num = num
+            HydraConfig.instance().set_config(cfg)
+            try:
+                out.append(Path(*[str(OmegaConf.select(cfg, key, throw_on_missing=True)) for key in keys]))
+            except OmegaConfBaseException:
+                out.append(None)
+    finally:
+        # private: HydraConfig has no public way back to the config it held (the hydra: resolver's).
+        HydraConfig.instance().cfg = previous
+    return out
+
+
+def run(task: Callable[[DictConfig], Optional[float]], argv: List[str]) -> None:
+    """Hydra runs `task` for the command line `argv` (once, or for each member of a sweep)."""
+    sys.argv = ["rlnotes train", *argv]
+    hydra.main(version_base="1.3", config_path=f"pkg://{CONFIG_MODULE}", config_name="config")(task)()
+
+
+def job_dir() -> Path:
+    """The dir of the job Hydra is running."""
+    return Path(HydraConfig.get().runtime.output_dir)
+
+
+def in_sweep() -> bool:
+    """Whether the job Hydra is running is a member of a multirun."""
+    return HydraConfig.get().mode == RunMode.MULTIRUN
+
+
+def job_overrides() -> List[str]:
+    """The command-line overrides of the job Hydra is running."""
+    return list(HydraConfig.get().overrides.task)
+
+
+# ---------------------------------------------------------------------------------------------
+# Hydra's composition errors, read. Hydra raises them with a message and no fields, so their
+# text is parsed; each pattern is checked against real Hydra by tests/test_hydra_adapter.py.
+
+# private (error text): MissingConfigException for an option a group lacks ("find"), or one of a
+# list of options ("load"): "Could not find 'algo/nope'", "Could not load 'logging/nope'".
+MISSING_OPTION = re.compile(r"Could not (?:find|load) '([^']+)/([^']+)'")
+# private (error text): OmegaConf names the key of an error on a line "full_key: trainer.steps".
+FULL_KEY = re.compile(r"full_key: (\S+)")
+# private (error text): an override of a key the schema lacks: "Could not override 'trainer.stpes'".
+NOT_OVERRIDDEN = re.compile(r"Could not override '([^']+)'")
+# private (error text): OmegaConf's refusal of a value: "Value 'x' of type 'str' could not be
+# converted to Integer", or "Invalid value 'x', expected one of [...]" for a choice.
+BAD_VALUE = re.compile(r"(Value '.*?' (?:of type '\w+' )?could not be converted to \w+|Invalid value '.*?'.*)")
+
+
+@dataclass
+class Problem:
+    """What a composition error says: its `kind` ("missing_option", "unknown_key", "bad_value",
+    "ambiguous", "missing_value" or "other"), the key or group and option it names, and a line."""
+
+    kind: str
+    line: str                      # the error's first line, or the part of it that says what is wrong
+    key: Optional[str] = None      # the full key (trainer.steps) where the error names one
+    group: Optional[str] = None    # missing_option: the group and the option it lacks
+    option: Optional[str] = None
+
+
+def read_error(exc: BaseException) -> Problem:
+    """The Problem of a composition error (a HydraException or OmegaConf error, with its cause)."""
+    text = str(exc)
+    cause = exc.__cause__ or exc.__context__
+    full = f"{text}\n{cause}" if cause else text
+    first = text.strip().splitlines()[0] if text.strip() else ""
+    missing = MISSING_OPTION.search(full)
+    if missing:
+        return Problem("missing_option", first, group=missing.group(1), option=missing.group(2))
+    key = FULL_KEY.search(full)
+    key = key.group(1) if key else None
+    if "not in struct" in full or "not in '" in full or re.search(r"Key '[^']+' is not in", full):
+        named = NOT_OVERRIDDEN.search(full)
+        return Problem("unknown_key", first, key=key or (named.group(1) if named else "?"))
+    if "could not be converted" in full or "Invalid value" in full or "ValidationError" in type(cause or exc).__name__:
+        what = BAD_VALUE.search(full)
+        return Problem("bad_value", what.group(1) if what else text.splitlines()[0], key=key)
+    if "Ambiguous value" in full:
+        return Problem("ambiguous", first, key=key)
+    if "Missing mandatory value" in full or "missing value" in full.lower():
+        return Problem("missing_value", first, key=key)
+    return Problem("other", first, key=key)
