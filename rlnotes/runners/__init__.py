@@ -2,19 +2,30 @@
 
 Each module reads like its algorithm (a `train_step(ctx) -> metrics`) and ends with its
 `ALGORITHM`: its config schema, default task, batch arithmetic, checks and evaluation (see
-rlnotes.core.algorithm.Algorithm). Adding an algorithm is one module here, listed below, and its
-YAML in conf/algo/.
+rlnotes.core.algorithm.Algorithm). The registry takes every module of this package that declares
+one, so adding an algorithm is one module here and its YAML in conf/algo/.
 """
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
 from typing import Dict
 
 from rlnotes.core.algorithm import Algorithm
 from rlnotes.core.checks import check_choice
-from rlnotes.runners import dpo, grpo, ppo, reinforce, rm, sft
 
-REGISTRY: Dict[str, Algorithm] = {m.ALGORITHM.name: m.ALGORITHM for m in (grpo, reinforce, ppo, dpo, sft, rm)}
+
+def _declared() -> Dict[str, Algorithm]:
+    found = {}
+    for info in pkgutil.iter_modules(__path__):
+        declaration = getattr(importlib.import_module(f"{__name__}.{info.name}"), "ALGORITHM", None)
+        if isinstance(declaration, Algorithm):
+            found[declaration.name] = declaration
+    return found
+
+
+REGISTRY: Dict[str, Algorithm] = _declared()
 
 
 def algorithm(name: str) -> Algorithm:
