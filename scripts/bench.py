@@ -79,7 +79,7 @@ def run_one(name: str, steps: int) -> dict:
     cfg = loader(None).load_configuration("config", overrides, RunMode.RUN)
     with open_dict(cfg):
         del cfg["hydra"]
-    threads = cfg.hardware.threads or torch.get_num_threads()
+    threads = cfg.hardware.threads if isinstance(cfg.hardware.threads, int) else torch.get_num_threads()
     gflops = matmul_gflops(threads)
     with tempfile.TemporaryDirectory() as tmp:
         train(cfg, Path(tmp), Console(quiet=True))

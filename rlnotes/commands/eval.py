@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 from typing import List, Tuple
 
-import torch
 from omegaconf import OmegaConf, open_dict
 from rich.console import Console
 from rich.table import Table
@@ -31,6 +30,7 @@ from rlnotes.engine.models import (
     resolve_device,
 )
 from rlnotes.engine.policy import Policy
+from rlnotes.engine.threads import set_threads
 from rlnotes.rewards.scoring import RewardFailure, Rewards, TrainerState
 from rlnotes.training.evaluation import (
     Evaluation,
@@ -99,8 +99,6 @@ def with_run_settings(cfg, overrides: List[str]):
 
 def run(cfg, console) -> Tuple[Evaluation, Path]:
     """Load the policy, evaluate it on the task's eval split, write the results."""
-    if cfg.hardware.threads:
-        torch.set_num_threads(cfg.hardware.threads)
     device = resolve_device(cfg.hardware.device)
     configure_backends(cfg.hardware, device)
     scorer = Rewards(checker_config(cfg), console)
@@ -108,6 +106,9 @@ def run(cfg, console) -> Tuple[Evaluation, Path]:
     # Rows to sample from, and the columns a checker needs: a mistake fails now, before the model loads.
     load_checked(eval_data(cfg), None, scorer.fns, generating="evaluation")
     policy, out = _policy(cfg, device)
+    threads = set_threads(cfg.hardware.threads, policy.model)
+    if threads:
+        console.print(threads, highlight=False)
     rows = eval_rows(cfg, policy.tokenizer, max_positions(policy.model), console)
     start = time.perf_counter()
     with mixed_precision(cfg.hardware.precision, device):

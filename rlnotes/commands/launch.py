@@ -112,7 +112,8 @@ def launcher_overrides(jobs: list, overrides: List[str]) -> List[str]:
     cfg = jobs[0]
     given = {o.key_or_group for o in hydra.parse_overrides(overrides)}
     extra = _optuna_direction(jobs, given) if cfg.hydra.sweeper._target_.endswith("OptunaSweeper") else []
-    if cfg.hydra.launcher._target_.endswith("JoblibLauncher") and all(job.hardware.threads is None for job in jobs):
+    unset = all(job.hardware.threads in (None, "auto") for job in jobs)  # else each member may take every core
+    if cfg.hydra.launcher._target_.endswith("JoblibLauncher") and unset:
         cores_here, n_jobs = cores(), cfg.hydra.launcher.n_jobs
         at_once = cores_here + 1 + n_jobs if n_jobs < 0 else n_jobs  # joblib's -1: every core
         batch = cfg.hydra.sweeper.n_jobs if "n_jobs" in cfg.hydra.sweeper else len(jobs)

@@ -20,6 +20,7 @@ from rlnotes.core.checks import (
     STRATEGIES,
     check_choice,
     check_ranges,
+    check_threads,
     planned_world_size,
 )
 from rlnotes.core.errors import ConfigError
@@ -136,6 +137,7 @@ def validate(cfg) -> Algorithm:
         if OmegaConf.select(cfg, key, default=None) is not None:
             check_choice(key, OmegaConf.select(cfg, key), valid)
     check_ranges(cfg, algo.ranges)
+    check_threads(cfg.hardware.threads)
     if algo.samples and cfg.eval.generate is False:
         raise ConfigError(f"eval.generate=false: algo={cfg.algo.name} evaluates by generating completions; drop it, "
                           "or set trainer.eval_every=null for no evaluation")

@@ -61,7 +61,6 @@ RANGES: Dict[str, tuple] = {
     "rollout.top_p": ("(0, 1]", "the nucleus sampling mass; 1 samples from the full distribution"),
     "rollout.vllm_gpu_memory": ("(0, 1)", "the share of the GPU's memory vLLM may take"),
     "rollout.tis_cap": (">= 1", "the cap C of min(pi_trainer / pi_vllm, C)"),
-    "hardware.threads": (">= 1", "torch threads per process; null = torch's default"),
     "hardware.nproc": (">= 1", "processes on this machine; null = this one alone"),
     "logging.print_every": (">= 1", "steps per plain progress line; null = about 20 a run"),
     "logging.samples_every": (">= 0", "steps per samples table; 0 = never"),
@@ -99,9 +98,21 @@ RANGES: Dict[str, tuple] = {
     "algo.baseline_momentum": ("[0, 1)", "the weight of the previous running mean in baseline=mean"),
     "algo.label_smoothing": ("[0, 0.5)", "the probability that a pair's label is flipped"),
 }
+# hardware.threads, a number or a word, has its own check (check_threads).
 # Numeric settings whose valid values depend on other settings: checked beside those.
 CHECKED_ELSEWHERE = ("trainer.save_every", "trainer.keep_last", "algo.max_resample_rounds", "data.max_prompt_len",
                      "data.eval_size")
+
+
+def check_threads(value) -> None:
+    """hardware.threads: auto, null or an integer of at least 1, else one line saying so."""
+    if value is None or value == "auto" or (type(value) is int and value >= 1):
+        return
+    meaning = "torch threads per process; null = torch's default, auto = chosen from the model's size"
+    if type(value) is int:
+        raise ConfigError(f"hardware.threads={value} must be at least 1 ({meaning})")
+    raise ConfigError(f"hardware.threads={value!r} is not valid; give auto, null or an integer of at least 1 "
+                      f"({meaning})")
 
 
 def _in_range(value: float, spec: str) -> bool:

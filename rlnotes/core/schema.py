@@ -250,9 +250,10 @@ class RolloutConfig:
 class HardwareConfig:
     # cpu, cuda, or auto (cuda when available). With several processes each uses cuda:LOCAL_RANK.
     device: str = "cpu"
-    # torch intra-op threads per process; null = torch's default (all cores; under torchrun the
-    # launcher's OMP_NUM_THREADS, which `rlnotes train` sets to cores / processes).
-    threads: Optional[int] = None
+    # torch intra-op threads per process: a number; null = torch's default (all cores; under torchrun
+    # the launcher's OMP_NUM_THREADS, which `rlnotes train` sets to cores / processes); or auto = one
+    # thread for a small model, where more only cost (rlnotes.engine.threads), else torch's default.
+    threads: Any = "auto"
     # How several processes share a run: ddp (each holds the whole model and trains on 1/N of every
     # batch; gradients summed across processes) or fsdp (FSDP2: parameters, gradients and optimizer
     # state sharded across processes). Ignored with one process.

@@ -25,6 +25,7 @@ from rlnotes.data.tasks import Row
 from rlnotes.engine import distributed, fsdp, vllm_engine
 from rlnotes.engine.models import configure_backends, mixed_precision, resolve_device
 from rlnotes.engine.policy import Policy
+from rlnotes.engine.threads import set_threads
 from rlnotes.rewards.scoring import Rewards
 from rlnotes.run import restore
 from rlnotes.run.diagnostics import (
@@ -102,8 +103,6 @@ def lr_lambda(schedule: str, warmup: int, total: int):
 def setup(cfg, algo: Algorithm, run_dir: Path, console: Console, resume_from: Optional[Path] = None) -> Context:
     """Seeds, device, policy/reference, data, rewards, optimizer and the metrics log. The weights of
     `resume_from` are loaded before FSDP (hardware.strategy=fsdp) shards them."""
-    if cfg.hardware.threads:
-        torch.set_num_threads(cfg.hardware.threads)
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     device = distributed.init(resolve_device(cfg.hardware.device))
@@ -114,6 +113,7 @@ def setup(cfg, algo: Algorithm, run_dir: Path, console: Console, resume_from: Op
         data = load_checked(cfg.data, algo, rewards.fns if rewards else [],
                             "eval.generate" if cfg.trainer.eval_every and cfg.eval.generate else None)
         policy = Policy.from_config(cfg.model, device)
+    threads = set_threads(cfg.hardware.threads, policy.model)
     policy.share_prompts = cfg.trainer.shared_prompt
     if resume_from is not None:
         restore.load_policy(policy, resume_from)
@@ -134,7 +134,8 @@ def setup(cfg, algo: Algorithm, run_dir: Path, console: Console, resume_from: Op
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     n_params = sum(p.numel() for p in params)
     console.print(f"[bold]rlnotes[/] {preset_name(cfg.algo)} on {cfg.model.name_or_path} "
-                  f"({n_params:,} trainable parameters, {'LoRA' if policy.uses_lora else 'full'}) -> {run_dir}")
+                  f"({n_params:,} trainable parameters, {'LoRA' if policy.uses_lora else 'full'}"
+                  f"{'; ' + threads if threads else ''}) -> {run_dir}")
     if distributed.active():
         world = distributed.world_size()
         console.print(f"{world} processes ({cfg.hardware.strategy}, {distributed.backend()} on {device.type}): each "

