@@ -8,9 +8,14 @@ import torch
 # hardware.threads=auto: one thread for a model of fewer parameters than this, torch's default from
 # it up (all cores; under torchrun the launcher's OMP_NUM_THREADS share). Below it a step's matmuls are
 # too small to split: threads only add hand-off and wake-up costs. Measured with
-# scripts/bench_threads.py (a GRPO step at the default shape, medians, 2 cores; 1 thread s / 2 threads s):
-#   FIGURES
-AUTO_ONE_THREAD_BELOW = 2_000_000
+# scripts/bench_threads.py (a GRPO step at the default shape, median s after two warm-up steps, 2 cores,
+# the tiny model widened to hidden W, MLP 2W; 1 thread / 2 threads):
+#   0.09M parameters (W 64, model=tiny): 0.088 / 0.299 s     5.35M (W 512):  0.570 / 0.673 s
+#   0.35M (W 128):                       0.175 / 0.290 s    21.18M (W 1024): 1.851 / 1.843 s (even)
+#   1.36M (W 256):                       0.257 / 0.330 s
+# (2026-12-03, other work on the machine beside it.) SmolLM2-135M was not measured at one thread; it
+# takes all cores, as everything above the crossover.
+AUTO_ONE_THREAD_BELOW = 20_000_000
 
 
 def auto_threads(parameters: int) -> int:
