@@ -188,6 +188,7 @@ class Policy:
                  share_prompts: bool = True):
         self.model, self.tokenizer, self._reference = model, tokenizer, reference
         self.uses_lora = reference is None
+        self._lora_layers: list = []  # the adapter's layers, which reference() switches off (found on first use)
         # Rows with the same prompt forward it once (trainer.shared_prompt; see completion_states).
         self.share_prompts = share_prompts
 
@@ -227,10 +228,24 @@ class Policy:
     def reference(self) -> Iterator[torch.nn.Module]:
         """The reference model: the base with the adapter disabled, or the frozen copy."""
         if self.uses_lora:
-            with self.model.disable_adapter():
+            # What peft's model.disable_adapter() does, on the adapter layers found once: it walks
+            # every module twice and takes the adapters' status every call (a tenth of a tiny step).
+            layers = self._lora_layers or self._find_lora_layers()
+            for layer in layers:
+                layer.enable_adapters(False)
+            try:
                 yield self.model
+            finally:
+                for layer in layers:
+                    layer.enable_adapters(True)
         else:
             yield self._reference
+
+    def _find_lora_layers(self) -> list:
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        self._lora_layers = [m for m in self.model.modules() if isinstance(m, BaseTunerLayer)]
+        return self._lora_layers
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
