@@ -72,7 +72,7 @@ def measure(name: str, overrides: list, steps: int, rounds: int, many: int) -> N
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--widths", nargs="+", type=int, default=[64, 128, 256, 512, 1024],
+    parser.add_argument("--widths", nargs="*", type=int, default=[64, 128, 256, 512, 1024],
                         help="hidden sizes of the tiny model")
     parser.add_argument("--steps", type=int, default=12, help="steps per tiny run (the first two are warm-up)")
     parser.add_argument("--rounds", type=int, default=2, help="runs per (model, threads), alternating")

@@ -57,6 +57,25 @@ def test_fresh_adapter_is_the_reference_and_disabling_it_gives_the_base():
     torch.testing.assert_close(policy.ref_logprobs(ids, attn, 3), expected)
 
 
+def test_the_reference_context_gives_the_adapter_back_trainable():
+    policy = make_policy()
+    perturb_adapter(policy)
+    ids, attn, _ = batch(policy.tokenizer, ["Write the letter a:"], ["aaa"])
+    before, trainable = policy.logprobs(ids, attn, 3).detach(), policy.trainable_parameters()
+    with policy.reference():
+        assert not policy.trainable_parameters()
+    torch.testing.assert_close(policy.logprobs(ids, attn, 3), before)
+    assert policy.trainable_parameters() == trainable
+
+
+def test_train_and_eval_set_every_modules_flag_as_the_models_own_do():
+    policy = make_policy()
+    policy.eval()
+    assert not any(m.training for m in policy.model.modules())
+    policy.train()
+    assert all(m.training for m in policy.model.modules())
+
+
 def test_full_finetuning_keeps_a_frozen_reference():
     policy = make_policy(lora=False)
     assert not policy.uses_lora

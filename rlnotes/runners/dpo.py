@@ -87,7 +87,7 @@ def precompute_reference(ctx: Context) -> None:
 def evaluate(ctx: Context) -> Dict[str, float]:
     """Held-out implicit-reward margin and pairwise accuracy on the first eval.size pairs (all: null)."""
     rows = ctx.eval_rows[:ctx.cfg.eval.size]
-    ctx.policy.model.eval()
+    ctx.policy.eval()
     margins = []
     refs = ctx.cache.setdefault("eval_ref", {})  # the reference never changes: one pass per eval chunk
     for i, idx in enumerate(micro_batches(len(rows), ctx.cfg.trainer.micro_batch_size or ctx.cfg.trainer.batch_size)):
@@ -124,7 +124,7 @@ def train_step(ctx: Context) -> Dict[str, float]:
         with ctx.timed("reference"):
             ref = ref_logprobs(ctx, chunk, seqs)
         # 2. Policy log-probs of chosen and rejected in one pass.
-        policy.model.train()
+        policy.train()
         with ctx.timed("policy"):
             logp = summed_logprobs(policy.logprobs(seqs.input_ids, seqs.attention_mask, seqs.n_completion), seqs)
             # 3. The DPO loss, its share of the batch mean.

@@ -142,7 +142,7 @@ def train_step(ctx: Context) -> Dict[str, float]:
                    for b in batches]
 
     # 5. mu policy updates on this batch; one optimizer step per pass.
-    policy.model.train()
+    policy.train()
     totals = batch_totals(rollout.completion_mask)  # the global batch's tokens and sequences
     sums: Dict[str, float] = {"loss": 0.0, "kl/ref": 0.0, "policy/clip_frac": 0.0}
     with ctx.timed("policy"):

@@ -146,7 +146,7 @@ def train_step(ctx: Context) -> Dict[str, float]:
     chunks = micro_batches(len(rollout), cfg.trainer.micro_batch_size)
 
     # 2. The batch's fixed quantities: log pi_ref and V_old, one no-grad pass each.
-    policy.model.eval()
+    policy.eval()
     # 3. Per-token rewards: the outcome at the end, the KL penalty on every token.
     token_rewards, metrics["kl/ref"] = penalized_token_rewards(ctx, rollout, rewards, algo.beta, algo.kl_estimator)
     with ctx.timed("values"), torch.no_grad():
@@ -160,7 +160,7 @@ def train_step(ctx: Context) -> Dict[str, float]:
         adv = whiten(adv, mask)
 
     # 5. K epochs of shuffled minibatches, one optimizer step per minibatch.
-    policy.model.train()
+    policy.train()
     sums = {"loss": 0.0, "value/loss": 0.0, "policy/clip_frac": 0.0, "policy/approx_kl": 0.0}
     updates, n_global = 0, batch_totals(mask).rows
     with ctx.timed("policy"):

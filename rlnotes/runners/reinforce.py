@@ -117,7 +117,7 @@ def train_step(ctx: Context) -> Dict[str, float]:
         metrics["reward/baseline"] = distributed.mean_over_ranks(float(baseline.mean()))
 
     # 5. One policy-gradient step, micro-batch by micro-batch.
-    policy.model.train()
+    policy.train()
     totals = batch_totals(mask)  # the global batch's tokens and sequences
     sums = {"loss": 0.0, "value/loss": 0.0, "value/explained_variance": 0.0}
     with ctx.timed("policy"):

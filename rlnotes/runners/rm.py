@@ -53,7 +53,7 @@ def pair_rewards(ctx: Context, rows) -> tuple[torch.Tensor, torch.Tensor, float]
 @torch.no_grad()
 def evaluate(ctx: Context) -> Dict[str, float]:
     """Held-out pairwise accuracy and mean margin on the first eval.size pairs (all: null)."""
-    ctx.policy.model.eval()
+    ctx.policy.eval()
     rows = ctx.eval_rows[:ctx.cfg.eval.size]
     margins = []
     for idx in micro_batches(len(rows), ctx.cfg.trainer.micro_batch_size or ctx.cfg.trainer.batch_size):
@@ -69,7 +69,7 @@ def train_step(ctx: Context) -> Dict[str, float]:
 
     rows = next_rows(ctx)
     totals = row_totals(len(rows))  # the global batch's pairs
-    ctx.policy.model.train()
+    ctx.policy.train()
     sums = {"loss": 0.0, "rm/accuracy": 0.0, "rm/margin": 0.0, "rm/chosen_reward": 0.0}
     tokens = 0.0
     with ctx.timed("policy"):

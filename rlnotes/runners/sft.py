@@ -47,7 +47,7 @@ def nll(ctx: Context, seqs: Sequences) -> torch.Tensor:
 @torch.no_grad()
 def evaluate(ctx: Context) -> Dict[str, float]:
     """Held-out loss on the first eval.size rows (all: null) (one batch, exact for either aggregation)."""
-    ctx.policy.model.eval()
+    ctx.policy.eval()
     loss = float(nll(ctx, encode_rows(ctx, ctx.eval_rows[:ctx.cfg.eval.size], "completion")))
     return {"eval/sft_loss": loss, "eval/sft_ppl": math.exp(min(loss, 50.0))}
 
@@ -58,7 +58,7 @@ def train_step(ctx: Context) -> Dict[str, float]:
 
     seqs = encode_rows(ctx, next_rows(ctx), "completion")
     totals = batch_totals(seqs.completion_mask)  # the global batch's tokens and rows
-    policy.model.train()
+    policy.train()
     loss_sum = 0.0
     with ctx.timed("policy"):
         for idx in micro_batches(seqs.input_ids.shape[0], cfg.trainer.micro_batch_size):

@@ -85,7 +85,7 @@ def evaluate(policy, cfg, rows: List[dict], scorer, step: int = 0) -> Evaluation
     max_new = e.max_new_tokens or cfg.rollout.max_new_tokens
     generator = torch.Generator(next(policy.model.parameters()).device).manual_seed(cfg.seed * 1_000_003 + step)
     was_training = policy.model.training
-    policy.model.eval()
+    policy.eval()
     samples: List[dict] = []
     lengths, truncated = [], []
     for start in range(0, len(rows), e.batch_size):
@@ -102,7 +102,7 @@ def evaluate(policy, cfg, rows: List[dict], scorer, step: int = 0) -> Evaluation
             samples.append({"prompt": row["prompt"], "completion": text, "reward": reward, "correct": reward >= 1.0,
                             **{k: v for k, v in row.items() if k != "prompt"}})
     if was_training:
-        policy.model.train()
+        policy.train()
     correct = [s["correct"] for s in samples]
     metrics = {"eval/accuracy": sum(correct) / len(correct),
                "eval/reward": sum(s["reward"] for s in samples) / len(samples),

@@ -50,7 +50,7 @@ def sample_and_score(ctx: Context, rows: List[Row], group_size: int,
     if per_prompt_seed(cfg):  # prompt i of rank r is prompt r * len(rows) + i of the global batch
         first = distributed.rank() * len(rows)
         keys = completion_keys(cfg.seed, (ctx.step, round_), torch.arange(first, first + len(rows)), group_size)
-    ctx.policy.model.eval()
+    ctx.policy.eval()
     start = time.perf_counter()
     with ctx.timed("generate"), fsdp.gathered(ctx.policy.model):
         if ctx.engine is not None:
