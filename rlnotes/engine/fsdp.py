@@ -46,10 +46,10 @@ def gathered(model: torch.nn.Module) -> Iterator[None]:
     """Under FSDP, every weight of `model` whole on every rank for the block, with no collective in
     its forward passes: for generation, where each rank runs as many passes as its own samples need
     (sharded weights are gathered in lock-step, one layer at a time). A no-op otherwise."""
-    units = _fsdp_modules(model)
-    if not units:
+    if not is_sharded(model):  # shard_model shards the root too: without it, no walk over the modules each step
         yield
         return
+    units = _fsdp_modules(model)
     for unit in units:
         unit.set_reshard_after_forward(False, recurse=False)
         unit.unshard()
