@@ -40,10 +40,12 @@ def tiny_overrides(width: int) -> list:
 def parameters(overrides: list) -> int:
     """The base model's parameter count (embeddings included) for these model overrides."""
     from hydra.types import RunMode
+    from transformers.utils import logging
 
     from rlnotes.commands.check import loader
     from rlnotes.engine.models import load_base
 
+    logging.disable_progress_bar()
     cfg = loader(None).load_configuration("config", overrides, RunMode.RUN)
     model, _ = load_base(cfg.model)
     return sum(p.numel() for p in model.parameters())

@@ -13,8 +13,9 @@ import torch
 #   0.09M parameters (W 64, model=tiny): 0.088 / 0.299 s     5.35M (W 512):  0.570 / 0.673 s
 #   0.35M (W 128):                       0.175 / 0.290 s    21.18M (W 1024): 1.851 / 1.843 s (even)
 #   1.36M (W 256):                       0.257 / 0.330 s
-# (2026-12-03, other work on the machine beside it.) SmolLM2-135M was not measured at one thread; it
-# takes all cores, as everything above the crossover.
+#   SmolLM2-135M (134.52M, one measured step each): 11.52 / 11.01 s
+# (2026-12-03, other work on the machine beside it.) Two cores pay little even at SmolLM2's size here;
+# more cores or a quieter machine may move the crossover down, never below the sizes measured faster on one.
 AUTO_ONE_THREAD_BELOW = 20_000_000
 
 
