@@ -79,8 +79,7 @@ def ppo_clip_fraction(
     the clip sets to 0. Shapes as ppo_clip_loss, mask [B, T]. Returns a scalar in at least
     float32; 0 when there are no real tokens.
     """
-    unclipped, clipped = _surrogates(logprobs, old_logprobs, advantages, clip_eps, clip_eps_high)
-    return masked_mean((clipped < unclipped).to(unclipped.dtype), mask)
+    return clipped_surrogate(logprobs, old_logprobs, advantages, mask, clip_eps, clip_eps_high)[1]
 
 
 def value_loss(
