@@ -15,7 +15,7 @@ from rlnotes.data.settings import system_prompt
 from rlnotes.data.tasks import Row
 from rlnotes.engine import distributed, fsdp
 from rlnotes.engine.rollout import Rollout, completion_keys, encode_prompts, generate
-from rlnotes.notes import informative_groups, kl_penalty, masked_mean
+from rlnotes.notes import informative_groups, kl_penalty
 from rlnotes.notes.reinforce import kl_penalized_rewards, terminal_rewards
 from rlnotes.notes.tis import truncated_is_weights
 from rlnotes.rewards.scoring import TrainerState
@@ -127,11 +127,7 @@ def penalized_token_rewards(ctx: Context, rollout: Rollout, rewards: torch.Tenso
         ref = torch.cat([ctx.policy.ref_logprobs(ids[i], attn[i], n, temperature)
                          for i in micro_batches(len(rollout), ctx.cfg.trainer.micro_batch_size)])
     kl = kl_penalty(rollout.logprobs, ref, estimator)
-    token_rewards = kl_penalized_rewards(rewards, kl, mask, beta)
-    if not distributed.active():
-        return token_rewards, float(masked_mean(kl, mask))
-    total, count = distributed.sum_over_ranks([float((kl * mask).sum()), float(mask.sum())])
-    return token_rewards, total / max(count, 1.0)
+    return kl_penalized_rewards(rewards, kl, mask, beta), float(distributed.masked_mean_over_ranks(kl, mask))
 
 
 def rollout_metrics(rollout: Rollout, rewards: torch.Tensor, group_size: int) -> Dict[str, float]:
