@@ -14,8 +14,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent / "rlnotes"
 # Floor of each top-level part, from the foundation up: a module may import its own floor and below.
-FLOORS = {"core": 0, "notes": 1, "engine": 2, "rewards": 3, "data": 4, "run": 5, "training": 6, "runners": 7,
-          "commands": 8, "__main__": 9, "__init__": 0}
+FLOORS = {"core": 0, "notes": 1, "engine": 2, "rewards": 3, "agents": 4, "data": 5, "run": 6, "training": 7,
+          "runners": 8, "commands": 9, "__main__": 10, "__init__": 0}
 MAX_FILE_LINES = 400
 MAX_FUNCTION_LINES = 60
 # A function-local import of an rlnotes module must say why on its line: it defers this.
