@@ -119,6 +119,32 @@ def _check_checkpointing(trainer) -> None:
         resolve(trainer.resume)
 
 
+def _check_episodes(cfg, algo: Algorithm) -> None:
+    """Multi-turn settings: a source of observations for more than one turn, a turn to read a tool's
+    result, an algorithm that samples, and the engine that runs episodes."""
+    r = cfg.rollout
+    if cfg.reward.name == "env" and not r.env and algo.samples:
+        raise ConfigError("reward=env takes the environment's reward alone, and no rollout.env is set: name one "
+                          "(rollout.env=letters or my_env:Env) or pick a reward (reward=letters, reward=custom ...)")
+    if not (r.tools or r.env):
+        if r.max_turns > 1:
+            raise ConfigError(f"rollout.max_turns={r.max_turns} needs something to answer the model between turns: "
+                              "rollout.tools=[calculator] or rollout.env=my_env:Env (or set rollout.max_turns=1)")
+        return
+    if not algo.samples:
+        raise ConfigError(f"rollout.tools and rollout.env shape the episodes an algorithm samples; algo="
+                          f"{cfg.algo.name} learns from fixed rows: use algo=grpo, rloo, reinforce or ppo")
+    if r.tools and r.max_turns < 2:
+        raise ConfigError("rollout.tools need rollout.max_turns >= 2 (a turn to call a tool and one to read its "
+                          "result): add rollout=multi_turn or set rollout.max_turns=4")
+    if r.engine != "hf":
+        raise ConfigError(f"rollout.engine={r.engine} samples one completion per prompt; multi-turn episodes "
+                          "(rollout.tools, rollout.env) run on rollout.engine=hf")
+    if r.max_episode_tokens is not None and r.max_episode_tokens < r.max_new_tokens:
+        raise ConfigError(f"rollout.max_episode_tokens={r.max_episode_tokens} is below rollout.max_new_tokens="
+                          f"{r.max_new_tokens}: not even one whole turn fits; raise it or set it to null")
+
+
 def _check_sweep(cfg) -> None:
     if cfg.sweep.direction is not None:
         check_choice("sweep.direction", cfg.sweep.direction, DIRECTIONS)
@@ -150,6 +176,7 @@ def validate(cfg) -> Algorithm:
                               "(the final/ dir of an algo=rm run) or a Hugging Face reward model dir")
         check_reward_config(cfg.reward)
         _check_engine(cfg)
+    _check_episodes(cfg, algo)
     _check_checkpointing(cfg.trainer)
     _check_micro_batch(cfg, algo)
     _check_layout(cfg)

@@ -61,6 +61,10 @@ RANGES: Dict[str, tuple] = {
     "rollout.top_p": ("(0, 1]", "the nucleus sampling mass; 1 samples from the full distribution"),
     "rollout.vllm_gpu_memory": ("(0, 1)", "the share of the GPU's memory vLLM may take"),
     "rollout.tis_cap": (">= 1", "the cap C of min(pi_trainer / pi_vllm, C)"),
+    "rollout.max_turns": (">= 1", "model turns per episode; 1 = one completion per prompt"),
+    "rollout.max_tool_calls": (">= 0", "tool calls an episode may make"),
+    "rollout.max_episode_tokens": (">= 1", "tokens of an episode after its prompt; null = only the turns bound it"),
+    "rollout.tool_timeout": ("> 0", "seconds a tool call may take; null = no limit"),
     "hardware.nproc": (">= 1", "processes on this machine; null = this one alone"),
     "logging.print_every": (">= 1", "steps per plain progress line; null = about 20 a run"),
     "logging.samples_every": (">= 0", "steps per samples table; 0 = never"),
@@ -158,3 +162,9 @@ def check_ranges(cfg, own: Mapping[str, tuple] = {}) -> None:
     if found:
         raise ConfigError(f"{found[0]}={found[1]} is not a finite number; give a finite value")
 
+
+
+def model_token_limit(rollout) -> int:
+    """The most tokens of its own the model can write in one episode: max_new_tokens per turn, times
+    max_turns (the constant of Dr. GRPO's normaliser and the FLOP floor's completion length)."""
+    return rollout.max_new_tokens * rollout.max_turns

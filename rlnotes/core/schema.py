@@ -244,6 +244,27 @@ class RolloutConfig:
     # weighted by min(pi_trainer / pi_vllm, C) with C this cap (they use 2), correcting for vLLM's
     # numerics differing from the trainer's; null = no correction (the mismatch is logged either way).
     tis_cap: Optional[float] = None
+    # Multi-turn episodes (rollout=multi_turn; rlnotes.engine.episodes): model turns per episode, each
+    # of at most max_new_tokens, with tool results or the environment's replies between them. 1 = one
+    # completion per prompt (tools and an environment that scores one turn still work).
+    max_turns: int = 1
+    # Tools the model may call: built-in names (calculator) or your functions, 'pkg.module:fn' or
+    # 'path/to/tools.py:fn', typed and with a docstring (their JSON schemas come from the signature).
+    tools: List[str] = field(default_factory=list)
+    # An environment, one instance per episode: a built-in name (letters) or 'pkg.module:Class' /
+    # 'path/to/env.py:Class' with reset(**row), and step(action) -> (observation, reward, done) or,
+    # as TRL's environment_factory takes, public methods that become tools and get_reward().
+    env: Optional[str] = None
+    # Tool calls an episode may make; calls past it get an error message and end the episode.
+    max_tool_calls: int = 8
+    # Tokens of an episode after its prompt, the model's and the observations' together; an
+    # observation that does not fit ends the episode (truncated). null = only the turns bound it.
+    max_episode_tokens: Optional[int] = None
+    # How tool calls are written: hermes (<tool_call>{"name": ..., "arguments": {...}}</tool_call>)
+    # or your parser 'pkg.module:fn' (text -> list of {"name", "arguments"}).
+    tool_format: str = "hermes"
+    # Seconds a tool call may take; past it the model gets an error message (null: no limit).
+    tool_timeout: Optional[float] = 10.0
 
 
 @dataclass

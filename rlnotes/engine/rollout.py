@@ -81,6 +81,15 @@ class Rollout:
     # [N, T] log-probs as another sampling engine (vLLM) computed them, when it sampled the rows;
     # `logprobs` then holds the trainer's own, recomputed. None: this engine sampled (they are equal).
     sampler_logprobs: Optional[torch.Tensor] = None
+    # [N, T] 1 on every real token of a multi-turn episode: the model's turns and the environment's
+    # observations between them (rlnotes.engine.episodes). `completion_mask` then marks the model's
+    # tokens alone, the only ones that carry loss, KL, entropy and length. None: single turn (the same).
+    completion_attn: Optional[torch.Tensor] = None
+
+    @property
+    def real(self) -> torch.Tensor:
+        """[N, T] 1 on every real completion token (the model's and, in an episode, the environment's)."""
+        return self.completion_mask if self.completion_attn is None else self.completion_attn
 
     @property
     def input_ids(self) -> torch.Tensor:
@@ -88,22 +97,23 @@ class Rollout:
 
     @property
     def attention_mask(self) -> torch.Tensor:
-        return torch.cat([self.prompt_mask, self.completion_mask.long()], dim=1)
+        return torch.cat([self.prompt_mask, self.real.long()], dim=1)
 
     def token_lists(self) -> List[List[int]]:
-        """Each completion's sampled token ids, EOS included, padding dropped."""
-        return [row[mask.bool()].tolist() for row, mask in zip(self.completion_ids, self.completion_mask)]
+        """Each completion's token ids, EOS included, padding dropped (an episode's observations too)."""
+        return [row[mask.bool()].tolist() for row, mask in zip(self.completion_ids, self.real)]
 
     def __len__(self) -> int:
         return self.completion_ids.shape[0]
 
     def select(self, idx: torch.Tensor) -> "Rollout":
         """The rows `idx`, with the completion width trimmed to the longest of them."""
-        width = max(int(self.completion_mask[idx].sum(-1).max()) if len(idx) else 0, 1)
-        sampler = self.sampler_logprobs[idx, :width] if self.sampler_logprobs is not None else None
+        width = max(int(self.real[idx].sum(-1).max()) if len(idx) else 0, 1)
+        cut = lambda x: None if x is None else x[idx, :width]  # noqa: E731
         return Rollout(self.prompt_ids[idx], self.prompt_mask[idx], self.completion_ids[idx, :width],
                        self.completion_mask[idx, :width], self.logprobs[idx, :width],
-                       [self.texts[i] for i in idx.tolist()], self.truncated[idx], sampler)
+                       [self.texts[i] for i in idx.tolist()], self.truncated[idx], cut(self.sampler_logprobs),
+                       cut(self.completion_attn))
 
 
 def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -150,13 +160,14 @@ def completion_keys(seed: int, draw: Sequence[int], prompt_index: torch.Tensor, 
     return mix32(h.repeat_interleave(group_size) ^ torch.arange(group_size).repeat(len(prompt_index)))
 
 
-def keyed_uniform(keys: torch.Tensor, t: int) -> torch.Tensor:
-    """A uniform number in (0, 1) per key for token position t (float64)."""
-    offset = int(mix32(torch.tensor(t + 0x9E3779B9, dtype=torch.long)))
+def keyed_uniform(keys: torch.Tensor, t: Union[int, torch.Tensor]) -> torch.Tensor:
+    """A uniform number in (0, 1) per key for token position t (float64); t an int, or one per key
+    (an episode's rows count their own tokens)."""
+    offset = mix32(torch.as_tensor(t, dtype=torch.long, device=keys.device) + 0x9E3779B9)
     return (mix32(keys ^ offset).double() + 0.5) / 2.0**32
 
 
-def sample_keyed(probs: torch.Tensor, keys: torch.Tensor, t: int) -> torch.Tensor:
+def sample_keyed(probs: torch.Tensor, keys: torch.Tensor, t: Union[int, torch.Tensor]) -> torch.Tensor:
     """Inverse-CDF sampling: token i of each row where the cumulative probability first reaches
     that row's keyed uniform. probs [N, V] (rows need not sum to 1), keys [N] -> [N]."""
     cdf = probs.double().cumsum(-1)
@@ -164,7 +175,8 @@ def sample_keyed(probs: torch.Tensor, keys: torch.Tensor, t: int) -> torch.Tenso
     return torch.searchsorted(cdf, target[:, None]).squeeze(-1).clamp(max=probs.shape[-1] - 1)
 
 
-def next_tokens(scaled: torch.Tensor, top_p: float, greedy: bool, keys: Optional[torch.Tensor], t: int,
+def next_tokens(scaled: torch.Tensor, top_p: float, greedy: bool, keys: Optional[torch.Tensor],
+                t: Union[int, torch.Tensor],
                 generator: Optional[torch.Generator]) -> torch.Tensor:
     """Token t of each row [N] from its logits z / temperature [N, V]: the most likely (greedy), or
     a draw from the top-p filtered softmax, keyed by `keys` [N] (sample_keyed) or from `generator`."""
@@ -246,10 +258,11 @@ def concat_rollouts(parts: Sequence[Rollout], pad_id: int) -> Rollout:
     left = lambda x, value: F.pad(x, (p - x.shape[1], 0), value=value)  # noqa: E731
     right = lambda x, value: F.pad(x, (0, t - x.shape[1]), value=value)  # noqa: E731
     sampler = None if parts[0].sampler_logprobs is None else torch.cat([right(r.sampler_logprobs, 0.0) for r in parts])
+    attn = None if parts[0].completion_attn is None else torch.cat([right(r.completion_attn, 0.0) for r in parts])
     return Rollout(torch.cat([left(r.prompt_ids, pad_id) for r in parts]),
                    torch.cat([left(r.prompt_mask, 0) for r in parts]),
                    torch.cat([right(r.completion_ids, pad_id) for r in parts]),
                    torch.cat([right(r.completion_mask, 0.0) for r in parts]),
                    torch.cat([right(r.logprobs, 0.0) for r in parts]),
                    [text for r in parts for text in r.texts],
-                   torch.cat([r.truncated for r in parts]), sampler)
+                   torch.cat([r.truncated for r in parts]), sampler, attn)

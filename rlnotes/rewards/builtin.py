@@ -28,6 +28,16 @@ from rlnotes.rewards.model import kind, load_scorer
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)
 
 
+
+def reply_text(completion) -> str:
+    """The text a built-in reward scores: the completion itself, or of a conversation its final
+    reply (the messages after the last one that is not the assistant's: in a multi-turn episode,
+    the model's last turn, not the tool results or observations before it)."""
+    if isinstance(completion, str):
+        return completion
+    last = max((i for i, m in enumerate(completion) if m.get("role") != "assistant"), default=-1)
+    return completion_text(completion[last + 1:])
+
 def answer_section(text: str) -> str:
     """What is inside the last <answer>...</answer> of `text`, or all of it when there is none."""
     tags = _ANSWER_TAG.findall(text)
@@ -66,14 +76,14 @@ def number_match(prompts, completions, answer, **_) -> List[float]:
     equals "3", "1,234" equals "1234", text after the number is ignored), else 0.0."""
     out = []
     for completion, ans in zip(completions, answer):
-        got, want = last_number(completion_text(completion)), _as_number(ans)
+        got, want = last_number(reply_text(completion)), _as_number(ans)
         out.append(float(got is not None and want is not None and float(got) == want))
     return out
 
 
 def letter_share(prompts, completions, letter, **_) -> List[float]:
     """Share of the completion's characters that are the row's `letter` (0 for an empty one)."""
-    texts = [completion_text(c) for c in completions]
+    texts = [reply_text(c) for c in completions]
     return [text.count(c) / len(text) if text else 0.0 for text, c in zip(texts, letter)]
 
 
@@ -91,7 +101,7 @@ def exact_match(prompts, completions, answer, normalize=False, **_) -> List[floa
     out = []
     for completion, ans in zip(completions, answer):
         accepted = {fix(str(a)) for a in (ans if isinstance(ans, (list, tuple)) else [ans])}
-        out.append(float(fix(completion_text(completion)) in accepted))
+        out.append(float(fix(reply_text(completion)) in accepted))
     return out
 
 
@@ -100,7 +110,7 @@ def format_match(prompts, completions, pattern, **_) -> List[float]:
     `pattern`, else 0.0; "." also matches newlines. DeepSeek-R1's format reward is
     pattern: '<think>.*?</think>\\s*<answer>.*?</answer>'."""
     regex = re.compile(pattern, re.DOTALL)
-    return [float(regex.fullmatch(completion_text(c).strip()) is not None) for c in completions]
+    return [float(regex.fullmatch(reply_text(c).strip()) is not None) for c in completions]
 
 
 LENGTH_UNITS = ("chars", "tokens")
@@ -119,7 +129,7 @@ def length_penalty(prompts, completions, target, slope=0.01, max_penalty=1.0, un
                              "use unit=chars to score plain text")
         lengths = [len(ids) for ids in completion_ids]
     else:
-        lengths = [len(completion_text(c)) for c in completions]
+        lengths = [len(reply_text(c)) for c in completions]
     penalties = [slope * max(0, n - target) for n in lengths]
     return [0.0 - (p if max_penalty is None else min(p, max_penalty)) for p in penalties]
 
@@ -156,7 +166,7 @@ def math_match(prompts, completions, answer, timeout=5, **_) -> List[Optional[fl
         if not golds[key]:
             out.append(None)
             continue
-        got = mv.parse(answer_section(completion_text(completion)), parsing_timeout=seconds)
+        got = mv.parse(answer_section(reply_text(completion)), parsing_timeout=seconds)
         out.append(float(bool(got) and mv.verify(golds[key], got, timeout_seconds=seconds)))
     return out
 
@@ -209,7 +219,7 @@ def countdown(prompts, completions, numbers, target, **_) -> List[float]:
     out = []
     for completion, given, goal in zip(completions, numbers, target):
         try:
-            result, used = evaluate_arithmetic(countdown_expression(completion_text(completion)))
+            result, used = evaluate_arithmetic(countdown_expression(reply_text(completion)))
         except (SyntaxError, ValueError, ZeroDivisionError, RecursionError, MemoryError):
             out.append(0.0)
             continue
@@ -230,7 +240,7 @@ def reward_model(prompts, completions, path, device="cpu", batch_size=16, **_) -
     key = (str(path), str(dev), int(batch_size))
     if key not in _SCORERS:
         _SCORERS[key] = load_scorer(path, dev, int(batch_size))
-    return _SCORERS[key](list(prompts), [completion_text(c) for c in completions]).tolist()
+    return _SCORERS[key](list(prompts), [reply_text(c) for c in completions]).tolist()
 
 
 REWARDS: Dict[str, Callable] = {"number_match": number_match, "letter_share": letter_share,

@@ -28,6 +28,10 @@ class TrainerState:
     epoch: float = 0.0
 
 
+# Inputs every function gets as the same objects, not copies: the episodes' environment instances
+# (TRL's `environments` keyword), whose state is what a function reads.
+SHARED_INPUTS = ("environments",)
+
 # Columns of the samples table a reward function's log_extra cannot take.
 SAMPLE_FIELDS = ("step", "prompt", "completion", "reward")
 
@@ -132,7 +136,8 @@ class Calls:
     def kwargs(self, rf: RewardFn, inputs: dict, log: CallLog, state: TrainerState, offset: int) -> dict:
         """rf's own copies of its keyword arguments for a call on samples offset.. of the batch."""
         n = len(inputs["completions"])
-        kwargs = {**{k: _own_copy(v) for k, v in inputs.items()}, "trainer_state": replace(state),
+        kwargs = {**{k: list(v) if k in SHARED_INPUTS else _own_copy(v) for k, v in inputs.items()},
+                  "trainer_state": replace(state),
                   "log_extra": log.extra(offset, n), "log_metric": log.metric(rf.name), **_own_copy(rf.args)}
         return kwargs if rf.accepts is None else {k: v for k, v in kwargs.items() if k in rf.accepts}
 

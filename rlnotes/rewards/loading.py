@@ -98,7 +98,7 @@ def resolve(name: str) -> Callable:
 
 # The keyword arguments every reward function is called with besides the dataset's columns and
 # its configured args, as TRL (1.16) calls them.
-CALL_NAMES = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric")
+CALL_NAMES = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric", "environments")
 
 
 def accepted_names(fn) -> Optional[frozenset]:
@@ -140,7 +140,7 @@ def function_specs(cfg) -> List[tuple[str, float, dict, Optional[str]]]:
         raise ConfigError("reward=custom needs the import path of your function: reward.target=mypkg.rewards.my_fn")
     specs = [(f.fn, float(f.weight), _plain(f.args), f.get("name")) for f in cfg.functions]
     specs += [(cfg.target, 1.0, {}, None)] if cfg.target else []
-    if not specs:
+    if not specs and cfg.name != "env":  # reward=env: the environment's reward alone (rollout.env)
         raise ConfigError("no reward function is configured; pick a built-in (reward=arith, reward=letters) or "
                           "name yours: reward=custom reward.target=mypkg.rewards.my_fn")
     return specs

@@ -44,9 +44,12 @@ from rlnotes.rewards.calling import CallLog, Calls, Outcome, TrainerState
 from rlnotes.rewards.loading import RewardFn, build, first_line
 
 
-def in_prompt_format(prompt, text: str):
-    """A completion shaped like its prompt: [assistant message] for a conversation, else text."""
-    return [{"role": "assistant", "content": text}] if isinstance(prompt, list) else text
+def in_prompt_format(prompt, completion):
+    """A completion shaped like its prompt: [assistant message] for a conversation, else text. An
+    episode's messages (a list: the model's turns and what answered them) stay as they are."""
+    if isinstance(completion, list):
+        return completion
+    return [{"role": "assistant", "content": completion}] if isinstance(prompt, list) else completion
 
 
 class RewardFailure(RuntimeError):
@@ -205,13 +208,16 @@ class Rewards:
 
     # -- scoring -------------------------------------------------------------------------------
 
-    def score_groups(self, rows: Sequence[dict], completions: Sequence[str],
+    def score_groups(self, rows: Sequence[dict], completions: Sequence,
                      completion_ids: Optional[Sequence[Sequence[int]]] = None,
-                     group_size: int = 1) -> tuple[torch.Tensor, Dict[str, float]]:
+                     group_size: int = 1, environments: Optional[list] = None) -> tuple[torch.Tensor, Dict[str, float]]:
         """Rewards and metrics of `group_size` completions per row, each row's next to each other: the
-        row's prompt and other columns are repeated for each of its completions."""
+        row's prompt and other columns are repeated for each of its completions. `environments`:
+        each episode's environment instance, passed as TRL passes them (multi-turn runs)."""
         prompts = [r["prompt"] for r in rows for _ in range(group_size)]
         columns = {k: [r[k] for r in rows for _ in range(group_size)] for k in rows[0] if k != "prompt"}
+        if environments is not None:
+            columns["environments"] = environments
         return self(prompts, completions, columns, completion_ids=completion_ids)
 
     def __call__(self, prompts: Sequence, completions: Sequence[str], columns: Dict[str, list],
@@ -232,7 +238,7 @@ class Rewards:
             values, failed = self._settle(rf, outcome, inputs, log)
             failures += failed
             metrics[f"reward/{rf.name}"] = _add_weighted(totals, scored, rf.weight, values)
-        if 0 in scored:
+        if 0 in scored and self.fns:
             self._warn_unscored(scored, prompts, shaped, columns)
         metrics["reward/failures"] = failures
         metrics.update({name: sum(v) / len(v) for name, v in log.metrics.items()})

@@ -26,7 +26,7 @@ from typing import Dict, Optional
 import torch
 
 from rlnotes.core.algorithm import Algorithm, Shape
-from rlnotes.core.checks import planned_world_size
+from rlnotes.core.checks import model_token_limit, planned_world_size
 from rlnotes.core.errors import ConfigError
 from rlnotes.core.schema import AlgoConfig
 from rlnotes.engine import distributed
@@ -156,8 +156,8 @@ def train_step(ctx: Context) -> Dict[str, float]:
                     adv = adv[:, None] * tis
                 out = grpo_loss(logp, old, ref_logp, adv, mask, clip_eps=algo.clip_eps, beta=algo.beta,
                                 clip_eps_high=algo.clip_eps_high, kl_estimator=algo.kl_estimator,
-                                aggregation=algo.aggregation, max_len=cfg.rollout.max_new_tokens)
-                weight = micro_batch_weight(algo.aggregation, mask, totals, cfg.rollout.max_new_tokens)
+                                aggregation=algo.aggregation, max_len=model_token_limit(cfg.rollout))
+                weight = micro_batch_weight(algo.aggregation, mask, totals, model_token_limit(cfg.rollout))
                 (out.loss * weight).backward()
                 if epoch == 0:  # report the batch as sampled, before any update moved the policy
                     share = float(mask.sum()) / totals.tokens  # token means over the global batch
@@ -192,7 +192,7 @@ def shape(cfg) -> Shape:
     b, g, algo = cfg.trainer.batch_size, cfg.algo.group_size, cfg.algo
     return Shape("prompts", b * g, b * g, f"completions of a step (trainer.batch_size={b} x algo.group_size={g})",
                  updates=algo.epochs, rounds=1 + algo.max_resample_rounds if algo.dynamic_sampling else 1,
-                 max_new_tokens=cfg.rollout.max_new_tokens)
+                 max_new_tokens=model_token_limit(cfg.rollout))
 
 
 ALGORITHM = Algorithm(name="grpo", schema=GRPOConfig, train_step=train_step, samples=True, default_task="letters",

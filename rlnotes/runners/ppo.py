@@ -26,7 +26,7 @@ from typing import Dict, Optional
 import torch
 
 from rlnotes.core.algorithm import Algorithm, Shape
-from rlnotes.core.checks import planned_world_size
+from rlnotes.core.checks import model_token_limit, planned_world_size
 from rlnotes.core.errors import ConfigError
 from rlnotes.core.schema import AlgoConfig
 from rlnotes.engine import distributed
@@ -128,7 +128,7 @@ def minibatch_loss(ctx: Context, b, adv, returns, old_values) -> PPOLoss:
     return ppo_loss(logp, b.logprobs, adv if tis is None else adv * tis, v, old_values, returns, b.completion_mask,
                     clip_eps=algo.clip_eps, value_clip_eps=algo.value_clip_eps, vf_coef=algo.vf_coef,
                     entropy=entropy, entropy_coef=algo.entropy_coef, aggregation=algo.aggregation,
-                    max_len=cfg.rollout.max_new_tokens)
+                    max_len=model_token_limit(cfg.rollout))
 
 
 def train_step(ctx: Context) -> Dict[str, float]:
@@ -173,7 +173,7 @@ def train_step(ctx: Context) -> Dict[str, float]:
                     b = rollout.select(idx)
                     w = b.completion_ids.shape[1]
                     out = minibatch_loss(ctx, b, adv[idx, :w], returns[idx, :w], old_values[idx, :w])
-                    weight = micro_batch_weight(algo.aggregation, b.completion_mask, totals, cfg.rollout.max_new_tokens)
+                    weight = micro_batch_weight(algo.aggregation, b.completion_mask, totals, model_token_limit(cfg.rollout))
                     (out.loss * weight).backward()
                     sums["loss"] += float(out.loss.detach()) * weight
                     for key, value in (("value/loss", out.value_loss), ("policy/clip_frac", out.clip_frac),
@@ -207,7 +207,7 @@ def shape(cfg) -> Shape:
     n, algo = cfg.trainer.batch_size * cfg.algo.group_size, cfg.algo
     minibatches = n // algo.minibatch_size
     return Shape("prompts", n, algo.minibatch_size, "completions of one PPO update (algo.minibatch_size)",
-                 minibatches=minibatches, updates=algo.epochs * minibatches, max_new_tokens=cfg.rollout.max_new_tokens)
+                 minibatches=minibatches, updates=algo.epochs * minibatches, max_new_tokens=model_token_limit(cfg.rollout))
 
 
 ALGORITHM = Algorithm(name="ppo", schema=PPOConfig, train_step=train_step, samples=True, default_task="letters",

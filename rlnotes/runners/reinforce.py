@@ -21,6 +21,7 @@ from typing import Dict
 import torch
 
 from rlnotes.core.algorithm import Algorithm, Shape
+from rlnotes.core.checks import model_token_limit
 from rlnotes.core.errors import ConfigError
 from rlnotes.core.schema import AlgoConfig
 from rlnotes.engine import distributed
@@ -160,7 +161,7 @@ def check(cfg) -> None:
 def shape(cfg) -> Shape:
     b, g = cfg.trainer.batch_size, cfg.algo.group_size
     return Shape("prompts", b * g, b * g, f"completions of a step (trainer.batch_size={b} x algo.group_size={g})",
-                 max_new_tokens=cfg.rollout.max_new_tokens)
+                 max_new_tokens=model_token_limit(cfg.rollout))
 
 
 ALGORITHM = Algorithm(name="reinforce", schema=ReinforceConfig, train_step=train_step, samples=True,

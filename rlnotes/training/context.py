@@ -16,6 +16,7 @@ import torch
 from omegaconf import OmegaConf
 from rich.console import Console
 
+from rlnotes.agents.conversation import Agents
 from rlnotes.core.algorithm import Algorithm
 from rlnotes.core.schema import preset_name
 from rlnotes.data.datasets import load_checked
@@ -74,6 +75,8 @@ class Context:
     samples: Optional[Dict[str, list]] = None
     # The vLLM engine that samples when rollout.engine=vllm (rlnotes.engine.vllm_engine); None: the policy samples.
     engine: Optional[object] = None
+    # Multi-turn settings, tools and environment (rollout.tools / rollout.env); None: one turn.
+    agents: Optional[Agents] = None
 
     def precision(self):
         """The forward passes' precision context (hardware.precision): bf16 autocast or nothing."""
@@ -108,6 +111,7 @@ def setup(cfg, algo: Algorithm, run_dir: Path, console: Console, resume_from: Op
     device = distributed.init(resolve_device(cfg.hardware.device))
     configure_backends(cfg.hardware, device)
     rewards = Rewards(cfg.reward, console) if algo.samples else None
+    agents = Agents.of(cfg.rollout)  # a user's tools and environment load (or fail) before the model does
     with distributed.main_first():  # caches (a converted model, a downloaded dataset) are written once
         # A data mistake fails before the model loads; evaluations that generate sample its prompts too.
         data = load_checked(cfg.data, algo, rewards.fns if rewards else [],
@@ -152,7 +156,8 @@ def setup(cfg, algo: Algorithm, run_dir: Path, console: Console, resume_from: Op
     return Context(cfg=cfg, run_dir=run_dir, device=device, policy=policy, optimizer=optimizer, scheduler=scheduler,
                    sampler=PromptSampler(train_rows, cfg.trainer.batch_size, cfg.seed), eval_rows=eval_rows,
                    rewards=rewards, logger=logger, console=console,
-                   generator=torch.Generator(device).manual_seed(cfg.seed), scorer=scorer, engine=engine)
+                   generator=torch.Generator(device).manual_seed(cfg.seed), scorer=scorer, engine=engine,
+                   agents=agents)
 
 
 def shard_policy(policy: Policy) -> None:

@@ -23,6 +23,8 @@ from typing import Dict, List, Optional
 import torch
 from omegaconf import OmegaConf, open_dict
 
+from rlnotes.agents.conversation import Agents
+from rlnotes.agents.rollouts import run_episodes, score_episodes
 from rlnotes.data.datasets import load_checked
 from rlnotes.data.fitting import fit_and_split
 from rlnotes.data.settings import system_prompt
@@ -62,7 +64,7 @@ def checker_config(cfg):
     """The reward config that scores evaluation: `eval.reward`, else the task's own checker, else
     the training reward."""
     name = cfg.eval.reward or TASK_REWARDS.get(eval_data(cfg).name)
-    if name is None:
+    if name is None or (cfg.eval.reward is None and cfg.reward.name == "env"):  # reward=env: the environment's
         return cfg.reward
     return OmegaConf.create({"name": "eval", "functions": [{"fn": name, "weight": 1.0, "args": {}}],
                              "target": None, "fallback": 0.0, "path": None,
@@ -88,13 +90,20 @@ def evaluate(policy, cfg, rows: List[dict], scorer, step: int = 0) -> Evaluation
     policy.eval()
     samples: List[dict] = []
     lengths, truncated = [], []
+    agents = Agents.of(cfg.rollout)
     for start in range(0, len(rows), e.batch_size):
         batch = rows[start:start + e.batch_size]
-        ids = encode_prompts(policy.tokenizer, [r["prompt"] for r in batch], cfg.model.chat_template,
-                             system_prompt(cfg))
-        rollout = generate(policy.model, policy.tokenizer, ids, n, max_new, cfg.rollout.temperature,
-                           cfg.rollout.top_p, generator, greedy=e.greedy)
-        rewards, _ = scorer.score_groups(batch, rollout.texts, rollout.token_lists(), n)
+        if agents is not None:  # multi-turn: whole episodes, scored as in training
+            conversations, rollout = run_episodes(agents, policy.model, policy.tokenizer, batch, n, cfg.rollout,
+                                                  cfg.model.chat_template, system_prompt(cfg), generator,
+                                                  greedy=e.greedy, max_new_tokens=max_new)
+            rewards, _ = score_episodes(scorer, batch, conversations, rollout, n)
+        else:
+            ids = encode_prompts(policy.tokenizer, [r["prompt"] for r in batch], cfg.model.chat_template,
+                                 system_prompt(cfg))
+            rollout = generate(policy.model, policy.tokenizer, ids, n, max_new, cfg.rollout.temperature,
+                               cfg.rollout.top_p, generator, greedy=e.greedy)
+            rewards, _ = scorer.score_groups(batch, rollout.texts, rollout.token_lists(), n)
         lengths += rollout.completion_mask.sum(-1).tolist()
         truncated += rollout.truncated.tolist()
         for i, (text, reward) in enumerate(zip(rollout.texts, rewards.tolist())):

@@ -11,6 +11,7 @@ from typing import Dict, List, Optional
 
 import torch
 
+from rlnotes.agents.rollouts import run_episodes, score_episodes
 from rlnotes.data.settings import system_prompt
 from rlnotes.data.tasks import Row
 from rlnotes.engine import distributed, fsdp
@@ -52,6 +53,8 @@ def sample_and_score(ctx: Context, rows: List[Row], group_size: int,
         keys = completion_keys(cfg.seed, (ctx.step, round_), torch.arange(first, first + len(rows)), group_size)
     ctx.policy.eval()
     start = time.perf_counter()
+    if ctx.agents is not None:
+        return sample_episodes(ctx, rows, group_size, keys)
     with ctx.timed("generate"), fsdp.gathered(ctx.policy.model):
         if ctx.engine is not None:
             ctx.engine.sync(ctx.policy, ctx.step)
@@ -72,6 +75,28 @@ def sample_and_score(ctx: Context, rows: List[Row], group_size: int,
                    "completions": list(rollout.texts), "rewards": rewards.tolist(), "extra": ctx.rewards.extra}
     # Each rank scored its own completions: failures add up, per-function means average (the ranks
     # score equally many completions), generation speeds add up (the ranks sample side by side).
+    ops = {key: "sum" if key == "reward/failures" else "mean" for key in reward_metrics}
+    metrics = distributed.reduce_metrics({**metrics, **reward_metrics}, {**ops, "perf/gen_tokens_per_s": "sum"})
+    return rollout, rewards.to(ctx.device), metrics
+
+
+def sample_episodes(ctx: Context, rows: List[Row], group_size: int,
+                    keys: Optional[torch.Tensor]) -> tuple[Rollout, torch.Tensor, Dict[str, float]]:
+    """sample_and_score for multi-turn episodes (rollout.tools / rollout.env): G episodes per prompt
+    and the reward of each, whole episodes in the samples table."""
+    cfg = ctx.cfg
+    start = time.perf_counter()
+    with ctx.timed("generate"), fsdp.gathered(ctx.policy.model):
+        conversations, rollout = run_episodes(ctx.agents, ctx.policy.model, ctx.policy.tokenizer, rows, group_size,
+                                              cfg.rollout, cfg.model.chat_template, system_prompt(cfg),
+                                              ctx.generator, keys)
+    tokens = float(rollout.completion_mask.sum())
+    metrics = {"perf/tokens": tokens, "perf/gen_tokens_per_s": tokens / (time.perf_counter() - start)}
+    with ctx.timed("reward"):
+        ctx.rewards.state = trainer_state(ctx)
+        rewards, reward_metrics = score_episodes(ctx.rewards, rows, conversations, rollout, group_size)
+    ctx.samples = {"prompts": [r["prompt"] for r in rows for _ in range(group_size)],
+                   "completions": list(rollout.texts), "rewards": rewards.tolist(), "extra": ctx.rewards.extra}
     ops = {key: "sum" if key == "reward/failures" else "mean" for key in reward_metrics}
     metrics = distributed.reduce_metrics({**metrics, **reward_metrics}, {**ops, "perf/gen_tokens_per_s": "sum"})
     return rollout, rewards.to(ctx.device), metrics

@@ -1,0 +1,177 @@
+"""Episodes as conversations: the prompt each episode starts from, the tokens of every observation
+between the model's turns, and what reward functions and the samples table see afterwards.
+
+Tokens. The model's turns are trained on as sampled, each ending with its EOS. An observation's
+tokens are what the chat template adds to the conversation when the observation follows the
+model's message: the template's rendering of [conversation + observation + the cue of the next
+assistant turn] after the end of the model's turn (its EOS) in the rendering of the conversation
+alone. So an episode's token sequence is the template's rendering of the whole conversation,
+except where the model's sampled tokens spell its text differently from how the tokenizer would
+(the tokens trained on are always the ones sampled). Without a chat template (model.chat_template
+false, or a tokenizer without one) the conversation is "role: content" lines, as
+rlnotes.engine.rollout.render_plain writes a prompt, and each model turn ends with its EOS token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+
+from rlnotes.agents.environments import Episode, load_environment
+from rlnotes.agents.tools import load_tools, template_takes_tools, tools_system_prompt
+from rlnotes.engine.rollout import Rollout, as_messages, render_plain
+
+
+@dataclass(frozen=True)
+class Agents:
+    """A run's multi-turn settings (the rollout section), its tools and environment loaded once."""
+    tools: tuple
+    env_factory: Optional[Callable]
+    max_turns: int
+    max_tool_calls: int
+    max_episode_tokens: Optional[int]
+    tool_format: str
+    tool_timeout: Optional[float]
+
+    @classmethod
+    def of(cls, rollout) -> Optional["Agents"]:
+        """The settings of rollout.tools / rollout.env, or None when a run has neither (single turn)."""
+        if not rollout.tools and not rollout.env:
+            return None
+        return cls(tuple(load_tools(list(rollout.tools))), load_environment(rollout.env) if rollout.env else None,
+                   rollout.max_turns, rollout.max_tool_calls, rollout.max_episode_tokens, rollout.tool_format,
+                   rollout.tool_timeout)
+
+    def episode(self) -> Episode:
+        return Episode(list(self.tools), self.env_factory, self.max_tool_calls, self.tool_format, self.tool_timeout)
+
+
+def _with_start(messages: List[dict], start) -> List[dict]:
+    """The prompt after the environment's reset: a string joins the last user message (as TRL
+    appends it), a list of messages follows the prompt."""
+    if start is None:
+        return messages
+    if isinstance(start, str):
+        last = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=None)
+        if last is None:
+            return messages + [{"role": "user", "content": start}]
+        return messages[:last] + [{**messages[last], "content": messages[last]["content"] + start}] + messages[last + 1:]
+    return messages + [dict(m) for m in start]
+
+
+def _with_tools(messages: List[dict], schemas: List[dict]) -> List[dict]:
+    """The tools described in the system message, for a template that does not render them."""
+    block = tools_system_prompt(schemas)
+    if messages and messages[0]["role"] == "system":
+        return [{**messages[0], "content": f"{messages[0]['content']}\n\n{block}"}] + messages[1:]
+    return [{"role": "system", "content": block}] + messages
+
+
+class Conversations:
+    """One batch of episodes, G per row: their environments, conversations and tool counters.
+    `respond` is what rlnotes.engine.episodes.generate_episodes calls between turns."""
+
+    def __init__(self, agents: Agents, tokenizer, rows: Sequence[dict], group_size: int, chat_template: bool,
+                 system_prompt: Optional[str] = None):
+        self.agents, self.tokenizer, self.group_size = agents, tokenizer, group_size
+        self.templated = bool(chat_template and tokenizer.chat_template)
+        self.episodes = [agents.episode() for _ in range(len(rows) * group_size)]
+        schemas = self.episodes[0].schemas if self.episodes else []
+        self.template_tools = schemas if (schemas and self.templated and template_takes_tools(tokenizer)) else None
+        self.messages: List[List[dict]] = []
+        for i, episode in enumerate(self.episodes):
+            row = rows[i // group_size]
+            messages = _with_start(as_messages(row["prompt"], system_prompt), episode.start(dict(row)))
+            if episode.schemas and self.template_tools is None:
+                messages = _with_tools(messages, episode.schemas)
+            self.messages.append(messages)
+        self.prompt_lengths = [len(m) for m in self.messages]
+
+    # -- rendering ---------------------------------------------------------------------------------
+
+    def _render(self, messages: List[dict], generation: bool) -> str:
+        extra = {"tools": self.template_tools} if self.template_tools else {}
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation, **extra)
+
+    def prompt_ids(self) -> tuple[List[List[int]], int]:
+        """The token ids episodes start from and how many episodes share each: one entry per row
+        (G each) when an environment's reset left the G prompts of every row alike, else one per episode."""
+        if self.templated:
+            ids = [self.tokenizer(self._render(m, True), add_special_tokens=False)["input_ids"] for m in self.messages]
+        else:
+            ids = [self.tokenizer(render_plain(m), add_special_tokens=False)["input_ids"] for m in self.messages]
+        g = self.group_size
+        if all(ids[i] == ids[i - i % g] for i in range(len(ids))):
+            return ids[::g], g
+        return ids, 1
+
+    def _observation_ids(self, i: int, observation: List[dict]) -> List[int]:
+        """The tokens that follow episode i's last model turn (module docstring)."""
+        if not self.templated:
+            text = "".join(f"\n{m['role']}: {m['content']}" for m in observation) + "\nassistant:"
+            return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        before = self._render(self.messages[i], generation=False)
+        after = self._render(self.messages[i] + observation, generation=True)
+        eos = self.tokenizer.eos_token or ""
+        cut = before.rfind(eos) + len(eos) if eos and eos in before else len(before)
+        if after[:cut] != before[:cut]:
+            raise ValueError("the chat template renders a conversation's earlier turns differently once an "
+                             "observation follows them; multi-turn episodes need a template that only appends")
+        return self.tokenizer(after[cut:], add_special_tokens=False)["input_ids"]
+
+    # -- between turns -----------------------------------------------------------------------------
+
+    def respond(self, rows: List[int], turns: List[List[int]], last: List[bool]) -> List[Optional[List[int]]]:
+        """The observations after the turns the model just took (rlnotes.engine.episodes.Respond)."""
+        out: List[Optional[List[int]]] = []
+        for i, turn, final in zip(rows, turns, last):
+            text = self.tokenizer.decode(turn, skip_special_tokens=True)
+            episode = self.episodes[i]
+            steps = callable(getattr(episode.env, "step", None))
+            if final and not steps:   # nothing reads a result now: the message is kept, no tool runs
+                self.messages[i].append({"role": "assistant", "content": text})
+                out.append(None)
+                continue
+            observation, done = episode.step(text)
+            self.messages[i].append({"role": "assistant", "content": text})
+            if done or final or not observation:
+                out.append(None)
+                continue
+            out.append(self._observation_ids(i, observation))
+            self.messages[i].extend(observation)
+        return out
+
+    # -- afterwards --------------------------------------------------------------------------------
+
+    def completions(self) -> List[List[dict]]:
+        """Each episode's messages after its prompt: what reward functions get as `completions`."""
+        return [m[n:] for m, n in zip(self.messages, self.prompt_lengths)]
+
+    def texts(self) -> List[str]:
+        """Each episode as text for the samples table: its messages after the prompt, role by role."""
+        return ["\n".join(f"[{m['role']}] {m['content']}" for m in c) for c in self.completions()]
+
+    def environments(self) -> List[object]:
+        """Each episode's environment instance (None without one): TRL's `environments` keyword."""
+        return [e.env for e in self.episodes]
+
+    def env_rewards(self) -> Optional[torch.Tensor]:
+        """The environments' rewards [N] (0 for an episode whose environment gave none), or None
+        when there is no environment."""
+        if self.agents.env_factory is None:
+            return None
+        return torch.tensor([float(r) if (r := e.reward()) is not None else 0.0 for e in self.episodes])
+
+    def metrics(self, rollout: Rollout) -> Dict[str, float]:
+        """episode/turns, episode/model_tokens and episode/env_tokens (means per episode),
+        tools/calls (per episode) and tools/failure_frac (of the calls)."""
+        calls = sum(e.tool_calls for e in self.episodes)
+        model = rollout.completion_mask.sum(-1)
+        turns = sum(m["role"] == "assistant" for c in self.completions() for m in c)
+        return {"episode/turns": turns / len(self.episodes),
+                "episode/model_tokens": float(model.mean()),
+                "episode/env_tokens": float((rollout.real.sum(-1) - model).mean()),
+                "tools/calls": calls / len(self.episodes),
+                "tools/failure_frac": sum(e.tool_failures for e in self.episodes) / calls if calls else 0.0}

@@ -1,0 +1,235 @@
+"""Multi-turn episodes, batched: the model's turns and the environment's observations between them.
+
+An episode starts from its prompt and alternates: the model samples a turn (until its EOS, the
+per-turn token limit or the episode's budget), then `respond` gets the turn and gives the token
+ids of the observation that follows it (tool results or the environment's reply, rendered as the
+chat template renders them, ending with the cue of the next assistant turn), or None when the
+episode is over. All episodes of a batch run side by side, whatever turn each has reached:
+
+- A round is one model turn of every episode still running. A row that ends its turn leaves the
+  decode batch at once, its rows of the KV cache parked, so no compute goes to finished turns.
+- Between rounds, the parked caches of the episodes that go on are stacked again (right-padded
+  to the longest), and each observation is prefilled in one batched pass behind its episode's
+  cache, left-padded, so every row's last column is real. Nothing is encoded twice: the turn's
+  last sampled token and the observation are the only new tokens of that pass.
+- Padding inside the cache is masked out and skipped by the position ids, so the positions and
+  keys are those of the compacted sequence [prompt | turn 1 | observation 1 | turn 2 | ...] that
+  training forwards again: the log-probs sampled here are the ones training recomputes.
+
+The result is a Rollout whose completion is the compacted episode: `completion_mask` marks the
+model's tokens (the only ones with loss, KL, entropy and length), `completion_attn` every real one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from rlnotes.engine.policy import position_ids
+from rlnotes.engine.rollout import Rollout, left_pad, next_tokens
+
+# respond(rows, turns, last) -> one observation per row: token ids to prefill, or None (the episode
+# ends). `turns` are the token ids of the turn each row's model just took (EOS included); `last`
+# says the episode ends whatever the answer (its turn was cut, or it took rollout.max_turns), so the
+# environment can score that turn without producing an observation.
+Respond = Callable[[List[int], List[List[int]], List[bool]], List[Optional[List[int]]]]
+
+
+@dataclass
+class _Episode:
+    """One episode's tokens so far, after its prompt."""
+    ids: List[int] = field(default_factory=list)
+    model: List[float] = field(default_factory=list)    # 1.0 on the model's tokens, 0.0 on observations
+    logps: List[float] = field(default_factory=list)
+    turns: int = 0
+    truncated: bool = False
+
+
+@dataclass
+class _Parked:
+    """Rows that ended their turn this round: their KV cache, attention mask and the token each
+    sampled last (not yet in the cache), until the round ends."""
+    rows: List[int]
+    keys: List[torch.Tensor]
+    values: List[torch.Tensor]
+    attn: torch.Tensor
+    last: torch.Tensor
+    pos: torch.Tensor    # the position of each row's last token
+
+
+class _Batch:
+    """The rows that are sampling a turn: their KV cache, attention mask and next positions."""
+
+    def __init__(self, rows: torch.Tensor, cache: DynamicCache, attn: torch.Tensor, next_pos: torch.Tensor):
+        self.rows, self.cache, self.attn, self.next_pos = rows, cache, attn, next_pos
+
+    def park(self, done: torch.Tensor, tokens: torch.Tensor) -> _Parked:
+        """Take the rows where `done` out of the batch (and its cache), keeping what they had."""
+        idx = done.nonzero().squeeze(-1)
+        parked = _Parked(self.rows[idx].tolist(), [layer.keys[idx] for layer in self.cache.layers],
+                         [layer.values[idx] for layer in self.cache.layers], self.attn[idx], tokens[idx],
+                         self.next_pos[idx])
+        keep = (~done).nonzero().squeeze(-1)
+        self.cache.batch_select_indices(keep)
+        self.rows, self.attn, self.next_pos = self.rows[keep], self.attn[keep], self.next_pos[keep]
+        return parked
+
+
+def _unpark(model, parked: List[_Parked], going: Dict[int, List[int]], pad_id: int) -> tuple[_Batch, torch.Tensor]:
+    """The rows in `going` (row -> its observation's ids) back in one batch: their parked caches
+    right-padded to the longest, then [last sampled token | observation] of each, left-padded,
+    prefilled in one pass. Returns the batch and the logits of each row's next token."""
+    widest = max(p.attn.shape[1] for p in parked)
+    rows, attn, keys, values, blocks, start = [], [], None, None, [], []
+    for p in parked:
+        sel = [j for j, r in enumerate(p.rows) if r in going]
+        if not sel:
+            continue
+        pad = widest - p.attn.shape[1]
+        rows += [p.rows[j] for j in sel]
+        attn.append(F.pad(p.attn[sel], (0, pad)))
+        k = [F.pad(x[sel], (0, 0, 0, pad)) for x in p.keys]
+        v = [F.pad(x[sel], (0, 0, 0, pad)) for x in p.values]
+        keys = k if keys is None else [torch.cat([a, b]) for a, b in zip(keys, k)]
+        values = v if values is None else [torch.cat([a, b]) for a, b in zip(values, v)]
+        blocks += [[int(p.last[j])] + going[p.rows[j]] for j in sel]
+        start.append(p.pos[sel])
+    device = attn[0].device
+    cache = DynamicCache(config=model.config)
+    for layer, k, v in zip(cache.layers, keys, values):
+        layer.update(k, v)
+    block, block_mask = (t.to(device) for t in left_pad(blocks, pad_id))
+    row_ids = torch.tensor(rows, device=device)
+    start = torch.cat(start)                                # the position of each row's last sampled token
+    lengths = block_mask.sum(-1)
+    pos = (start + lengths)[:, None] - block.shape[1] + torch.arange(block.shape[1], device=device)[None]
+    pos = torch.where(block_mask.bool(), pos, 0)
+    attn = torch.cat([torch.cat(attn), block_mask], dim=1)
+    logits = model(input_ids=block, attention_mask=attn, position_ids=pos, cache=cache, use_cache=True,
+                   logits_to_keep=1).logits[:, -1]
+    return _Batch(row_ids, cache, attn, start + lengths), logits
+
+
+@torch.no_grad()
+def generate_episodes(model, tokenizer, prompts: Sequence[Sequence[int]], group_size: int, respond: Respond,
+                      max_new_tokens: int, max_turns: int, max_episode_tokens: Optional[int] = None,
+                      temperature: float = 1.0, top_p: float = 1.0, generator: Optional[torch.Generator] = None,
+                      eos_ids: Optional[Sequence[int]] = None, greedy: bool = False,
+                      keys: Optional[torch.Tensor] = None) -> Rollout:
+    """`group_size` episodes per prompt (token id lists), each of at most `max_turns` model turns of
+    at most `max_new_tokens` tokens and `max_episode_tokens` tokens after its prompt (the model's
+    and the observations'; None: no bound but the turns). Sampling as rlnotes.engine.rollout.generate
+    (`keys` count each episode's own model tokens). Returns the compacted episodes (module docstring)."""
+    device = next(model.parameters()).device
+    pad_id = tokenizer.pad_token_id
+    eos = torch.tensor(eos_ids if eos_ids is not None else [tokenizer.eos_token_id], device=device)
+    budget = max_episode_tokens if max_episode_tokens is not None else float("inf")
+    prompt_ids, prompt_mask = (t.to(device) for t in left_pad(prompts, pad_id))
+    cache = DynamicCache(config=model.config)
+    if any(type(layer) is not DynamicLayer for layer in cache.layers):
+        raise ValueError("multi-turn episodes need a model whose KV cache is one plain layer per layer "
+                         "(no sliding windows); this model's is not")
+    positions = position_ids(prompt_mask)
+    logits = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions,
+                   cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+    cache.batch_repeat_interleave(group_size)
+    logits = logits.repeat_interleave(group_size, dim=0)
+    prompt_ids = prompt_ids.repeat_interleave(group_size, dim=0)
+    prompt_mask = prompt_mask.repeat_interleave(group_size, dim=0)
+    n = prompt_ids.shape[0]
+    episodes = [_Episode() for _ in range(n)]
+    next_pos = positions[:, -1].repeat_interleave(group_size) + 1  # of each row's next token
+    batch = _Batch(torch.arange(n, device=device), cache, prompt_mask, next_pos)
+    keys = keys.to(device) if keys is not None else None
+    counts = torch.zeros(n, dtype=torch.long, device=device)       # model tokens so far, the key's clock
+
+    while len(batch.rows):
+        parked, logits = _sample_turn(model, batch, logits, episodes, eos, max_new_tokens, budget, temperature,
+                                      top_p, greedy, keys, counts, generator)
+        rows = [r for p in parked for r in p.rows]
+        turns = [episodes[r].ids[-_turn_length(episodes[r]):] for r in rows]
+        last = [episodes[r].truncated or episodes[r].turns >= max_turns for r in rows]
+        answers = respond(rows, turns, last)
+        going = {}
+        for r, stop, obs in zip(rows, last, answers):
+            ep = episodes[r]
+            if stop or obs is None:
+                continue
+            if len(ep.ids) + len(obs) + 1 > budget:   # no room for the observation and one more token
+                ep.truncated = True
+                continue
+            going[r] = list(obs)
+            ep.ids += obs
+            ep.model += [0.0] * len(obs)
+            ep.logps += [0.0] * len(obs)
+        if not going:
+            break
+        batch, logits = _unpark(model, parked, going, pad_id)
+    return _rollout(tokenizer, prompt_ids, prompt_mask, episodes, pad_id, device)
+
+
+def _turn_length(ep: _Episode) -> int:
+    """Tokens of the episode's last model turn: the model's tokens after the last observation."""
+    k = 0
+    for m in reversed(ep.model):
+        if not m:
+            break
+        k += 1
+    return k
+
+
+def _sample_turn(model, batch: _Batch, logits, episodes: List[_Episode], eos, max_new_tokens: int, budget,
+                 temperature: float, top_p: float, greedy: bool, keys, counts, generator):
+    """One turn of every row in `batch`: tokens until each row's EOS, max_new_tokens or the budget;
+    a finished row is parked at once. Returns the parked rows (every row, when the turn ends)."""
+    parked: List[_Parked] = []
+    for r in batch.rows.tolist():
+        episodes[r].turns += 1
+    for t in range(max_new_tokens):
+        scaled = logits.float() / temperature
+        tok = next_tokens(scaled, top_p, greedy, keys[batch.rows] if keys is not None else None,
+                          counts[batch.rows], generator)
+        logp = scaled.log_softmax(-1).gather(-1, tok[:, None]).squeeze(-1)
+        counts[batch.rows] += 1
+        ended = torch.isin(tok, eos)
+        for r, token, lp, end in zip(batch.rows.tolist(), tok.tolist(), logp.tolist(), ended.tolist()):
+            ep = episodes[r]
+            ep.ids.append(token)
+            ep.model.append(1.0)
+            ep.logps.append(lp)
+            if not end and (t == max_new_tokens - 1 or len(ep.ids) >= budget):
+                ep.truncated = True
+        cut = torch.tensor([episodes[r].truncated for r in batch.rows.tolist()], device=tok.device)
+        done = ended | cut
+        if bool(done.any()):
+            parked.append(batch.park(done, tok))
+            tok = tok[~done]
+        if not len(batch.rows):
+            break
+        batch.attn = torch.cat([batch.attn, batch.attn.new_ones((batch.attn.shape[0], 1))], dim=1)
+        logits = model(input_ids=tok[:, None], attention_mask=batch.attn, position_ids=batch.next_pos[:, None],
+                       cache=batch.cache, use_cache=True).logits[:, -1]
+        batch.next_pos = batch.next_pos + 1
+    return parked, logits
+
+
+def _rollout(tokenizer, prompt_ids, prompt_mask, episodes: List[_Episode], pad_id: int, device) -> Rollout:
+    """The compacted episodes as a Rollout (completion = everything after the prompt)."""
+    width = max(max(len(ep.ids) for ep in episodes), 1)
+    ids = torch.full((len(episodes), width), pad_id, dtype=torch.long)
+    model_mask, logps, attn = (torch.zeros((len(episodes), width)) for _ in range(3))
+    for i, ep in enumerate(episodes):
+        k = len(ep.ids)
+        ids[i, :k] = torch.tensor(ep.ids, dtype=torch.long)
+        model_mask[i, :k] = torch.tensor(ep.model)
+        logps[i, :k] = torch.tensor(ep.logps)
+        attn[i, :k] = 1.0
+    texts = tokenizer.batch_decode([ep.ids for ep in episodes], skip_special_tokens=True)
+    truncated = torch.tensor([ep.truncated for ep in episodes])
+    return Rollout(prompt_ids, prompt_mask, ids.to(device), model_mask.to(device), logps.to(device), texts,
+                   truncated.to(device), completion_attn=attn.to(device))
