@@ -136,12 +136,19 @@ def test_system_prompt_lists_the_schemas_and_the_call_format():
 def test_template_takes_tools():
     assert template_takes_tools(SimpleNamespace(chat_template="{% if tools %}{{ tools | tojson }}{% endif %}"))
     assert template_takes_tools(SimpleNamespace(chat_template={"default": "x", "tool_use": "{{ tools }}"}))
-    assert not template_takes_tools(SimpleNamespace(chat_template="{{ messages[0]['content'] }} toolset"))
+    assert not template_takes_tools(SimpleNamespace(chat_template="{{ messages[0]['content'] }} use tools well"))
+    assert not template_takes_tools(SimpleNamespace(chat_template="{% set tools = [] %}{{ tools }}"))
+    assert template_takes_tools(SimpleNamespace(chat_template="{% generation %}{{ tools }}{% endgeneration %}"))
     assert not template_takes_tools(SimpleNamespace(chat_template=None))
     assert not template_takes_tools(object())
 
 
 # --------------------------------------------------------------------------------------------- parsing
+
+
+def call(name: str, **arguments) -> str:
+    """A well-formed Hermes call, as the model would write it."""
+    return f'<tool_call>{json.dumps({"name": name, "arguments": arguments})}</tool_call>'
 
 
 def test_parse_one_call():
@@ -264,6 +271,19 @@ def test_run_an_async_tool_and_a_dict_result():
     assert json.loads(messages[1]["content"]) == {"squares": [0, 1, 4]}
 
 
+def test_run_a_tool_that_exits_is_a_failure_not_an_exit():
+    def leave(code: int) -> str:
+        """Exit.
+
+        Args:
+            code: The status.
+        """
+        raise SystemExit(code)
+
+    messages, failures = run_tool_calls([{"name": "leave", "arguments": {"code": 3}}], {"leave": leave}, timeout=5)
+    assert failures == 1 and error_of(messages[0]) == "leave raised SystemExit: 3"
+
+
 def test_run_a_calculator_error():
     messages, failures = run_tool_calls([{"name": "calculator", "arguments": {"expression": "1/0"}}], TOOLBOX, None)
     assert failures == 1 and error_of(messages[0]) == "calculator raised ValueError: division by zero"
@@ -383,10 +403,6 @@ def test_load_environment_errors(spec, says):
 
 
 # --------------------------------------------------------------------------------------------- episodes
-
-
-def call(name: str, **arguments) -> str:
-    return f'<tool_call>{json.dumps({"name": name, "arguments": arguments})}</tool_call>'
 
 
 def test_tools_only_episode_runs_calls_then_ends():
@@ -541,3 +557,43 @@ def test_letters_environment_rewards_by_hand():
     default.step("aaaa")
     default.step("")
     assert default.env.letter == "a" and default.reward() == pytest.approx(0.5)
+
+
+class Faulty:
+    """An environment whose every method misbehaves, as the row asks."""
+
+    def reset(self, how: str = "", **row):
+        if how == "raise":
+            raise RuntimeError("no data")
+        return 42 if how == "number" else None
+
+    def step(self, action):
+        return "obs", "high", True
+
+    def get_reward(self):
+        return "great"
+
+
+@pytest.mark.parametrize("call_it, says", [
+    (lambda e: e.start({"how": "raise"}), "environment Faulty.reset raised RuntimeError: no data"),
+    (lambda e: e.start({"how": "number"}), "environment Faulty.reset returned int; return None, a string or a list"),
+    (lambda e: e.step("x"), "environment Faulty.step returned the reward 'high', not a number or None"),
+    (lambda e: e.reward(), "environment Faulty.get_reward returned 'great', not a number or None"),
+])
+def test_an_environment_that_misbehaves_is_named(call_it, says):
+    with pytest.raises(EnvironmentFailure) as err:
+        call_it(Episode([], Faulty, max_tool_calls=1))
+    assert str(err.value).startswith(says)
+
+
+def test_an_environment_that_cannot_be_created_any_more():
+    def factory():
+        raise OSError("server down")
+
+    with pytest.raises(EnvironmentFailure, match="environment 'factory' could not be created \\(OSError: server down"):
+        Episode([], factory, max_tool_calls=1)
+
+
+def test_an_episode_checks_its_tool_format():
+    with pytest.raises(ConfigError, match="rollout.tool_format='xml'"):
+        Episode([calculator], None, max_tool_calls=1, tool_format="xml")

@@ -76,12 +76,18 @@ class Episode:
 
     At most `max_tool_calls` calls run in an episode; the calls past it are answered with an error
     and end the episode. `tool_format` is how calls are written (`parse_tool_calls`), and
-    `tool_timeout` the seconds a call may take (None: no limit)."""
+    `tool_timeout` the seconds a call may take (None: no limit). Every call the model writes counts
+    in `tool_calls`, malformed and refused ones too, and each of those in `tool_failures`, so that
+    failures / calls is the share of the model's calls that gave no result."""
 
     def __init__(self, tools: List[Callable], env_factory: Optional[Callable], max_tool_calls: int,
                  tool_format: str = "hermes", tool_timeout: Optional[float] = None):
         tool_parser(tool_format)  # an unknown format fails here, before any turn
-        self.env = env_factory() if env_factory is not None else None
+        try:
+            self.env = env_factory() if env_factory is not None else None
+        except Exception as e:  # noqa: BLE001 - it was created once when it loaded; now it fails
+            raise EnvironmentFailure(f"environment {getattr(env_factory, '__name__', env_factory)!r} could not be "
+                                     f"created ({first_line(e)})") from e
         self.max_tool_calls = max_tool_calls
         self.tool_format = tool_format
         self.tool_timeout = tool_timeout

@@ -18,6 +18,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence
 
+from jinja2 import Environment, TemplateSyntaxError, meta
+from jinja2.ext import loopcontrols
 from transformers.utils import get_json_schema
 
 from rlnotes.agents.builtin import TOOLS
@@ -75,12 +77,18 @@ def tools_system_prompt(schemas: List[dict]) -> str:
 
 
 def template_takes_tools(tokenizer) -> bool:
-    """Whether the tokenizer's chat template renders a `tools` argument (it uses the variable
-    `tools`); False when it has no template."""
+    """Whether the tokenizer's chat template renders a `tools` argument (it reads the variable
+    `tools`); False when it has no template. A template that jinja2 cannot parse alone (one using
+    transformers' own tags) is searched for the word `tools` instead."""
     template = getattr(tokenizer, "chat_template", None)
     if isinstance(template, dict):  # named templates ("default", "tool_use", ...)
         template = "\n".join(template.values())
-    return bool(template) and re.search(r"\btools\b", template) is not None
+    if not template:
+        return False
+    try:
+        return "tools" in meta.find_undeclared_variables(Environment(extensions=[loopcontrols]).parse(template))
+    except TemplateSyntaxError:
+        return re.search(r"\btools\b", template) is not None
 
 
 # ---------------------------------------------------------------------------------------------
