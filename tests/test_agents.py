@@ -176,6 +176,7 @@ def test_parse_arguments_given_as_a_json_string():
     ('{"name": "a", "arguments": [1, 2]}', "not a JSON object"),
     ('{"name": "a", "arguments": "x=1"}', "a string that is not JSON"),
     ('["a"]', "not a JSON object"),
+    ('"calculator"', "not a JSON object"),
 ])
 def test_parse_malformed_calls_are_errors_for_the_model(block, says):
     parsed = parse_tool_calls(call("ok") + f"<tool_call>{block}</tool_call>")
@@ -201,12 +202,13 @@ def test_parse_with_a_user_parser(tmp_path, monkeypatch):
             if text == "crash":
                 raise ValueError("cannot read")
             name, _, arg = text.partition(" ")
-            return [{"name": name, "arguments": {"x": arg}}, {"arguments": {}}]
+            return [{"name": name, "arguments": {"x": arg}}, {"arguments": {}}, "g"]
     """))
     monkeypatch.syspath_prepend(str(tmp_path))
     parsed = parse_tool_calls("f 3", fmt="my_parsing:parse")
     assert parsed.calls == [{"name": "f", "arguments": {"x": "3"}}]
-    assert parsed.errors == ['Tool call 2: no "name" of the function to call.']
+    assert parsed.errors == ['Tool call 2: no "name" of the function to call.',
+                             'Tool call 3: not a JSON object like {"name": ..., "arguments": {...}}.']
     assert parse_tool_calls("crash", fmt="my_parsing:parse").errors == [
         "Tool call 1: the tool calls could not be read (ValueError: cannot read)."]
 

@@ -126,20 +126,20 @@ def parse_tool_calls(text: str, fmt: str = "hermes") -> ToolCalls:
     `fn(text) -> [{"name", "arguments"}, ...]` is checked the same way, and its exception is one
     malformed call."""
     parser = tool_parser(fmt)
-    out = ToolCalls()
     if parser is None:
         blocks = _HERMES_BLOCK.findall(text)
         tail = text[text.rfind("</tool_call>") + len("</tool_call>"):] if blocks else text
         items = [_read_json(block) for block in blocks]
         if "<tool_call>" in tail:
-            items.append("a <tool_call> block is not closed with </tool_call>")
+            items.append((None, "a <tool_call> block is not closed with </tool_call>"))
     else:
         try:
-            items = list(parser(text))
+            items = [(item, None) for item in parser(text)]
         except Exception as e:  # noqa: BLE001 - the user's parser failed on the model's text
-            items = [f"the tool calls could not be read ({first_line(e)})"]
-    for i, item in enumerate(items, 1):
-        call = _checked_call(item) if not isinstance(item, str) else item
+            items = [(None, f"the tool calls could not be read ({first_line(e)})")]
+    out = ToolCalls()
+    for i, (item, error) in enumerate(items, 1):
+        call = _checked_call(item) if error is None else error
         if isinstance(call, str):
             out.errors.append(f"Tool call {i}: {call}.")
         else:
@@ -147,11 +147,12 @@ def parse_tool_calls(text: str, fmt: str = "hermes") -> ToolCalls:
     return out
 
 
-def _read_json(block: str):
+def _read_json(block: str) -> tuple[object, Optional[str]]:
+    """(the block's JSON value, None), or (None, why it is not JSON)."""
     try:
-        return json.loads(block)
+        return json.loads(block), None
     except json.JSONDecodeError as e:
-        return f"not valid JSON ({e.msg} at character {e.pos})"
+        return None, f"not valid JSON ({e.msg} at character {e.pos})"
 
 
 def _checked_call(item) -> object:
