@@ -97,7 +97,8 @@ class Episode:
                 raise ConfigError(f"rollout.env: method {name!r} of {type(self.env).__name__} has the name of a "
                                   "tool in rollout.tools; rename one of them")
             self.tools[name] = method
-        self._env_step = getattr(self.env, "step", None) if self.env is not None else None
+        step = getattr(self.env, "step", None)
+        self._env_step = step if callable(step) else None   # a step-style environment's step
         self._step_rewards: List[float] = []
         self.turns = self.tool_calls = self.tool_failures = 0
 
