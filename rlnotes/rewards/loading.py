@@ -12,7 +12,7 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -20,12 +20,13 @@ from rlnotes.core.errors import ConfigError
 from rlnotes.rewards.builtin import REWARDS, check_builtin_args
 
 
-def _import_file(path: str, target: str):
+def _import_file(path: str, target: str, noun: str = "reward function"):
     """The module in file `path` (relative to the working directory), its folder on sys.path (as
-    `python path/to/rewards.py` would have it) so that it can import its neighbours."""
+    `python path/to/rewards.py` would have it) so that it can import its neighbours. `noun` names
+    what `target` is in the error of a missing file."""
     file = Path(path).resolve()
     if not file.is_file():
-        raise ConfigError(f"reward function {target!r}: no file {path} (paths are relative to {os.getcwd()})")
+        raise ConfigError(f"{noun} {target!r}: no file {path} (paths are relative to {os.getcwd()})")
     name = file.stem
     loaded = sys.modules.get(name)
     if loaded is not None and Path(getattr(loaded, "__file__", None) or "").resolve() == file:
@@ -74,25 +75,34 @@ def resolve(name: str) -> Callable:
     """A built-in reward by name, or a user's function: 'pkg.module.fn' or 'pkg.module:fn' (found
     as `python -m` finds modules: installed, on PYTHONPATH, or in the working directory) or
     'path/to/rewards.py:fn' (a file)."""
-    if name in REWARDS:
-        return REWARDS[name]
+    return resolve_callable(name, REWARDS, "reward function", ("rewards", "my_fn"))
+
+
+def resolve_callable(name: str, builtins: Dict[str, Callable], noun: str, example: tuple[str, str]) -> Callable:
+    """`builtins[name]`, or the callable that `name` imports as `resolve` describes. Errors are one
+    line that begins with `noun` ("reward function", "rollout.tools: tool") and shows the forms
+    with `example` (module, attribute): ("rewards", "my_fn") shows mypkg.rewards.my_fn and
+    path/to/rewards.py:my_fn."""
+    if name in builtins:
+        return builtins[name]
+    module, attribute = example
     where, attr = _split_target(name)
     if not where or not attr:
-        raise ConfigError(f"reward function {name!r} is not built in ({', '.join(REWARDS)}) "
-                          "and not an import path like mypkg.rewards.my_fn or a file like path/to/rewards.py:my_fn")
+        raise ConfigError(f"{noun} {name!r} is not built in ({', '.join(builtins)}) and not an import path like "
+                          f"mypkg.{module}.{attribute} or a file like path/to/{module}.py:{attribute}")
     try:
-        fn = _import_file(where, name) if _is_file(where) else _import_module(where)
+        fn = _import_file(where, name, noun) if _is_file(where) else _import_module(where)
         for part in attr.split("."):
             fn = getattr(fn, part)
     except ConfigError:
         raise
     except Exception as e:  # noqa: BLE001 - a user's module may raise anything while it loads
         hint = ("put its module in the directory you run rlnotes from, install it, or name its file: "
-                "path/to/rewards.py:my_fn" if isinstance(e, ModuleNotFoundError)
+                f"path/to/{module}.py:{attribute}" if isinstance(e, ModuleNotFoundError)
                 else "check the name" if isinstance(e, AttributeError) else "its module failed to load")
-        raise ConfigError(f"reward function {name!r} could not be imported ({first_line(e)}); {hint}") from None
+        raise ConfigError(f"{noun} {name!r} could not be imported ({first_line(e)}); {hint}") from None
     if not callable(fn):
-        raise ConfigError(f"reward function {name!r} is not callable")
+        raise ConfigError(f"{noun} {name!r} is not callable")
     return fn
 
 

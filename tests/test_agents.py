@@ -1,0 +1,601 @@
+"""Tools and environments (rlnotes.agents): schemas, parsing calls, running them safely, loading,
+and the Episode that the engine drives between turns. No model runs here."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import textwrap
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from rlnotes.agents.builtin import ENVIRONMENTS, TOOLS, LettersEnv, calculator
+from rlnotes.agents.environments import EnvironmentFailure, Episode, load_environment
+from rlnotes.agents.tools import (
+    load_tools,
+    parse_tool_calls,
+    run_tool_calls,
+    template_takes_tools,
+    tool_schema,
+    tools_system_prompt,
+)
+from rlnotes.core.errors import ConfigError
+
+
+def add(a: int, b: float = 1.0) -> float:
+    """Add two numbers.
+
+    Args:
+        a: The first number.
+        b: The second number.
+    """
+    return a + b
+
+
+def undocumented(a: int) -> int:
+    return a
+
+
+def unhinted(a):
+    """Return a.
+
+    Args:
+        a: Anything.
+    """
+    return a
+
+
+def boom(x: str) -> str:
+    """Always fail.
+
+    Args:
+        x: Ignored.
+    """
+    raise LookupError("no such row\nsecond line")
+
+
+def nap(seconds: float) -> str:
+    """Sleep.
+
+    Args:
+        seconds: How long.
+    """
+    time.sleep(seconds)
+    return "awake"
+
+
+async def fetch(key: str) -> str:
+    """Look a key up, asynchronously.
+
+    Args:
+        key: The key.
+    """
+    await asyncio.sleep(0.01)
+    return f"value of {key}"
+
+
+def table(n: int) -> dict:
+    """A table of squares.
+
+    Args:
+        n: How many.
+    """
+    return {"squares": [i * i for i in range(n)]}
+
+
+def wrong_type_inside(x: str) -> str:
+    """A TypeError raised inside the tool, not by its arguments.
+
+    Args:
+        x: Anything.
+    """
+    return x + 1
+
+
+# --------------------------------------------------------------------------------------------- schemas
+
+
+def test_schema_of_a_plain_function():
+    assert tool_schema(add) == {"type": "function", "function": {
+        "name": "add", "description": "Add two numbers.",
+        "parameters": {"type": "object", "properties": {"a": {"type": "integer", "description": "The first number."},
+                                                        "b": {"type": "number", "description": "The second number."}},
+                       "required": ["a"]},
+        "return": {"type": "number"}}}
+
+
+def test_schema_of_calculator():
+    schema = tool_schema(calculator)
+    assert schema["function"]["name"] == "calculator"
+    assert schema["function"]["description"] == "Evaluate an arithmetic expression and return its value."
+    assert schema["function"]["parameters"]["required"] == ["expression"]
+    assert schema["function"]["parameters"]["properties"]["expression"]["type"] == "string"
+    assert schema["function"]["return"] == {"type": "string"}
+
+
+@pytest.mark.parametrize("fn, missing", [(undocumented, "no docstring"), (unhinted, "missing a type hint")])
+def test_a_function_that_cannot_be_described_is_one_config_line(fn, missing):
+    with pytest.raises(ConfigError) as err:
+        tool_schema(fn)
+    message = str(err.value)
+    assert "\n" not in message
+    assert message.startswith(f"rollout.tools: tool {fn.__name__!r} cannot be described to the model")
+    assert missing in message and "Args:" in message and "def add(a: int, b: int)" in message
+
+
+def test_system_prompt_lists_the_schemas_and_the_call_format():
+    schemas = [tool_schema(add), tool_schema(calculator)]
+    prompt = tools_system_prompt(schemas)
+    listed = prompt[prompt.index("<tools>\n") + 8:prompt.index("\n</tools>")]
+    assert [json.loads(line) for line in listed.splitlines()] == schemas
+    assert '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>' in prompt
+
+
+def test_template_takes_tools():
+    assert template_takes_tools(SimpleNamespace(chat_template="{% if tools %}{{ tools | tojson }}{% endif %}"))
+    assert template_takes_tools(SimpleNamespace(chat_template={"default": "x", "tool_use": "{{ tools }}"}))
+    assert not template_takes_tools(SimpleNamespace(chat_template="{{ messages[0]['content'] }} use tools well"))
+    assert not template_takes_tools(SimpleNamespace(chat_template="{% set tools = [] %}{{ tools }}"))
+    assert template_takes_tools(SimpleNamespace(chat_template="{% generation %}{{ tools }}{% endgeneration %}"))
+    assert not template_takes_tools(SimpleNamespace(chat_template=None))
+    assert not template_takes_tools(object())
+
+
+# --------------------------------------------------------------------------------------------- parsing
+
+
+def call(name: str, **arguments) -> str:
+    """A well-formed Hermes call, as the model would write it."""
+    return f'<tool_call>{json.dumps({"name": name, "arguments": arguments})}</tool_call>'
+
+
+def test_parse_one_call():
+    text = 'Let me compute.\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "2+2"}}\n</tool_call>'
+    parsed = parse_tool_calls(text)
+    assert parsed.calls == [{"name": "calculator", "arguments": {"expression": "2+2"}}]
+    assert parsed.errors == []
+
+
+def test_parse_two_calls_and_the_parameters_alias():
+    text = ('<tool_call>{"name": "a", "arguments": {"x": 1}}</tool_call> and '
+            '<tool_call>{"name": "b", "parameters": {"y": [2]}}</tool_call>')
+    assert parse_tool_calls(text).calls == [{"name": "a", "arguments": {"x": 1}},
+                                            {"name": "b", "arguments": {"y": [2]}}]
+
+
+def test_parse_arguments_given_as_a_json_string():
+    text = '<tool_call>{"name": "a", "arguments": "{\\"x\\": 1}"}</tool_call>'
+    assert parse_tool_calls(text).calls == [{"name": "a", "arguments": {"x": 1}}]
+
+
+@pytest.mark.parametrize("block, says", [
+    ('{"name": "a", "arguments": {"x": 1}', "not valid JSON"),
+    ('{"arguments": {"x": 1}}', 'no "name"'),
+    ('{"name": "a", "arguments": [1, 2]}', "not a JSON object"),
+    ('{"name": "a", "arguments": "x=1"}', "a string that is not JSON"),
+    ('["a"]', "not a JSON object"),
+    ('"calculator"', "not a JSON object"),
+])
+def test_parse_malformed_calls_are_errors_for_the_model(block, says):
+    parsed = parse_tool_calls(call("ok") + f"<tool_call>{block}</tool_call>")
+    assert parsed.calls == [{"name": "ok", "arguments": {}}]
+    assert len(parsed.errors) == 1 and parsed.errors[0].startswith("Tool call 2: ") and says in parsed.errors[0]
+
+
+def test_parse_an_unclosed_tag_at_the_end_is_malformed():
+    parsed = parse_tool_calls('<tool_call>{"name": "a", "arguments": {}}</tool_call>\n<tool_call>{"name": "b"')
+    assert parsed.calls == [{"name": "a", "arguments": {}}]
+    assert parsed.errors == ["Tool call 2: a <tool_call> block is not closed with </tool_call>."]
+    assert parse_tool_calls('<tool_call>{"name": "b"').errors[0].startswith("Tool call 1: a <tool_call> block")
+
+
+def test_parse_text_without_calls():
+    parsed = parse_tool_calls("The answer is 4. </tool_call> is just text here.")
+    assert parsed.calls == [] and parsed.errors == []
+
+
+def test_parse_with_a_user_parser(tmp_path, monkeypatch):
+    (tmp_path / "my_parsing.py").write_text(textwrap.dedent("""
+        def parse(text):
+            if text == "crash":
+                raise ValueError("cannot read")
+            name, _, arg = text.partition(" ")
+            return [{"name": name, "arguments": {"x": arg}}, {"arguments": {}}, "g"]
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    parsed = parse_tool_calls("f 3", fmt="my_parsing:parse")
+    assert parsed.calls == [{"name": "f", "arguments": {"x": "3"}}]
+    assert parsed.errors == ['Tool call 2: no "name" of the function to call.',
+                             'Tool call 3: not a JSON object like {"name": ..., "arguments": {...}}.']
+    assert parse_tool_calls("crash", fmt="my_parsing:parse").errors == [
+        "Tool call 1: the tool calls could not be read (ValueError: cannot read)."]
+
+
+def test_an_unknown_format_is_a_config_error():
+    with pytest.raises(ConfigError, match=r"rollout.tool_format='json' is not a format \(hermes\)"):
+        parse_tool_calls("x", fmt="json")
+
+
+# --------------------------------------------------------------------------------------------- running
+
+
+TOOLBOX = {f.__name__: f for f in (add, boom, nap, fetch, table, wrong_type_inside, calculator)}
+
+
+def error_of(message: dict) -> str:
+    return json.loads(message["content"])["error"]
+
+
+def test_run_a_successful_call():
+    messages, failures = run_tool_calls([{"name": "add", "arguments": {"a": 2, "b": 0.5}}], TOOLBOX, timeout=5)
+    assert messages == [{"role": "tool", "name": "add", "content": "2.5"}] and failures == 0
+
+
+def test_run_an_unknown_tool_names_the_available_ones():
+    messages, failures = run_tool_calls([{"name": "sub", "arguments": {}}], {"add": add, "nap": nap}, timeout=5)
+    assert failures == 1 and messages[0]["name"] == "sub"
+    assert error_of(messages[0]) == "unknown tool 'sub'; the tools are: add, nap"
+
+
+def test_run_arguments_that_do_not_fit():
+    messages, failures = run_tool_calls([{"name": "add", "arguments": {"b": 1}},
+                                         {"name": "add", "arguments": {"a": 1, "c": 2}}], TOOLBOX, timeout=5)
+    assert failures == 2
+    assert error_of(messages[0]) == "the arguments do not fit add(a, b=1.0): missing a required argument: 'a'"
+    assert "unexpected keyword argument 'c'" in error_of(messages[1])
+
+
+def test_run_a_raising_tool_gives_type_and_first_line():
+    messages, failures = run_tool_calls([{"name": "boom", "arguments": {"x": "r"}},
+                                         {"name": "wrong_type_inside", "arguments": {"x": "r"}}], TOOLBOX, timeout=5)
+    assert failures == 2
+    assert error_of(messages[0]) == "boom raised LookupError: no such row"
+    assert error_of(messages[1]).startswith("wrong_type_inside raised TypeError: can only concatenate")
+
+
+def test_run_a_call_past_the_timeout_stops_waiting():
+    start = time.monotonic()
+    messages, failures = run_tool_calls([{"name": "nap", "arguments": {"seconds": 5}},
+                                         {"name": "add", "arguments": {"a": 1}}], TOOLBOX, timeout=0.2)
+    assert time.monotonic() - start < 1.0
+    assert failures == 1
+    assert error_of(messages[0]) == "nap did not finish within 0.2 s"
+    assert messages[1]["content"] == "2.0"
+
+
+def test_run_an_async_tool_and_a_dict_result():
+    messages, failures = run_tool_calls([{"name": "fetch", "arguments": {"key": "k"}},
+                                         {"name": "table", "arguments": {"n": 3}}], TOOLBOX, timeout=5)
+    assert failures == 0
+    assert messages[0]["content"] == "value of k"
+    assert json.loads(messages[1]["content"]) == {"squares": [0, 1, 4]}
+
+
+def test_run_a_tool_that_exits_is_a_failure_not_an_exit():
+    def leave(code: int) -> str:
+        """Exit.
+
+        Args:
+            code: The status.
+        """
+        raise SystemExit(code)
+
+    messages, failures = run_tool_calls([{"name": "leave", "arguments": {"code": 3}}], {"leave": leave}, timeout=5)
+    assert failures == 1 and error_of(messages[0]) == "leave raised SystemExit: 3"
+
+
+def test_run_a_calculator_error():
+    messages, failures = run_tool_calls([{"name": "calculator", "arguments": {"expression": "1/0"}}], TOOLBOX, None)
+    assert failures == 1 and error_of(messages[0]) == "calculator raised ValueError: division by zero"
+
+
+# --------------------------------------------------------------------------------------------- calculator
+
+
+@pytest.mark.parametrize("expression, value", [
+    ("1 + 2", "3"), ("7/2", "3.5"), ("6/2", "3"), ("(12 + 7) * 3", "57"), ("-3 // 2", "-2"), ("17 % 5", "2"),
+    ("2 ** 10", "1024"), ("-(4 - 10)", "6"), ("+5", "5"), ("0.1 + 0.2", "0.3"), ("2 ** -1", "0.5"),
+    ("123 * 456", "56088"), ("10 ** 30", "1" + "0" * 30),
+])
+def test_calculator_values(expression, value):
+    assert calculator(expression) == value
+
+
+@pytest.mark.parametrize("expression, says", [
+    ("x + 1", "not a name"), ("abs(-1)", "not a function call"), ("(1).real", "not an attribute"),
+    ("'a' * 3", "not 'a'"), ("True + 1", "not True"), ("[1, 2]", "not List"),
+    ("2 ** 10000", "the power is too large"), ("9 ** 9 ** 9", "the power is too large"),
+    ("10.0 ** 400", "too large"), ("1 / 0", "division by zero"), ("(-8) ** 0.5", "not a real number"),
+    ("1 +", "not an arithmetic expression"), ("1" * 600, "longer than 500"),
+    ("__import__('os')", "not a function call"),
+])
+def test_calculator_rejections(expression, says):
+    with pytest.raises(ValueError, match=says.replace("(", r"\(").replace("*", r"\*")):
+        calculator(expression)
+
+
+def test_builtin_tables():
+    assert TOOLS == {"calculator": calculator} and ENVIRONMENTS == {"letters": LettersEnv}
+
+
+# --------------------------------------------------------------------------------------------- loading
+
+
+def test_load_tools_builtin_and_from_a_file(tmp_path, monkeypatch):
+    (tmp_path / "my_tools.py").write_text(textwrap.dedent('''
+        def shout(text: str) -> str:
+            """Upper-case a text.
+
+            Args:
+                text: The text.
+            """
+            return text.upper()
+
+        def bare(x):
+            return x
+    '''))
+    monkeypatch.chdir(tmp_path)
+    calc, shout = load_tools(["calculator", "my_tools.py:shout"])
+    assert calc is calculator and shout("hi") == "HI"
+    with pytest.raises(ConfigError, match=r"^rollout.tools: tool 'bare' cannot be described"):
+        load_tools(["my_tools.py:bare"])
+
+
+@pytest.mark.parametrize("spec, says", [
+    ("calculatr", "rollout.tools: tool 'calculatr' is not built in (calculator) and not an import path like "
+                  "mypkg.tools.my_tool or a file like path/to/tools.py:my_tool"),
+    ("no_such_pkg_xyz.tools:fn", "rollout.tools: tool 'no_such_pkg_xyz.tools:fn' could not be imported"),
+    ("nope/tools.py:fn", "rollout.tools: tool 'nope/tools.py:fn': no file nope/tools.py"),
+    ("rlnotes.agents.builtin:MAX_MAGNITUDE", "rollout.tools: tool 'rlnotes.agents.builtin:MAX_MAGNITUDE' is not "
+                                             "callable"),
+])
+def test_load_tools_errors(spec, says):
+    with pytest.raises(ConfigError) as err:
+        load_tools([spec])
+    assert str(err.value).startswith(says) and "\n" not in str(err.value)
+
+
+def test_load_tools_duplicate_names():
+    with pytest.raises(ConfigError, match="'calculator' and 'rlnotes.agents.builtin:calculator' are both a tool "
+                                          "named 'calculator'"):
+        load_tools(["calculator", "rlnotes.agents.builtin:calculator"])
+
+
+class NoReset:
+    def step(self, action):
+        return None, 0, True
+
+
+class NeedsArgs:
+    def __init__(self, size):
+        self.size = size
+
+    def reset(self, **row):
+        return None
+
+
+class BadMethod:
+    def reset(self, **row):
+        return None
+
+    def lookup(self, key):
+        return key
+
+
+def test_load_environment_builtin_and_by_path():
+    assert load_environment("letters") is LettersEnv
+    assert load_environment(f"{__name__}:Counter") is Counter
+
+
+@pytest.mark.parametrize("spec, says", [
+    ("letterz", "rollout.env: environment 'letterz' is not built in (letters) and not an import path like "
+                "mypkg.envs.MyEnv"),
+    (f"{__name__}:NoReset", f"rollout.env: environment '{__name__}:NoReset' (NoReset) has no reset method; "
+                            "define reset(self, **row)"),
+    (f"{__name__}:NeedsArgs", f"rollout.env: environment '{__name__}:NeedsArgs' could not be created with no "
+                              "arguments (TypeError: "),
+    (f"{__name__}:BadMethod", "rollout.env: tool 'BadMethod.lookup' cannot be described to the model"),
+])
+def test_load_environment_errors(spec, says):
+    with pytest.raises(ConfigError) as err:
+        load_environment(spec)
+    assert str(err.value).startswith(says) and "\n" not in str(err.value)
+
+
+# --------------------------------------------------------------------------------------------- episodes
+
+
+def test_tools_only_episode_runs_calls_then_ends():
+    episode = Episode([calculator], None, max_tool_calls=5)
+    assert episode.start({"prompt": "p"}) is None and episode.env is None
+    assert list(episode.tools) == ["calculator"] and episode.schemas == [tool_schema(calculator)]
+    observations, done = episode.step("I will compute. " + call("calculator", expression="12*12"))
+    assert observations == [{"role": "tool", "name": "calculator", "content": "144"}] and not done
+    observations, done = episode.step(call("calculator", expression="x") + '<tool_call>{"name": 1}</tool_call>')
+    assert not done and [m["name"] for m in observations] == ["invalid_tool_call", "calculator"]
+    assert error_of(observations[0]).startswith("Tool call 2: no \"name\"")
+    assert episode.step("The answer is 144.") == ([], True)
+    assert (episode.turns, episode.tool_calls, episode.tool_failures) == (3, 3, 2)
+    assert episode.reward() is None
+
+
+def test_max_tool_calls_answers_the_calls_past_it_and_ends():
+    episode = Episode([add], None, max_tool_calls=3)
+    observations, done = episode.step(call("add", a=1) + call("add", a=2))
+    assert [m["content"] for m in observations] == ["2.0", "3.0"] and not done
+    observations, done = episode.step(call("add", a=3) + call("add", a=4) + call("add", a=5))
+    assert done and observations[0]["content"] == "4.0"
+    limit = "the limit of 3 tool calls per episode is reached; this call was not run"
+    assert [error_of(m) for m in observations[1:]] == [limit, limit]
+    assert (episode.turns, episode.tool_calls, episode.tool_failures) == (2, 5, 2)
+
+
+class Counter:
+    """A TRL-style environment: its public methods are the model's tools."""
+
+    def __init__(self):
+        self.count = 0
+
+    def reset(self, start: int = 0, **row) -> str:
+        self.count = start
+        return f" (the counter starts at {start})"
+
+    def increment(self, by: int) -> int:
+        """Add to the counter.
+
+        Args:
+            by: How much to add.
+        """
+        self.count += by
+        return self.count
+
+    def _private(self):
+        return "never a tool"
+
+    @property
+    def doubled(self) -> int:
+        return 2 * self.count
+
+    def get_reward(self) -> float:
+        return float(self.count == 10)
+
+
+def test_trl_style_environment_methods_are_tools_bound_to_the_instance():
+    episode = Episode([calculator], Counter, max_tool_calls=10)
+    assert episode.start({"prompt": [{"role": "user", "content": "count"}], "start": 4}) == " (the counter starts at 4)"
+    assert list(episode.tools) == ["calculator", "increment"]
+    assert episode.tools["increment"].__self__ is episode.env
+    assert [s["function"]["name"] for s in episode.schemas] == ["calculator", "increment"]
+    other = Episode([], Counter, max_tool_calls=10)
+    observations, done = episode.step(call("increment", by=6))
+    assert observations == [{"role": "tool", "name": "increment", "content": "10"}] and not done
+    assert episode.env.count == 10 and other.env.count == 0
+    assert episode.step("done") == ([], True)
+    assert episode.reward() == 1.0 and other.reward() == 0.0
+
+
+def test_a_tool_named_like_an_environment_method_is_a_config_error():
+    def increment(by: int) -> int:
+        """Add.
+
+        Args:
+            by: How much.
+        """
+        return by
+
+    with pytest.raises(ConfigError, match="method 'increment' of Counter has the name of a tool"):
+        Episode([increment], Counter, max_tool_calls=1)
+
+
+class Guess:
+    """A step-style environment: guess the number; returns a tuple, or a StepResult-like object."""
+
+    def __init__(self, as_object: bool = False):
+        self.as_object = as_object
+
+    def reset(self, target: int, **row):
+        self.target = target
+        return [{"role": "user", "content": "Guess a number."}]
+
+    def step(self, action: str):
+        right = action.strip() == str(self.target)
+        observation, reward, done = (None, 1.0, True) if right else ("Wrong, try again.", -0.25, False)
+        if self.as_object:
+            return SimpleNamespace(observation=observation and {"role": "user", "content": observation},
+                                   reward=reward, done=done)
+        return observation, reward, done
+
+
+@pytest.mark.parametrize("as_object", [False, True])
+def test_step_style_environment(as_object):
+    episode = Episode([add], lambda: Guess(as_object), max_tool_calls=4)
+    assert episode.start({"prompt": "p", "target": 7}) == [{"role": "user", "content": "Guess a number."}]
+    assert list(episode.tools) == ["add"]
+    assert episode.step("3") == ([{"role": "user", "content": "Wrong, try again."}], False)
+    observations, done = episode.step(call("add", a=3, b=4))
+    assert observations == [{"role": "tool", "name": "add", "content": "7"}] and not done
+    assert episode.step("7") == ([], True)
+    assert episode.reward() == 0.75
+    assert (episode.turns, episode.tool_calls, episode.tool_failures) == (3, 1, 0)
+
+
+def test_step_style_environment_without_tools_steps_on_tool_like_text():
+    episode = Episode([], lambda: Guess(), max_tool_calls=4)
+    episode.start({"target": 1})
+    assert episode.step(call("add", a=1))[0] == [{"role": "user", "content": "Wrong, try again."}]
+    assert episode.tool_calls == 0 and episode.reward() == -0.25
+
+
+class Broken:
+    def reset(self, **row):
+        return None
+
+    def step(self, action):
+        if action == "bad return":
+            return "only an observation"
+        raise IndexError("list index out of range\nmore")
+
+
+def test_an_environment_that_raises_is_an_environment_failure():
+    episode = Episode([], Broken, max_tool_calls=1)
+    episode.start({})
+    with pytest.raises(EnvironmentFailure, match=r"^environment Broken.step raised IndexError: list index out of "
+                                                 r"range$"):
+        episode.step("anything")
+    with pytest.raises(EnvironmentFailure, match=r"^environment Broken.step returned str, not \(observation, reward"):
+        episode.step("bad return")
+
+
+def test_letters_environment_rewards_by_hand():
+    episode = Episode([], LettersEnv, max_tool_calls=0)
+    assert episode.start({"prompt": "Write b", "letter": "b"}) is None
+    assert episode.step("bbab") == ([{"role": "user", "content": "Again, the letter b:"}], False)
+    assert episode.step("bx") == ([], True)
+    assert episode.reward() == pytest.approx((3 / 4 + 1 / 2) / 2)
+    default = Episode([], LettersEnv, max_tool_calls=0)
+    default.start({"prompt": "p"})
+    default.step("aaaa")
+    default.step("")
+    assert default.env.letter == "a" and default.reward() == pytest.approx(0.5)
+
+
+class Faulty:
+    """An environment whose every method misbehaves, as the row asks."""
+
+    def reset(self, how: str = "", **row):
+        if how == "raise":
+            raise RuntimeError("no data")
+        return 42 if how == "number" else None
+
+    def step(self, action):
+        return "obs", "high", True
+
+    def get_reward(self):
+        return "great"
+
+
+@pytest.mark.parametrize("call_it, says", [
+    (lambda e: e.start({"how": "raise"}), "environment Faulty.reset raised RuntimeError: no data"),
+    (lambda e: e.start({"how": "number"}), "environment Faulty.reset returned int; return None, a string or a list"),
+    (lambda e: e.step("x"), "environment Faulty.step returned the reward 'high', not a number or None"),
+    (lambda e: e.reward(), "environment Faulty.get_reward returned 'great', not a number or None"),
+])
+def test_an_environment_that_misbehaves_is_named(call_it, says):
+    with pytest.raises(EnvironmentFailure) as err:
+        call_it(Episode([], Faulty, max_tool_calls=1))
+    assert str(err.value).startswith(says)
+
+
+def test_an_environment_that_cannot_be_created_any_more():
+    def factory():
+        raise OSError("server down")
+
+    with pytest.raises(EnvironmentFailure, match="environment 'factory' could not be created \\(OSError: server down"):
+        Episode([], factory, max_tool_calls=1)
+
+
+def test_an_episode_checks_its_tool_format():
+    with pytest.raises(ConfigError, match="rollout.tool_format='xml'"):
+        Episode([calculator], None, max_tool_calls=1, tool_format="xml")
