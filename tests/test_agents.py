@@ -551,13 +551,13 @@ def test_an_environment_that_raises_is_an_environment_failure():
 def test_letters_environment_rewards_by_hand():
     episode = Episode([], LettersEnv, max_tool_calls=0)
     assert episode.start({"prompt": "Write b", "letter": "b"}) is None
-    assert episode.step("bbab") == ([{"role": "user", "content": "Again, the letter b:"}], False)
+    assert episode.step("bbab") == ([{"role": "user", "content": "Now write the letter b:"}], False)
     assert episode.step("bx") == ([], True)
-    assert episode.reward() == pytest.approx((3 / 4 + 1 / 2) / 2)
+    assert episode.reward() == pytest.approx(1 / 2)   # the second reply alone; the first earns nothing
     default = Episode([], LettersEnv, max_tool_calls=0)
     default.start({"prompt": "p"})
     default.step("aaaa")
-    default.step("")
+    default.step("xa")
     assert default.env.letter == "a" and default.reward() == pytest.approx(0.5)
 
 

@@ -97,10 +97,11 @@ def calculator(expression: str) -> str:
 
 
 class LettersEnv:
-    """Two model turns: write the row's `letter`; asked "Again, the letter x:", write it again.
-
-    The episode's reward is the mean over the two replies of the share of their characters that are
-    the letter (`letter_share`): each step's reward is its reply's share / 2, and they add up.
+    """Two model turns: any first reply, ended by the model (its EOS); then, asked "Now write the
+    letter x:", a reply scored by the share of its characters that are the row's `letter`
+    (`letter_share`). The reward comes only after the environment's second prompt, so a model
+    earns it only by ending its first turn and reading what the environment says next: the
+    smallest task that needs a whole episode.
     """
 
     def reset(self, letter: str = "a", **_) -> None:
@@ -109,10 +110,9 @@ class LettersEnv:
 
     def step(self, action: str) -> Tuple[Optional[str], float, bool]:
         self.turn += 1
-        reward = letter_share(None, [action], [self.letter])[0] / 2 if self.turn <= 2 else 0.0
         if self.turn == 1:
-            return f"Again, the letter {self.letter}:", reward, False
-        return None, reward, True
+            return f"Now write the letter {self.letter}:", 0.0, False
+        return None, letter_share(None, [action], [self.letter])[0], True
 
 
 TOOLS: Dict[str, Callable] = {"calculator": calculator}
