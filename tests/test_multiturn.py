@@ -1,0 +1,183 @@
+"""Multi-turn episodes through the whole tool: the tokens trained on agree with the chat template's
+rendering of the conversation, reward functions see whole episodes and their environments as TRL
+passes them, every on-policy algorithm trains on episodes, and the toy environment is learned."""
+
+import json
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from rich.console import Console
+
+from rlnotes.agents.conversation import Agents, Conversations
+from rlnotes.agents.rollouts import run_episodes, score_episodes
+from rlnotes.commands.train import train
+from rlnotes.commands.usage import UsageError
+from rlnotes.core.errors import ConfigError
+from rlnotes.core.schema import RewardConfig, RolloutConfig, TinyModelConfig
+from rlnotes.engine.models import tiny_model, tiny_tokenizer
+from rlnotes.engine.policy import sequence_logprobs
+from rlnotes.notes.grpo import grpo_loss
+from rlnotes.rewards.scoring import Rewards
+from tests.conftest import compose
+
+# SmolLM2's chat template, with the tiny tokenizer's <bos>/<eos> as its <|im_start|>/<|im_end|>.
+CHATML = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+          "{{ '<bos>system\nYou are a helpful assistant<eos>\n' }}{% endif %}"
+          "{{'<bos>' + message['role'] + '\n' + message['content'] + '<eos>' + '\n'}}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<bos>assistant\n' }}{% endif %}")
+CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "%s"}}\n</tool_call>'
+
+
+def agents(**kw):
+    return Agents.of(OmegaConf.merge(OmegaConf.structured(RolloutConfig), kw))
+
+
+def templated_tokenizer():
+    tok = tiny_tokenizer()
+    tok.chat_template = CHATML
+    return tok
+
+
+def play(conversations, tok, replies):
+    """Episode 0 with scripted model turns (each tokenized as the tokenizer would, then EOS): the
+    token sequence the engine would train on, [prompt | turn | observation | turn ...]."""
+    prompts, _ = conversations.prompt_ids()
+    ids = list(prompts[0])
+    for k, reply in enumerate(replies):
+        turn = tok(reply, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        ids += turn
+        obs = conversations.respond([0], [turn], [k == len(replies) - 1])[0]
+        if obs is None:
+            break
+        ids += obs
+    return ids
+
+
+def test_episode_tokens_equal_the_chat_templates_rendering_of_the_conversation():
+    tok = templated_tokenizer()
+    conv = Conversations(agents(tools=["calculator"], max_turns=3), tok, [{"prompt": "What is 123*45?"}], 1, True)
+    ids = play(conv, tok, [CALL % "123*45", "It is 5535."])
+    messages = conv.messages[0]
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "tool", "assistant"]
+    assert messages[3] == {"role": "tool", "name": "calculator", "content": "5535"}
+    assert "<tools>" in messages[0]["content"] and '"calculator"' in messages[0]["content"]  # no tools in the template
+    rendered = tok.apply_chat_template(messages, tokenize=False)
+    whole = tok(rendered[:rendered.rindex("<eos>") + len("<eos>")], add_special_tokens=False)["input_ids"]
+    assert ids == whole
+    assert conv.completions()[0][-1] == {"role": "assistant", "content": "It is 5535."}
+
+
+def test_without_a_chat_template_observations_are_role_lines_after_the_models_eos():
+    tok = tiny_tokenizer()
+    conv = Conversations(agents(env="letters", max_turns=2), tok, [{"prompt": "Write the letter a:", "letter": "a"}],
+                         1, chat_template=False)
+    ids = play(conv, tok, ["xy", "aa"])
+    text = tok.decode(ids)
+    assert text == "user: Write the letter a:\nassistant:xy<eos>\nuser: Now write the letter a:\nassistant:aa<eos>"
+    assert conv.env_rewards().tolist() == [1.0]
+
+
+SEEN = {}
+
+
+def judge(prompts, completions, environments, **kwargs):
+    """A reward function as a TRL user writes one for a multi-turn run."""
+    SEEN.update(completions=completions, environments=environments)
+    return [float(len(c)) for c in completions]
+
+
+def test_reward_functions_get_whole_episodes_and_the_environments():
+    tok = tiny_tokenizer()
+    torch.manual_seed(0)
+    model = tiny_model(OmegaConf.structured(TinyModelConfig()), len(tok)).eval()
+    rows = [{"prompt": [{"role": "user", "content": "Write the letter b:"}], "letter": "b"}]
+    conv, rollout = run_episodes(agents(env="letters", max_turns=2), model, tok, rows, 2,
+                                 OmegaConf.structured(RolloutConfig(max_new_tokens=4)), False, None,
+                                 torch.Generator().manual_seed(0))
+    rewards = Rewards(OmegaConf.structured(RewardConfig(name="custom", target="tests.test_multiturn:judge")))
+    totals, metrics = score_episodes(rewards, rows, conv, rollout, 2)
+    SEEN = rewards.fns[0].fn.__globals__["SEEN"]  # the module as the reward loader imported it
+    assert SEEN["environments"] == conv.environments() and all(e is not None for e in SEEN["environments"])
+    assert all(isinstance(c, list) and c[0]["role"] == "assistant" for c in SEEN["completions"])
+    env = conv.env_rewards()
+    assert totals.tolist() == pytest.approx([len(c) + e for c, e in zip(SEEN["completions"], env.tolist())])
+    assert metrics["reward/env"] == pytest.approx(float(env.mean()))
+    assert metrics["episode/turns"] == pytest.approx(sum(len(c) > 0 and sum(m["role"] == "assistant" for m in c)
+                                                         for c in SEEN["completions"]) / 2)
+
+
+def test_the_loss_has_no_gradient_through_the_environments_tokens():
+    tok = tiny_tokenizer()
+    torch.manual_seed(0)
+    model = tiny_model(OmegaConf.structured(TinyModelConfig()), len(tok))
+    with torch.no_grad():  # turns that end: EOS as likely as a common character, thrice over
+        model.lm_head.weight[tok.eos_token_id] = 3 * model.lm_head.weight[75]
+    rows = [{"prompt": "Write the letter a:", "letter": "a"}] * 2
+    _, r = run_episodes(agents(env="letters", max_turns=2), model, tok, rows, 4,
+                        OmegaConf.structured(RolloutConfig(max_new_tokens=6)), False, None,
+                        torch.Generator().manual_seed(1))
+    observed = r.completion_attn.bool() & ~r.completion_mask.bool()
+    assert observed.any()
+    embeddings = model.get_input_embeddings()
+    inputs = embeddings(r.input_ids).detach().requires_grad_(True)
+    hook = embeddings.register_forward_hook(lambda *_: inputs)
+    try:
+        logp = sequence_logprobs(model, r.input_ids, r.attention_mask, r.completion_ids.shape[1], share_prompts=False)
+    finally:
+        hook.remove()
+    loss = grpo_loss(logp, r.logprobs, None, torch.linspace(-1, 1, len(r)), r.completion_mask, beta=0.0).loss
+    grad_logp, = torch.autograd.grad(loss, logp, retain_graph=True)
+    assert (grad_logp[observed] == 0).all() and (grad_logp[r.completion_mask.bool()] != 0).any()
+    # an observation token's own log-prob (predicting it) gets no gradient, but later turns read it
+    loss.backward()
+    width = r.prompt_ids.shape[1]
+    assert inputs.grad[:, width:][observed].abs().sum() > 0
+
+
+def run(tmp_path, *overrides):
+    cfg = compose("logging.progress=false", *overrides)
+    train(cfg, tmp_path, Console(quiet=True))
+    return [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+
+
+TOY = ("rollout=multi_turn", "rollout.env=letters", "rollout.max_turns=2", "rollout.max_new_tokens=6",
+       "rollout.max_episode_tokens=64", "reward=env", "optim.lr=3e-3")
+
+
+def test_grpo_learns_the_toy_environment_over_whole_episodes(tmp_path):
+    rows = run(tmp_path, *TOY, "trainer.steps=60", "trainer.eval_every=60", "eval.size=16")
+    train_rows = [r for r in rows if "reward/mean" in r]
+    first, last = train_rows[:5], train_rows[-5:]
+    mean = lambda rs, k: sum(r[k] for r in rs) / len(rs)  # noqa: E731
+    assert mean(first, "reward/mean") < 0.05 and mean(last, "reward/mean") > 0.4, rows
+    # it learned to end its first turn: the environment's prompt and a second turn follow
+    assert mean(first, "episode/turns") < 1.3 and mean(last, "episode/turns") > 1.8
+    assert mean(last, "episode/env_tokens") > 5
+    assert train_rows[-1]["completion/len_mean"] == pytest.approx(train_rows[-1]["episode/model_tokens"])
+    evaluation = [json.loads(line) for line in (tmp_path / "eval.jsonl").read_text().splitlines()]
+    assert evaluation[-1]["eval/reward"] > evaluation[0]["eval/reward"] + 0.3
+    samples = (tmp_path / "eval" / "step_000060.jsonl").read_text()
+    assert "[user] Now write the letter a:" in samples
+
+
+@pytest.mark.parametrize("algo", ["rloo", "reinforce", "ppo", "dr_grpo"])
+def test_every_on_policy_algorithm_trains_on_episodes(tmp_path, algo):
+    rows = run(tmp_path, f"algo={algo}", *TOY, "trainer.steps=4", "trainer.micro_batch_size=4")
+    assert rows and all(r["episode/turns"] >= 1 and "episode/env_tokens" in r for r in rows)   # PPO: 4 updates a batch
+    assert all(r["loss"] == r["loss"] for r in rows)  # finite, not NaN
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (("rollout.max_turns=3",), "rollout.max_turns=3 needs something to answer the model"),
+    (("rollout.tools=[calculator]",), "rollout.tools need rollout.max_turns >= 2"),
+    (("reward=env",), "reward=env takes the environment's reward alone"),
+    (("algo=dpo", "rollout.env=letters"), "algo=dpo learns from fixed rows"),
+    (("rollout=multi_turn", "rollout.env=letters", "rollout.max_episode_tokens=8"), "not even one whole turn fits"),
+    (("rollout=multi_turn", "rollout.tools=[nope_tool]"), "rollout.tools"),
+    (("rollout=multi_turn", "rollout.env=no.such:Env"), "rollout.env"),
+])
+def test_multi_turn_mistakes_get_one_clear_line(tmp_path, overrides, message):
+    with pytest.raises((ConfigError, UsageError), match=message.replace("[", r"\[").replace("(", r"\(")):
+        cfg = compose(*overrides)
+        train(cfg, tmp_path, Console(quiet=True))
