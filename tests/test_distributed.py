@@ -41,6 +41,9 @@ CASES = {
     "sft": ("algo=sft", *SMALL, *HELD_OUT, "trainer.micro_batch_size=1"),
     "rm": ("algo=rm", "data=letters_pairs", *SMALL, *HELD_OUT),
     "ppo": ("algo=ppo", "trainer.steps=4", "trainer.batch_size=4"),
+    # multi-turn episodes: each rank runs its own episodes and environments
+    "episodes": ("rollout=multi_turn", "rollout.env=letters", "rollout.max_turns=2", "rollout.max_new_tokens=6",
+                 "rollout.max_episode_tokens=64", "reward=env", *SMALL),
     "grpo_4": ("trainer.steps=4", "trainer.batch_size=4", "trainer.save_every=2", "trainer.keep_last=null"),
     "grpo_resumed": ("trainer.steps=4", "trainer.batch_size=4", "trainer.resume={OUT}/grpo_4/checkpoints/step_000002"),
     "fsdp_grpo": ("hardware.strategy=fsdp", *SMALL, "trainer.eval_every=2", "eval.size=4"),
@@ -52,7 +55,7 @@ CASES = {
     "fsdp_resumed": ("hardware.strategy=fsdp", "trainer.steps=4", "trainer.batch_size=4",
                      "trainer.resume={OUT}/fsdp_4/checkpoints/step_000002"),
 }
-EXACT = ("grpo", "dapo", "reinforce", "dpo", "sft", "rm", "fsdp_grpo", "fsdp_dpo", "fsdp_full_sft")
+EXACT = ("grpo", "dapo", "reinforce", "dpo", "sft", "rm", "episodes", "fsdp_grpo", "fsdp_dpo", "fsdp_full_sft")
 
 
 @pytest.fixture(autouse=True)
