@@ -143,3 +143,109 @@ def test_a_run_with_another_sampler_logs_the_mismatch_and_corrects_for_it(tmp_pa
     assert capped["reward/mean"] == plain["reward/mean"]  # the same samples
     assert capped["optim/grad_norm"] != pytest.approx(plain["optim/grad_norm"], rel=1e-3)
     assert math.isfinite(capped["loss"])
+
+
+class FakeLLM:
+    """vLLM's LLM.generate on CPU: each request sampled by the policy itself (rlnotes' generate),
+    answered in vLLM's output shapes. Records every request's token ids."""
+
+    def __init__(self, model, tokenizer):
+        self.model, self.tokenizer, self.requests = model, tokenizer, []
+
+    def generate(self, prompts, params, lora_request=None, use_tqdm=False):
+        from types import SimpleNamespace as NS
+
+        from rlnotes.engine.rollout import generate
+
+        outs = []
+        for prompt, p in zip(prompts, params):
+            self.requests.append(list(prompt["prompt_token_ids"]))
+            r = generate(self.model, self.tokenizer, [prompt["prompt_token_ids"]], 1, p["max_tokens"],
+                         p["temperature"], p["top_p"], torch.Generator().manual_seed(p["seed"] or 0))
+            ids = r.token_lists()[0]
+            logps = [{t: NS(logprob=float(lp))} for t, lp in zip(ids, r.logprobs[0].tolist())]
+            outs.append(NS(outputs=[NS(token_ids=ids, logprobs=logps,
+                                       finish_reason="length" if bool(r.truncated[0]) else "stop")]))
+        return outs
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch):
+    """The two names of the vllm package that building requests needs, as plain dicts."""
+    import sys
+    from types import ModuleType
+
+    vllm, inputs = ModuleType("vllm"), ModuleType("vllm.inputs")
+    vllm.SamplingParams = lambda **kw: kw
+    inputs.TokensPrompt = lambda **kw: kw
+    vllm.inputs = inputs
+    monkeypatch.setitem(sys.modules, "vllm", vllm)
+    monkeypatch.setitem(sys.modules, "vllm.inputs", inputs)
+
+
+def test_vllm_samples_multi_turn_episodes_through_its_prefix_cache(fake_vllm):
+    from omegaconf import OmegaConf
+
+    from rlnotes.core.schema import RolloutConfig, TinyModelConfig
+    from rlnotes.engine.models import tiny_model, tiny_tokenizer
+    from rlnotes.engine.policy import sequence_logprobs
+    from rlnotes.engine.rollout import completion_keys, encode_prompts
+    from rlnotes.engine.vllm_engine import VLLMEngine
+
+    tok = tiny_tokenizer()
+    torch.manual_seed(0)
+    model = tiny_model(OmegaConf.structured(TinyModelConfig()), len(tok)).eval()
+    with torch.no_grad():  # turns that end: EOS as likely as a common character, thrice over
+        model.lm_head.weight[tok.eos_token_id] = 3 * model.lm_head.weight[75]
+    engine = object.__new__(VLLMEngine)
+    engine.llm, engine.tokenizer, engine.request = FakeLLM(model, tok), tok, None
+    engine.cfg = OmegaConf.create({"rollout": OmegaConf.structured(RolloutConfig(max_new_tokens=6))})
+    observation = tok("\nuser: go on\nassistant:", add_special_tokens=False)["input_ids"]
+    told = []
+
+    def respond(rows, turns, last):
+        told.extend(zip(rows, turns))
+        return [observation for _ in rows]
+
+    prompts = encode_prompts(tok, ["Write the letter a:", "Hi"], chat_template=False)
+    keys = completion_keys(0, (0, 0), torch.arange(2), 3)
+    r = engine.generate_episodes(prompts, 3, respond, 3, 40, keys, torch.device("cpu"))
+    model_tokens, real = r.completion_mask.bool(), r.completion_attn.bool()
+    assert (real & ~model_tokens).any() and int(real.sum(-1).max()) <= 40
+    # each request is the episode's whole sequence so far: the prompt, its turns and observations
+    for request in engine.llm.requests:
+        assert any(request[:len(p)] == p for p in prompts)
+    # vLLM's log-probs are those of the tokens it sampled; the trainer's forward agrees with them
+    again = sequence_logprobs(model, r.input_ids, r.attention_mask, r.completion_ids.shape[1])
+    torch.testing.assert_close(again * r.completion_mask, r.sampler_logprobs, atol=2e-5, rtol=0)
+    assert (r.sampler_logprobs[real & ~model_tokens] == 0).all()
+    assert len(told) > 6  # several rounds: turns that ended were answered
+
+
+def test_a_multi_turn_run_samples_with_vllm(tmp_path, monkeypatch, fake_vllm):
+    from rich.console import Console
+
+    from rlnotes.commands.train import train
+    from rlnotes.engine import vllm_engine
+    from tests.conftest import compose
+
+    class Engine(vllm_engine.VLLMEngine):
+        def __init__(self, cfg, tokenizer):
+            self.cfg, self.tokenizer, self.request, self.step = cfg, tokenizer, None, None
+
+        def sync(self, policy, step):
+            self.llm = FakeLLM(policy.model, self.tokenizer)
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr("rlnotes.engine.vllm_engine.VLLMEngine", Engine)
+    cfg = compose("trainer.steps=2", "trainer.batch_size=4", "logging.progress=false", "rollout=multi_turn",
+                  "rollout.env=letters", "rollout.max_turns=2", "rollout.max_new_tokens=6",
+                  "rollout.max_episode_tokens=64", "reward=env")
+    with open_dict(cfg):
+        cfg.rollout.engine = "vllm"  # past the GPU check, as on a GPU machine
+    train(cfg, tmp_path, Console(quiet=True))
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").open()]
+    assert len(rows) == 2 and all("episode/turns" in r for r in rows)
+    assert rows[0]["sampler/mismatch"] == pytest.approx(0.0, abs=1e-5)  # the stand-in samples with the policy

@@ -18,12 +18,19 @@ from rlnotes.rewards.scoring import Rewards
 def run_episodes(agents: Agents, model, tokenizer, rows: Sequence[dict], group_size: int, rollout_cfg,
                  chat_template: bool, system_prompt: Optional[str], generator: Optional[torch.Generator] = None,
                  keys: Optional[torch.Tensor] = None, greedy: bool = False,
-                 max_new_tokens: Optional[int] = None) -> tuple[Conversations, Rollout]:
+                 max_new_tokens: Optional[int] = None, engine=None) -> tuple[Conversations, Rollout]:
     """`group_size` episodes per row (each row's next to each other): (their conversations, the
     rollout of their compacted token sequences). rollout_cfg: the rollout section (temperature,
-    top_p, max_new_tokens per turn unless `max_new_tokens` is given)."""
+    top_p, max_new_tokens per turn unless `max_new_tokens` is given). `engine`: a vLLM engine that
+    samples instead of the model (rollout.engine=vllm; the rollout then carries its log-probs as
+    sampler_logprobs, for the trainer to recompute its own)."""
     conversations = Conversations(agents, tokenizer, rows, group_size, chat_template, system_prompt)
     prompts, shared = conversations.prompt_ids()
+    if engine is not None:
+        rollout = engine.generate_episodes(prompts, shared, conversations.respond, agents.max_turns,
+                                           agents.max_episode_tokens, keys, next(model.parameters()).device)
+        rollout.texts = conversations.texts()
+        return conversations, rollout
     rollout = generate_episodes(model, tokenizer, prompts, shared, conversations.respond,
                                 max_new_tokens or rollout_cfg.max_new_tokens, agents.max_turns,
                                 agents.max_episode_tokens, rollout_cfg.temperature, rollout_cfg.top_p, generator,

@@ -137,9 +137,6 @@ def _check_episodes(cfg, algo: Algorithm) -> None:
     if r.tools and r.max_turns < 2:
         raise ConfigError("rollout.tools need rollout.max_turns >= 2 (a turn to call a tool and one to read its "
                           "result): add rollout=multi_turn or set rollout.max_turns=4")
-    if r.engine != "hf":
-        raise ConfigError(f"rollout.engine={r.engine} samples one completion per prompt; multi-turn episodes "
-                          "(rollout.tools, rollout.env) run on rollout.engine=hf")
     if r.max_episode_tokens is not None and r.max_episode_tokens < r.max_new_tokens:
         raise ConfigError(f"rollout.max_episode_tokens={r.max_episode_tokens} is below rollout.max_new_tokens="
                           f"{r.max_new_tokens}: not even one whole turn fits; raise it or set it to null")

@@ -41,7 +41,7 @@ Respond = Callable[[List[int], List[List[int]], List[bool]], List[Optional[List[
 
 
 @dataclass
-class _Episode:
+class EpisodeTokens:
     """One episode's tokens so far, after its prompt."""
     ids: List[int] = field(default_factory=list)
     model: List[float] = field(default_factory=list)    # 1.0 on the model's tokens, 0.0 on observations
@@ -142,7 +142,7 @@ def generate_episodes(model, tokenizer, prompts: Sequence[Sequence[int]], group_
     prompt_ids = prompt_ids.repeat_interleave(group_size, dim=0)
     prompt_mask = prompt_mask.repeat_interleave(group_size, dim=0)
     n = prompt_ids.shape[0]
-    episodes = [_Episode() for _ in range(n)]
+    episodes = [EpisodeTokens() for _ in range(n)]
     next_pos = positions[:, -1].repeat_interleave(group_size) + 1  # of each row's next token
     batch = _Batch(torch.arange(n, device=device), cache, prompt_mask, next_pos)
     keys = keys.to(device) if keys is not None else None
@@ -151,29 +151,37 @@ def generate_episodes(model, tokenizer, prompts: Sequence[Sequence[int]], group_
     while len(batch.rows):
         parked, logits = _sample_turn(model, batch, logits, episodes, eos, max_new_tokens, budget, temperature,
                                       top_p, greedy, keys, counts, generator)
-        rows = [r for p in parked for r in p.rows]
-        turns = [episodes[r].ids[-_turn_length(episodes[r]):] for r in rows]
-        last = [episodes[r].truncated or episodes[r].turns >= max_turns for r in rows]
-        answers = respond(rows, turns, last)
-        going = {}
-        for r, stop, obs in zip(rows, last, answers):
-            ep = episodes[r]
-            if stop or obs is None:
-                continue
-            if len(ep.ids) + len(obs) + 1 > budget:   # no room for the observation and one more token
-                ep.truncated = True
-                continue
-            going[r] = list(obs)
-            ep.ids += obs
-            ep.model += [0.0] * len(obs)
-            ep.logps += [0.0] * len(obs)
+        going = between_turns(episodes, [r for p in parked for r in p.rows], respond, max_turns, budget)
         if not going:
             break
         batch, logits = _unpark(model, parked, going, pad_id)
-    return _rollout(tokenizer, prompt_ids, prompt_mask, episodes, pad_id, device)
+    return episode_rollout(tokenizer, prompt_ids, prompt_mask, episodes, device)
 
 
-def _turn_length(ep: _Episode) -> int:
+def between_turns(episodes: List[EpisodeTokens], rows: List[int], respond: Respond, max_turns: int,
+                  budget: float) -> Dict[int, List[int]]:
+    """After `rows` ended a turn: ask `respond` for their observations and add each to its episode
+    (no loss, no log-prob). Returns the rows that go on, with their observation's ids; an episode
+    ends at its environment's word, at max_turns, after a cut turn, or when the observation and
+    one more token would not fit its budget (then it counts as truncated)."""
+    turns = [episodes[r].ids[-_turn_length(episodes[r]):] for r in rows]
+    last = [episodes[r].truncated or episodes[r].turns >= max_turns for r in rows]
+    going = {}
+    for r, stop, obs in zip(rows, last, respond(rows, turns, last)):
+        ep = episodes[r]
+        if stop or obs is None:
+            continue
+        if len(ep.ids) + len(obs) + 1 > budget:
+            ep.truncated = True
+            continue
+        going[r] = list(obs)
+        ep.ids += obs
+        ep.model += [0.0] * len(obs)
+        ep.logps += [0.0] * len(obs)
+    return going
+
+
+def _turn_length(ep: EpisodeTokens) -> int:
     """Tokens of the episode's last model turn: the model's tokens after the last observation."""
     k = 0
     for m in reversed(ep.model):
@@ -183,7 +191,7 @@ def _turn_length(ep: _Episode) -> int:
     return k
 
 
-def _sample_turn(model, batch: _Batch, logits, episodes: List[_Episode], eos, max_new_tokens: int, budget,
+def _sample_turn(model, batch: _Batch, logits, episodes: List[EpisodeTokens], eos, max_new_tokens: int, budget,
                  temperature: float, top_p: float, greedy: bool, keys, counts, generator):
     """One turn of every row in `batch`: tokens until each row's EOS, max_new_tokens or the budget;
     a finished row is parked at once. Returns the parked rows (every row, when the turn ends)."""
@@ -218,8 +226,10 @@ def _sample_turn(model, batch: _Batch, logits, episodes: List[_Episode], eos, ma
     return parked, logits
 
 
-def _rollout(tokenizer, prompt_ids, prompt_mask, episodes: List[_Episode], pad_id: int, device) -> Rollout:
-    """The compacted episodes as a Rollout (completion = everything after the prompt)."""
+def episode_rollout(tokenizer, prompt_ids, prompt_mask, episodes: List[EpisodeTokens], device) -> Rollout:
+    """The compacted episodes as a Rollout (completion = everything after the prompt); prompt_ids
+    and prompt_mask: [N, P], one left-padded row per episode."""
+    pad_id = tokenizer.pad_token_id
     width = max(max(len(ep.ids) for ep in episodes), 1)
     ids = torch.full((len(episodes), width), pad_id, dtype=torch.long)
     model_mask, logps, attn = (torch.zeros((len(episodes), width)) for _ in range(3))

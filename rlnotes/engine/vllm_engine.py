@@ -22,8 +22,9 @@ from typing import List, Optional, Sequence
 import torch
 
 from rlnotes.engine import distributed
+from rlnotes.engine.episodes import EpisodeTokens, Respond, between_turns, episode_rollout
 from rlnotes.engine.models import SMOLLM2, smollm2_dir
-from rlnotes.engine.rollout import Rollout, left_pad
+from rlnotes.engine.rollout import Rollout, left_pad, mix32
 
 
 @dataclass
@@ -119,6 +120,47 @@ class VLLMEngine:
         samples = [[Sample(list(c.token_ids), [c.logprobs[t][tok].logprob for t, tok in enumerate(c.token_ids)],
                            c.finish_reason == "length") for c in out.outputs] for out in outputs]
         return to_rollout(prompts, samples, self.tokenizer.pad_token_id, self.tokenizer, device)
+
+    def _requests(self, sequences: Sequence[Sequence[int]], max_tokens: Sequence[int], seeds: Optional[List[int]]):
+        """One vLLM request per sequence, one sample each (n=1)."""
+        from vllm import SamplingParams  # optional: vllm
+        from vllm.inputs import TokensPrompt  # optional: vllm
+
+        r = self.cfg.rollout
+        params = [SamplingParams(n=1, temperature=r.temperature, top_p=r.top_p, max_tokens=int(m), logprobs=0,
+                                 stop_token_ids=[self.tokenizer.eos_token_id], seed=None if seeds is None else seeds[i])
+                  for i, m in enumerate(max_tokens)]
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(q)) for q in sequences], params,
+                                    lora_request=self.request, use_tqdm=False)
+        return [out.outputs[0] for out in outputs]
+
+    def generate_episodes(self, prompts: Sequence[Sequence[int]], group_size: int, respond: Respond, max_turns: int,
+                          max_episode_tokens: Optional[int], keys: Optional[torch.Tensor],
+                          device: torch.device) -> Rollout:
+        """Multi-turn episodes (rlnotes.engine.episodes) sampled by vLLM: each round, every running
+        episode's whole sequence so far is one request, and vLLM's prefix cache keeps the keys and
+        values of what it has seen, so a round computes the new observation and turn. `keys` (one
+        per episode, rollout.per_prompt_seed) seed each turn's draw with the turn's number."""
+        budget = max_episode_tokens if max_episode_tokens is not None else float("inf")
+        per_turn = self.cfg.rollout.max_new_tokens
+        starts = [list(p) for p in prompts for _ in range(group_size)]
+        episodes = [EpisodeTokens() for _ in starts]
+        running = list(range(len(starts)))
+        while running:
+            room = [min(per_turn, budget - len(episodes[i].ids)) for i in running]
+            seeds = None if keys is None else [int(mix32(keys[i] ^ episodes[i].turns)) for i in running]
+            for i, out in zip(running, self._requests([starts[i] + episodes[i].ids for i in running], room, seeds)):
+                ep = episodes[i]
+                ep.turns += 1
+                ep.ids += list(out.token_ids)
+                ep.model += [1.0] * len(out.token_ids)
+                ep.logps += [out.logprobs[t][tok].logprob for t, tok in enumerate(out.token_ids)]
+                ep.truncated = not out.token_ids or out.token_ids[-1] != self.tokenizer.eos_token_id  # cut
+            running = sorted(between_turns(episodes, running, respond, max_turns, budget))
+        prompt_ids, prompt_mask = left_pad(starts, self.tokenizer.pad_token_id)
+        rollout = episode_rollout(self.tokenizer, prompt_ids, prompt_mask, episodes, device)
+        rollout.sampler_logprobs = rollout.logprobs.clone()
+        return rollout
 
     def close(self) -> None:
         shutil.rmtree(self.dir, ignore_errors=True)

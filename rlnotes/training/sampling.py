@@ -87,11 +87,15 @@ def sample_episodes(ctx: Context, rows: List[Row], group_size: int,
     cfg = ctx.cfg
     start = time.perf_counter()
     with ctx.timed("generate"), fsdp.gathered(ctx.policy.model):
+        if ctx.engine is not None:
+            ctx.engine.sync(ctx.policy, ctx.step)
         conversations, rollout = run_episodes(ctx.agents, ctx.policy.model, ctx.policy.tokenizer, rows, group_size,
                                               cfg.rollout, cfg.model.chat_template, system_prompt(cfg),
-                                              ctx.generator, keys)
+                                              ctx.generator, keys, engine=ctx.engine)
     tokens = float(rollout.completion_mask.sum())
     metrics = {"perf/tokens": tokens, "perf/gen_tokens_per_s": tokens / (time.perf_counter() - start)}
+    if rollout.sampler_logprobs is not None:
+        metrics.update(trainer_logprobs(ctx, rollout))
     with ctx.timed("reward"):
         ctx.rewards.state = trainer_state(ctx)
         rewards, reward_metrics = score_episodes(ctx.rewards, rows, conversations, rollout, group_size)
