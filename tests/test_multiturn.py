@@ -181,3 +181,26 @@ def test_multi_turn_mistakes_get_one_clear_line(tmp_path, overrides, message):
     with pytest.raises((ConfigError, UsageError), match=message.replace("[", r"\[").replace("(", r"\(")):
         cfg = compose(*overrides)
         train(cfg, tmp_path, Console(quiet=True))
+
+
+def test_an_environment_that_raises_stops_the_run_in_one_line_and_keeps_its_checkpoint(tmp_path, monkeypatch, capsys):
+    from rlnotes.agents import builtin
+    from rlnotes.commands.cli import main
+
+    class Broken(builtin.LettersEnv):
+        calls = 0
+
+        def step(self, action):  # a bug that shows in the second step's episodes
+            Broken.calls += 1
+            if Broken.calls > 32:
+                raise KeyError("no such state")
+            return super().step(action)
+
+    monkeypatch.setitem(builtin.ENVIRONMENTS, "broken", Broken)
+    with pytest.raises(SystemExit) as stop:
+        main(["train", *TOY[:-1], "rollout.env=broken", "trainer.steps=3", "trainer.save_every=1",
+              f"hydra.run.dir={tmp_path}", "logging.progress=false"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 1 and "rlnotes: error: environment Broken.step raised KeyError: 'no such state'" in err
+    assert "Traceback" not in err and "trainer.resume=auto" in err
+    assert (tmp_path / "checkpoints" / "step_000001").is_dir()

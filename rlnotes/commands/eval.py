@@ -16,6 +16,7 @@ from omegaconf import OmegaConf, open_dict
 from rich.console import Console
 from rich.table import Table
 
+from rlnotes.agents.environments import EnvironmentFailure
 from rlnotes.commands import hydra
 from rlnotes.commands.check import check, loader
 from rlnotes.commands.validate import resolve_auto, validate
@@ -60,7 +61,7 @@ def main(argv: List[str]) -> int:
         resolve_auto(cfg)
         validate(cfg)
         evaluation, out = run(cfg, console)
-    except (ConfigError, RewardFailure) as e:
+    except (ConfigError, RewardFailure, EnvironmentFailure) as e:
         console.print(f"[red]rlnotes: error:[/] {e}")
         return 1
     table = Table(title=f"{cfg.eval.policy or cfg.model.name_or_path} on {cfg.data.path or cfg.data.name} "

@@ -14,6 +14,7 @@ from typing import Dict, List, Optional, Tuple
 from rich.console import Console
 from rich.markup import escape
 
+from rlnotes.agents.environments import EnvironmentFailure
 from rlnotes.commands import hydra
 from rlnotes.commands.check import check
 from rlnotes.commands.launch import (
@@ -109,7 +110,7 @@ def train_job(cfg) -> Optional[float]:
             member_torchrun(cfg.hardware.nproc, run_dir)
         else:
             loop.train(cfg, algo, run_dir, console)
-    except (TrainingError, ConfigError, RewardFailure) as e:
+    except (TrainingError, ConfigError, RewardFailure, EnvironmentFailure) as e:
         console.print(f"[red]rlnotes: error:[/] {escape(str(e))}")
         if not isinstance(e, (ConfigError, SaveFailed)):  # a setting is fixed anew; SaveFailed says how
             _resume_hint(console, run_dir)
