@@ -146,7 +146,7 @@ TOY = ("rollout=multi_turn", "rollout.env=letters", "rollout.max_turns=2", "roll
 
 
 def test_grpo_learns_the_toy_environment_over_whole_episodes(tmp_path):
-    rows = run(tmp_path, *TOY, "trainer.steps=60", "trainer.eval_every=60", "eval.size=16")
+    rows = run(tmp_path, "experiment=letters_env", "trainer.eval_every=60", "eval.size=16")
     train_rows = [r for r in rows if "reward/mean" in r]
     first, last = train_rows[:5], train_rows[-5:]
     mean = lambda rs, k: sum(r[k] for r in rs) / len(rs)  # noqa: E731
