@@ -68,6 +68,23 @@ def test_episode_tokens_equal_the_chat_templates_rendering_of_the_conversation()
     assert conv.completions()[0][-1] == {"role": "assistant", "content": "It is 5535."}
 
 
+@pytest.mark.slow
+def test_smollm2s_template_and_tokenizer_agree_with_the_episode_tokens():
+    """The same agreement with SmolLM2-135M-Instruct's own tokenizer and chat template (which does
+    not render tools, so their schemas make the system message, in place of its default one)."""
+    from transformers import AutoTokenizer
+
+    from rlnotes.engine.models import smollm2_dir
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir())
+    conv = Conversations(agents(tools=["calculator"], max_turns=3), tok, [{"prompt": "What is 123*45?"}], 1, True)
+    ids = play(conv, tok, [CALL % "123*45", "123*45 = 5535"])
+    rendered = tok.apply_chat_template(conv.messages[0], tokenize=False)
+    end = rendered.rindex(tok.eos_token) + len(tok.eos_token)
+    assert ids == tok(rendered[:end], add_special_tokens=False)["input_ids"]
+    assert [m["role"] for m in conv.messages[0]] == ["system", "user", "assistant", "tool", "assistant"]
+
+
 def test_without_a_chat_template_observations_are_role_lines_after_the_models_eos():
     tok = tiny_tokenizer()
     conv = Conversations(agents(env="letters", max_turns=2), tok, [{"prompt": "Write the letter a:", "letter": "a"}],
