@@ -134,6 +134,14 @@ def test_help_lists_the_config_groups(capsys):
     assert "model: smollm2-135m, tiny" in text
 
 
+def test_eval_help_prints_help_and_evaluates_nothing(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["eval", "--help"]) == 0
+    out = capsys.readouterr()
+    assert out.out.startswith("rlnotes eval: ") and "eval.policy=RUN_DIR/final" in out.out
+    assert not (tmp_path / "outputs").exists()
+
+
 def test_wheel_ships_the_config_tree(tmp_path):
     root = Path(__file__).resolve().parents[1]
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",

@@ -48,8 +48,25 @@ from rlnotes.training.evaluation import (
 RUN_SETTINGS = ("model", "data", "rollout", "reward", "eval.data", "eval.reward")
 
 
+HELP = """rlnotes eval: greedy accuracy (or pass@k) of a model or a trained policy on held-out prompts.
+
+Usage: rlnotes eval [group=option ...] [key=value ...]
+
+  rlnotes eval model=smollm2-135m data=arith          the base model on a task's eval split
+  rlnotes eval eval.policy=RUN_DIR/final               a trained policy, with its run's model, data,
+                                                       rollout (tools, environment) and reward settings
+  eval.size=N  eval.greedy=false eval.samples_per_prompt=K  eval.data={digits: 2}  eval.reward=FN
+
+Writes eval.jsonl and samples.jsonl (one line per completion or episode) to eval.out: by default
+RUN_DIR/eval/<policy name> for a policy, outputs/eval/<time> for a base model. The keys are those
+of `rlnotes train` (rlnotes train --help)."""
+
+
 def main(argv: List[str]) -> int:
     """`rlnotes eval [overrides]`: evaluate the base model or eval.policy on the task's eval split."""
+    if any(a in ("-h", "--help") for a in argv):
+        print(HELP)
+        return 0
     args = hydra.parse_args(argv)
     check(args.overrides, False, args.config_dir)
     console = Console(stderr=True, soft_wrap=True)  # a message is one line, however narrow the screen
