@@ -11,6 +11,7 @@ from typing import Dict, List, Optional
 
 import torch
 
+from rlnotes.agents.conversation import Conversations
 from rlnotes.agents.rollouts import run_episodes, score_episodes
 from rlnotes.data.settings import system_prompt
 from rlnotes.data.tasks import Row
@@ -41,36 +42,28 @@ def per_prompt_seed(cfg) -> bool:
 
 def sample_and_score(ctx: Context, rows: List[Row], group_size: int,
                      round_: int = 0) -> tuple[Rollout, torch.Tensor, Dict[str, float]]:
-    """G completions per prompt and the reward of each: (rollout, rewards [N], reward metrics).
-    `rows` are this rank's part of a batch; `round_` numbers the batches sampled within one step
-    (DAPO's extra rounds), which with per-prompt seeds keys the draw together with the step."""
-    cfg = ctx.cfg
-    prompt_ids = encode_prompts(ctx.policy.tokenizer, [r["prompt"] for r in rows], cfg.model.chat_template,
-                                system_prompt(cfg))
+    """G completions per prompt (multi-turn: G episodes, rollout.tools / rollout.env) and the reward
+    of each: (rollout, rewards [N], reward metrics). `rows` are this rank's part of a batch; `round_`
+    numbers the batches sampled within one step (DAPO's extra rounds), which with per-prompt seeds
+    keys the draw together with the step."""
     keys = None
-    if per_prompt_seed(cfg):  # prompt i of rank r is prompt r * len(rows) + i of the global batch
+    if per_prompt_seed(ctx.cfg):  # prompt i of rank r is prompt r * len(rows) + i of the global batch
         first = distributed.rank() * len(rows)
-        keys = completion_keys(cfg.seed, (ctx.step, round_), torch.arange(first, first + len(rows)), group_size)
+        keys = completion_keys(ctx.cfg.seed, (ctx.step, round_), torch.arange(first, first + len(rows)), group_size)
     ctx.policy.eval()
     start = time.perf_counter()
-    if ctx.agents is not None:
-        return sample_episodes(ctx, rows, group_size, keys)
     with ctx.timed("generate"), fsdp.gathered(ctx.policy.model):
-        if ctx.engine is not None:
-            ctx.engine.sync(ctx.policy, ctx.step)
-            seeds = keys[::group_size].tolist() if keys is not None else None
-            rollout = ctx.engine.generate(prompt_ids, group_size, seeds, ctx.device)
-        else:
-            rollout = generate(ctx.policy.model, ctx.policy.tokenizer, prompt_ids, group_size,
-                               cfg.rollout.max_new_tokens, cfg.rollout.temperature, cfg.rollout.top_p, ctx.generator,
-                               keys=keys)
+        rollout, conversations = sample(ctx, rows, group_size, keys)
     tokens = float(rollout.completion_mask.sum())
     metrics = {"perf/tokens": tokens, "perf/gen_tokens_per_s": tokens / (time.perf_counter() - start)}
     if rollout.sampler_logprobs is not None:
         metrics.update(trainer_logprobs(ctx, rollout))
     with ctx.timed("reward"):
         ctx.rewards.state = trainer_state(ctx)
-        rewards, reward_metrics = ctx.rewards.score_groups(rows, rollout.texts, rollout.token_lists(), group_size)
+        if conversations is not None:  # whole episodes, and the environment's reward
+            rewards, reward_metrics = score_episodes(ctx.rewards, rows, conversations, rollout, group_size)
+        else:
+            rewards, reward_metrics = ctx.rewards.score_groups(rows, rollout.texts, rollout.token_lists(), group_size)
     ctx.samples = {"prompts": [r["prompt"] for r in rows for _ in range(group_size)],
                    "completions": list(rollout.texts), "rewards": rewards.tolist(), "extra": ctx.rewards.extra}
     # Each rank scored its own completions: failures add up, per-function means average (the ranks
@@ -80,30 +73,25 @@ def sample_and_score(ctx: Context, rows: List[Row], group_size: int,
     return rollout, rewards.to(ctx.device), metrics
 
 
-def sample_episodes(ctx: Context, rows: List[Row], group_size: int,
-                    keys: Optional[torch.Tensor]) -> tuple[Rollout, torch.Tensor, Dict[str, float]]:
-    """sample_and_score for multi-turn episodes (rollout.tools / rollout.env): G episodes per prompt
-    and the reward of each, whole episodes in the samples table."""
+def sample(ctx: Context, rows: List[Row], group_size: int,
+           keys: Optional[torch.Tensor]) -> tuple[Rollout, Optional[Conversations]]:
+    """The batch's completions, sampled by the policy or the vLLM engine: one per sample, or with
+    rollout.tools / rollout.env whole episodes (then with their conversations; else None)."""
     cfg = ctx.cfg
-    start = time.perf_counter()
-    with ctx.timed("generate"), fsdp.gathered(ctx.policy.model):
-        if ctx.engine is not None:
-            ctx.engine.sync(ctx.policy, ctx.step)
+    if ctx.engine is not None:
+        ctx.engine.sync(ctx.policy, ctx.step)
+    if ctx.agents is not None:
         conversations, rollout = run_episodes(ctx.agents, ctx.policy.model, ctx.policy.tokenizer, rows, group_size,
                                               cfg.rollout, cfg.model.chat_template, system_prompt(cfg),
                                               ctx.generator, keys, engine=ctx.engine)
-    tokens = float(rollout.completion_mask.sum())
-    metrics = {"perf/tokens": tokens, "perf/gen_tokens_per_s": tokens / (time.perf_counter() - start)}
-    if rollout.sampler_logprobs is not None:
-        metrics.update(trainer_logprobs(ctx, rollout))
-    with ctx.timed("reward"):
-        ctx.rewards.state = trainer_state(ctx)
-        rewards, reward_metrics = score_episodes(ctx.rewards, rows, conversations, rollout, group_size)
-    ctx.samples = {"prompts": [r["prompt"] for r in rows for _ in range(group_size)],
-                   "completions": list(rollout.texts), "rewards": rewards.tolist(), "extra": ctx.rewards.extra}
-    ops = {key: "sum" if key == "reward/failures" else "mean" for key in reward_metrics}
-    metrics = distributed.reduce_metrics({**metrics, **reward_metrics}, {**ops, "perf/gen_tokens_per_s": "sum"})
-    return rollout, rewards.to(ctx.device), metrics
+        return rollout, conversations
+    prompt_ids = encode_prompts(ctx.policy.tokenizer, [r["prompt"] for r in rows], cfg.model.chat_template,
+                                system_prompt(cfg))
+    if ctx.engine is not None:
+        seeds = keys[::group_size].tolist() if keys is not None else None
+        return ctx.engine.generate(prompt_ids, group_size, seeds, ctx.device), None
+    return generate(ctx.policy.model, ctx.policy.tokenizer, prompt_ids, group_size, cfg.rollout.max_new_tokens,
+                    cfg.rollout.temperature, cfg.rollout.top_p, ctx.generator, keys=keys), None
 
 
 def trainer_state(ctx: Context) -> TrainerState:
