@@ -30,8 +30,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from rlnotes.engine.policy import position_ids
-from rlnotes.engine.rollout import Rollout, left_pad, next_tokens
+from rlnotes.engine.rollout import Rollout, left_pad, next_tokens, prefill
 
 # respond(rows, turns, last) -> one observation per row: token ids to prefill, or None (the episode
 # ends). `turns` are the token ids of the turn each row's model just took (EOS included); `last`
@@ -129,21 +128,12 @@ def generate_episodes(model, tokenizer, prompts: Sequence[Sequence[int]], group_
     pad_id = tokenizer.pad_token_id
     eos = torch.tensor(eos_ids if eos_ids is not None else [tokenizer.eos_token_id], device=device)
     budget = max_episode_tokens if max_episode_tokens is not None else float("inf")
-    prompt_ids, prompt_mask = (t.to(device) for t in left_pad(prompts, pad_id))
-    cache = DynamicCache(config=model.config)
+    prompt_ids, prompt_mask, cache, logits, next_pos = prefill(model, prompts, pad_id, group_size, device)
     if any(type(layer) is not DynamicLayer for layer in cache.layers):
         raise ValueError("multi-turn episodes need a model whose KV cache is one plain layer per layer "
                          "(no sliding windows); this model's is not")
-    positions = position_ids(prompt_mask)
-    logits = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions,
-                   cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
-    cache.batch_repeat_interleave(group_size)
-    logits = logits.repeat_interleave(group_size, dim=0)
-    prompt_ids = prompt_ids.repeat_interleave(group_size, dim=0)
-    prompt_mask = prompt_mask.repeat_interleave(group_size, dim=0)
     n = prompt_ids.shape[0]
     episodes = [EpisodeTokens() for _ in range(n)]
-    next_pos = positions[:, -1].repeat_interleave(group_size) + 1  # of each row's next token
     batch = _Batch(torch.arange(n, device=device), cache, prompt_mask, next_pos)
     keys = keys.to(device) if keys is not None else None
     counts = torch.zeros(n, dtype=torch.long, device=device)       # model tokens so far, the key's clock
