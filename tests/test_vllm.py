@@ -160,12 +160,14 @@ class FakeLLM:
         outs = []
         for prompt, p in zip(prompts, params):
             self.requests.append(list(prompt["prompt_token_ids"]))
-            r = generate(self.model, self.tokenizer, [prompt["prompt_token_ids"]], 1, p["max_tokens"],
+            r = generate(self.model, self.tokenizer, [prompt["prompt_token_ids"]], p["n"], p["max_tokens"],
                          p["temperature"], p["top_p"], torch.Generator().manual_seed(p["seed"] or 0))
-            ids = r.token_lists()[0]
-            logps = [{t: NS(logprob=float(lp))} for t, lp in zip(ids, r.logprobs[0].tolist())]
-            outs.append(NS(outputs=[NS(token_ids=ids, logprobs=logps,
-                                       finish_reason="length" if bool(r.truncated[0]) else "stop")]))
+            completions = []
+            for k, ids in enumerate(r.token_lists()):
+                logps = [{t: NS(logprob=float(lp))} for t, lp in zip(ids, r.logprobs[k].tolist())]
+                completions.append(NS(token_ids=ids, logprobs=logps,
+                                      finish_reason="length" if bool(r.truncated[k]) else "stop"))
+            outs.append(NS(outputs=completions))
         return outs
 
 
@@ -220,6 +222,11 @@ def test_vllm_samples_multi_turn_episodes_through_its_prefix_cache(fake_vllm):
     torch.testing.assert_close(again * r.completion_mask, r.sampler_logprobs, atol=2e-5, rtol=0)
     assert (r.sampler_logprobs[real & ~model_tokens] == 0).all()
     assert len(told) > 6  # several rounds: turns that ended were answered
+    # single turn through the same requests: G samples of each prompt, vLLM's log-probs kept aside
+    one = engine.generate(prompts, 3, [5, 6], torch.device("cpu"))
+    assert len(one) == 6 and one.sampler_logprobs is not None
+    again = sequence_logprobs(model, one.input_ids, one.attention_mask, one.completion_ids.shape[1])
+    torch.testing.assert_close(again * one.completion_mask, one.sampler_logprobs, atol=2e-5, rtol=0)
 
 
 def test_a_multi_turn_run_samples_with_vllm(tmp_path, monkeypatch, fake_vllm):

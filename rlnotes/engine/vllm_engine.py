@@ -75,6 +75,11 @@ def to_rollout(prompts: Sequence[Sequence[int]], samples: Sequence[Sequence[Samp
                    logps, texts, truncated.to(device), sampler_logprobs=logps.clone())
 
 
+def _logprobs(completion) -> List[float]:
+    """The log-prob vLLM gave each token it sampled (logprobs=0: the sampled token's alone)."""
+    return [completion.logprobs[t][tok].logprob for t, tok in enumerate(completion.token_ids)]
+
+
 class VLLMEngine:
     """A vLLM engine on this process's GPU, sampling with the policy's current LoRA adapter."""
 
@@ -108,31 +113,23 @@ class VLLMEngine:
                  device: torch.device) -> Rollout:
         """group_size completions of each prompt; `seeds` (one per prompt) make each prompt's draw
         its own (rollout.per_prompt_seed), None leaves them to the engine's stream."""
-        from vllm import SamplingParams  # optional: vllm
-        from vllm.inputs import TokensPrompt  # optional: vllm
-
-        r = self.cfg.rollout
-        params = [SamplingParams(n=group_size, temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_new_tokens,
-                                 logprobs=0, stop_token_ids=[self.tokenizer.eos_token_id],
-                                 seed=None if seeds is None else seeds[i]) for i in range(len(prompts))]
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
-                                    lora_request=self.request, use_tqdm=False)
-        samples = [[Sample(list(c.token_ids), [c.logprobs[t][tok].logprob for t, tok in enumerate(c.token_ids)],
-                           c.finish_reason == "length") for c in out.outputs] for out in outputs]
+        outputs = self._requests(prompts, group_size, [self.cfg.rollout.max_new_tokens] * len(prompts), seeds)
+        samples = [[Sample(list(c.token_ids), _logprobs(c), c.finish_reason == "length") for c in out.outputs]
+                   for out in outputs]
         return to_rollout(prompts, samples, self.tokenizer.pad_token_id, self.tokenizer, device)
 
-    def _requests(self, sequences: Sequence[Sequence[int]], max_tokens: Sequence[int], seeds: Optional[List[int]]):
-        """One vLLM request per sequence, one sample each (n=1)."""
+    def _requests(self, sequences: Sequence[Sequence[int]], n: int, max_tokens: Sequence[int],
+                  seeds: Optional[List[int]]) -> list:
+        """vLLM's outputs of one request per sequence, n samples each, at most max_tokens[i] tokens."""
         from vllm import SamplingParams  # optional: vllm
         from vllm.inputs import TokensPrompt  # optional: vllm
 
         r = self.cfg.rollout
-        params = [SamplingParams(n=1, temperature=r.temperature, top_p=r.top_p, max_tokens=int(m), logprobs=0,
+        params = [SamplingParams(n=n, temperature=r.temperature, top_p=r.top_p, max_tokens=int(m), logprobs=0,
                                  stop_token_ids=[self.tokenizer.eos_token_id], seed=None if seeds is None else seeds[i])
                   for i, m in enumerate(max_tokens)]
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(q)) for q in sequences], params,
-                                    lora_request=self.request, use_tqdm=False)
-        return [out.outputs[0] for out in outputs]
+        return self.llm.generate([TokensPrompt(prompt_token_ids=list(q)) for q in sequences], params,
+                                 lora_request=self.request, use_tqdm=False)
 
     def generate_episodes(self, prompts: Sequence[Sequence[int]], group_size: int, respond: Respond, max_turns: int,
                           max_episode_tokens: Optional[int], keys: Optional[torch.Tensor],
@@ -149,12 +146,13 @@ class VLLMEngine:
         while running:
             room = [min(per_turn, budget - len(episodes[i].ids)) for i in running]
             seeds = None if keys is None else [int(mix32(keys[i] ^ episodes[i].turns)) for i in running]
-            for i, out in zip(running, self._requests([starts[i] + episodes[i].ids for i in running], room, seeds)):
+            outputs = self._requests([starts[i] + episodes[i].ids for i in running], 1, room, seeds)
+            for i, out in zip(running, (o.outputs[0] for o in outputs)):
                 ep = episodes[i]
                 ep.turns += 1
                 ep.ids += list(out.token_ids)
                 ep.model += [1.0] * len(out.token_ids)
-                ep.logps += [out.logprobs[t][tok].logprob for t, tok in enumerate(out.token_ids)]
+                ep.logps += _logprobs(out)
                 ep.truncated = not out.token_ids or out.token_ids[-1] != self.tokenizer.eos_token_id  # cut
             running = sorted(between_turns(episodes, running, respond, max_turns, budget))
         prompt_ids, prompt_mask = left_pad(starts, self.tokenizer.pad_token_id)
