@@ -78,14 +78,15 @@ class Conversations:
         self.agents, self.tokenizer, self.group_size = agents, tokenizer, group_size
         self.templated = bool(chat_template and tokenizer.chat_template)
         self.episodes = [agents.episode() for _ in range(len(rows) * group_size)]
+        # Every episode has the same tools (its environment's methods are bound to it, their schemas alike).
         schemas = self.episodes[0].schemas if self.episodes else []
         self.template_tools = schemas if (schemas and self.templated and template_takes_tools(tokenizer)) else None
         self.messages: List[List[dict]] = []
         for i, episode in enumerate(self.episodes):
             row = rows[i // group_size]
             messages = _with_start(as_messages(row["prompt"], system_prompt), episode.start(dict(row)))
-            if episode.schemas and self.template_tools is None:
-                messages = _with_tools(messages, episode.schemas)
+            if schemas and self.template_tools is None:
+                messages = _with_tools(messages, schemas)
             self.messages.append(messages)
         self.prompt_lengths = [len(m) for m in self.messages]
 
@@ -128,14 +129,12 @@ class Conversations:
         out: List[Optional[List[int]]] = []
         for i, turn, final in zip(rows, turns, last):
             text = self.tokenizer.decode(turn, skip_special_tokens=True)
+            self.messages[i].append({"role": "assistant", "content": text})
             episode = self.episodes[i]
-            steps = callable(getattr(episode.env, "step", None))
-            if final and not steps:   # nothing reads a result now: the message is kept, no tool runs
-                self.messages[i].append({"role": "assistant", "content": text})
+            if final and not callable(getattr(episode.env, "step", None)):  # nothing would read a tool's result
                 out.append(None)
                 continue
             observation, done = episode.step(text)
-            self.messages[i].append({"role": "assistant", "content": text})
             if done or final or not observation:
                 out.append(None)
                 continue

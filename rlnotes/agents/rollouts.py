@@ -29,12 +29,11 @@ def run_episodes(agents: Agents, model, tokenizer, rows: Sequence[dict], group_s
     if engine is not None:
         rollout = engine.generate_episodes(prompts, shared, conversations.respond, agents.max_turns,
                                            agents.max_episode_tokens, keys, next(model.parameters()).device)
-        rollout.texts = conversations.texts()
-        return conversations, rollout
-    rollout = generate_episodes(model, tokenizer, prompts, shared, conversations.respond,
-                                max_new_tokens or rollout_cfg.max_new_tokens, agents.max_turns,
-                                agents.max_episode_tokens, rollout_cfg.temperature, rollout_cfg.top_p, generator,
-                                greedy=greedy, keys=keys)
+    else:
+        rollout = generate_episodes(model, tokenizer, prompts, shared, conversations.respond,
+                                    max_new_tokens or rollout_cfg.max_new_tokens, agents.max_turns,
+                                    agents.max_episode_tokens, rollout_cfg.temperature, rollout_cfg.top_p, generator,
+                                    greedy=greedy, keys=keys)
     rollout.texts = conversations.texts()
     return conversations, rollout
 
