@@ -114,6 +114,34 @@ def test_arith_small_space_trains_in_distribution_but_holds_out_when_4x_larger()
     assert set(prompts(train)) & set(prompts(eval_rows))
 
 
+def test_arith_dev_split_is_disjoint_from_test_and_train_and_leaves_the_test_rows_as_they_were():
+    cfg = data_cfg(name="arith", digits=2, ops="+", train_size=3000, eval_size=200, seed=5)
+    train, test = arith(cfg)
+    dev_train, dev = arith(data_cfg(**{**OmegaConf.to_container(cfg), "eval_split": "dev"}))
+    assert arith(data_cfg(**{**OmegaConf.to_container(cfg), "eval_split": "test"})) == (train, test)
+    assert len(dev) == 200 == len(set(prompts(dev)))
+    assert not set(prompts(dev)) & set(prompts(test))
+    assert not (set(prompts(train)) | set(prompts(dev_train))) & (set(prompts(dev)) | set(prompts(test)))
+    assert dev_train == train  # the split asked for changes the eval rows only
+    # The test rows are those of the first draw of the seeded generator, as before dev rows existed.
+    space = [r for r in arith(data_cfg(name="arith", digits=2, ops="+", train_size=1, eval_size=8100, seed=5))[1]]
+    rng = random.Random(5)
+    order = sorted(space, key=lambda r: tuple(map(int, ARITH.match(r["prompt"]).group(1, 3))))
+    assert prompts(test) == prompts(rng.sample(order, 200))
+
+
+def test_a_small_space_evaluates_dev_on_its_test_rows():
+    cfg = dict(name="arith", digits=1, ops="+", train_size=50, eval_size=30)
+    assert arith(data_cfg(**cfg, eval_split="dev"))[1] == arith(data_cfg(**cfg))[1]
+
+
+def test_countdown_dev_problems_are_neither_test_nor_train_problems():
+    train, test = countdown(countdown_cfg())
+    dev_train, dev = countdown(countdown_cfg(eval_split="dev"))
+    assert dev_train == train and len(dev) == len(test)
+    assert len(set(prompts(train + test + dev))) == len(train) + 2 * len(test)
+
+
 @pytest.mark.parametrize("ops", ["/", "+/", "", "+ "])
 def test_arith_bad_ops_raise_config_error(ops):
     with pytest.raises(ConfigError, match="data.ops"):

@@ -372,6 +372,8 @@ def test_reward_columns_come_from_the_signature():
     (("data.overlong=cut",), "data.overlong='cut' is not valid; choose one of: drop, truncate, error"),
     (("data=file", "data.path=x.jsonl", "data.eval_split=test"), "data.eval_split names a split of a hub dataset"),
     (("data.eval_path=e.jsonl",), "data.eval_path is for data=file and data=hub"),
+    (("data=arith", "data.eval_split=valid"), "data.eval_split=valid: a built-in task evaluates on its held-out "
+                                              "rows, choose one of test, dev (test: the default; dev: for tuning)"),
     (("data.max_prompt_len=0",), "data.max_prompt_len=0 must be at least 1"),
     (("algo=sft", "data.eval_size=0"), "trainer.eval_every=20 evaluates held-out rows and data.eval_size=0 holds out none"),
     (("data.name=nope",), "data.name='nope' is not valid"),

@@ -131,10 +131,10 @@ class DataConfig:
     # hub: the split to train on.
     split: str = "train"
     # file and hub: eval rows from their own file, or (hub) split; null = hold out eval_size rows.
+    # A built-in task: test (= null, its held-out rows) or dev (as many more, for tuning).
     eval_path: Optional[str] = None
     eval_split: Optional[str] = None
-    # Rename the source's columns to the ones rlnotes reads: ours -> theirs, e.g.
-    # data.columns.prompt=question (also chosen, rejected, completion, messages, reward columns).
+    # Rename the source's columns, ours -> theirs: data.columns.prompt=question (any column rlnotes reads).
     columns: Dict[str, str] = field(default_factory=lambda: OmegaConf.create({}, flags={"struct": False}))
     # System message of prompts without a system turn; null = model.system_prompt.
     system_prompt: Optional[str] = None

@@ -8,7 +8,7 @@ from typing import Optional
 
 from rlnotes.core.checks import check_choice
 from rlnotes.core.errors import ConfigError
-from rlnotes.data.tasks import TASKS
+from rlnotes.data.tasks import TASK_EVAL_SPLITS, TASKS
 
 # Where data.source takes its rows from: a built-in task (data.name), a local file (data.path) or
 # a hub dataset (data.name = org/set); files and the hub are read by rlnotes.data.reading.
@@ -48,16 +48,19 @@ def check_data_config(d, trainer) -> None:
                           "(a path alone means data=file) or drop data.path")
     if d.source == "file" and not d.path:
         raise ConfigError("data=file needs the file to read: data.path=FILE (.jsonl, .json, .parquet or .csv)")
-    if d.source != "hub" and d.eval_split is not None:
-        raise ConfigError(f"data.eval_split names a split of a hub dataset (data=hub); with data.source={d.source} "
-                          "give an eval file (data.eval_path=FILE) or hold out data.eval_size rows")
+    if d.source == "task" and d.eval_split not in (None, *TASK_EVAL_SPLITS):
+        raise ConfigError(f"data.eval_split={d.eval_split}: a built-in task evaluates on its held-out rows, "
+                          f"choose one of {', '.join(TASK_EVAL_SPLITS)} (test: the default; dev: for tuning)")
+    if d.source == "file" and d.eval_split is not None:
+        raise ConfigError("data.eval_split names a split of a hub dataset (data=hub) or of a built-in task (test, "
+                          "dev); with data=file give an eval file (data.eval_path=FILE) or hold out data.eval_size rows")
     if d.eval_path is not None and d.source == "task":
         raise ConfigError("data.eval_path is for data=file and data=hub; a built-in task makes its own eval rows")
     if d.max_prompt_len is not None and d.max_prompt_len < 1:
         raise ConfigError(f"data.max_prompt_len={d.max_prompt_len} must be at least 1 (tokens), or null for none")
     if d.eval_size is not None and d.eval_size < 0:
         raise ConfigError(f"data.eval_size={d.eval_size} must be 0 or more (or null: the default)")
-    held_out = d.eval_path is not None or d.eval_split is not None
+    held_out = d.eval_path is not None or (d.source == "hub" and d.eval_split is not None)
     if d.eval_size == 0 and not held_out and trainer.eval_every:
         raise ConfigError(f"trainer.eval_every={trainer.eval_every} evaluates held-out rows and data.eval_size=0 "
                           "holds out none; set data.eval_size to 1 or more (or null), give data.eval_path (a hub "

@@ -38,15 +38,33 @@ def task_eval_size(cfg) -> int:
     return TASK_EVAL_SIZE if cfg.eval_size is None else cfg.eval_size
 
 
-def _split(space: List[Row], train_size: int, eval_size: int, seed: int) -> Split:
+# data.eval_split of a built-in task: its held-out test rows (null means test) or its dev rows.
+TASK_EVAL_SPLITS = ("test", "dev")
+
+
+def wants_dev(cfg) -> bool:
+    """Whether data config `cfg` evaluates on the task's dev rows (data.eval_split=dev)."""
+    return cfg.eval_split == "dev"
+
+
+def _split(space: List[Row], train_size: int, eval_size: int, seed: int, dev: bool = False) -> Split:
     """Held-out eval rows first; train rows are drawn from what is left when the problem space is
-    large enough (at least 4x the eval set), otherwise from the whole space (in-distribution)."""
+    large enough (at least 4x the eval set), otherwise from the whole space (in-distribution).
+
+    A space of at least 8x the eval set also holds out a dev split of the same size, disjoint from
+    the test rows and from training, for tuning (data.eval_split=dev); `dev` returns it as the eval
+    rows. The test rows are the same whether or not dev is asked for. In a smaller space the dev
+    rows are the test rows, as everything there is in-distribution anyway."""
     rng = random.Random(seed)
     eval_rows = rng.sample(space, min(eval_size, len(space)))
     held = {r["prompt"] for r in eval_rows}
+    dev_rows = eval_rows
+    if len(space) >= 8 * len(eval_rows):
+        dev_rows = rng.sample([r for r in space if r["prompt"] not in held], len(eval_rows))
+        held |= {r["prompt"] for r in dev_rows}
     pool = [r for r in space if r["prompt"] not in held] if len(space) >= 4 * len(eval_rows) else space
     train_rows = [rng.choice(pool) for _ in range(train_size)]
-    return train_rows, eval_rows
+    return train_rows, dev_rows if dev else eval_rows
 
 
 def arith(cfg) -> Split:
@@ -78,7 +96,7 @@ def _arith(cfg, digits: int, train_size: int) -> Split:
         problems.sort()
     space = [{"prompt": f"What is {a}{op}{b}? {cfg.instruction}".strip(), "answer": str(ops[op](a, b))}
              for a, op, b in problems]
-    return _split(space, train_size, task_eval_size(cfg), cfg.seed)
+    return _split(space, train_size, task_eval_size(cfg), cfg.seed, wants_dev(cfg))
 
 
 def letters(cfg) -> Split:
@@ -134,11 +152,13 @@ def countdown(cfg) -> Split:
     """'Using the numbers [3, 7, 2], write an expression that equals 23.' with 3 or 4 numbers of
     `cfg.digits` digits (at most) and a target from 1 to 999. The target is the value of a hidden
     random expression over the numbers (kept in the `solution` column), so every problem has an
-    answer. Problems are distinct and the eval problems never appear in train."""
+    answer. Problems are distinct; the test problems and the dev problems (data.eval_split=dev)
+    never appear in train."""
     ops = "".join(op for op in _OPS if op in _check_ops(cfg.ops))
     rng = random.Random(cfg.seed)
     hi = 10**cfg.digits - 1
-    wanted = task_eval_size(cfg) + cfg.train_size
+    size = task_eval_size(cfg)
+    wanted = 2 * size + cfg.train_size  # test rows, dev rows, train rows
     rows: Dict[str, Row] = {}
     misses = 0
     while len(rows) < wanted and misses < 2000:  # 2000 draws in a row with nothing new: the space is spent
@@ -152,9 +172,9 @@ def countdown(cfg) -> Split:
         misses = 0 if new else misses + 1
     space = list(rows.values())
     if len(space) < wanted:
-        raise ConfigError(f"data.train_size + data.eval_size = {wanted} is more than the {len(space)} distinct "
-                          "countdown problems found; lower them or raise data.digits")
-    return space[task_eval_size(cfg):], space[:task_eval_size(cfg)]
+        raise ConfigError(f"data.train_size + 2 x data.eval_size (test and dev rows) = {wanted} is more than the "
+                          f"{len(space)} distinct countdown problems found; lower them or raise data.digits")
+    return space[2 * size:], space[size:2 * size] if wants_dev(cfg) else space[:size]
 
 
 TASKS: Dict[str, Callable] = {"arith": arith, "letters": letters, "countdown": countdown, "arith_pairs": arith_pairs,
