@@ -372,6 +372,9 @@ def test_reward_columns_come_from_the_signature():
     (("data.overlong=cut",), "data.overlong='cut' is not valid; choose one of: drop, truncate, error"),
     (("data=file", "data.path=x.jsonl", "data.eval_split=test"), "data.eval_split names a split of a hub dataset"),
     (("data.eval_path=e.jsonl",), "data.eval_path is for data=file and data=hub"),
+    (("eval.data={digitz: 2}",), "eval.data.digitz is not a data setting; valid keys: source, name,"),
+    (("eval.data={digits: x}",), "eval.data.digits: Value 'x' of type 'str' could not be converted to Integer"),
+    (("eval.data={eval_split: dev2}",), "data.eval_split=dev2: a built-in task evaluates on its held-out rows"),
     (("data=arith", "data.eval_split=valid"), "data.eval_split=valid: a built-in task evaluates on its held-out "
                                               "rows, choose one of test, dev (test: the default; dev: for tuning)"),
     (("data.max_prompt_len=0",), "data.max_prompt_len=0 must be at least 1"),

@@ -93,7 +93,12 @@ def explain(exc: BaseException, configs, overrides: List[str]) -> str:
         return f"{problem.group}={problem.option} is not an option; choose one of: {', '.join(options)}{extra}"
     if problem.kind == "unknown_key":
         parent, _, _ = key.rpartition(".")
-        base = hydra.compose(configs, [o for o in overrides if not o.lstrip("+~").startswith(key)])
+        named = lambda o: o.lstrip("+~").split("=", 1)[0]  # noqa: E731  (the key an override sets)
+        try:  # the config without the override at fault, or one that sets a dict above the key
+            base = hydra.compose(configs, [o for o in overrides if not (named(o).startswith(key)
+                                                                        or key.startswith(named(o) + "."))])
+        except hydra.COMPOSE_ERRORS:
+            return problem.line
         node = OmegaConf.select(base, parent) if parent else base
         keys = [k for k in node.keys() if k != "hydra"] if node is not None and hasattr(node, "keys") else []
         where = f"under {parent}" if parent else "at the top level"

@@ -9,6 +9,7 @@ import importlib.util
 import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
+from omegaconf.errors import ValidationError
 
 from rlnotes.core.algorithm import Algorithm
 from rlnotes.core.checks import (
@@ -150,6 +151,21 @@ def _check_sweep(cfg) -> None:
                           "trainer.eval_every=N (or choose a training metric such as reward/mean)")
 
 
+def _check_eval_data(cfg) -> None:
+    """eval.data holds data settings, of their types, that make a valid data config over `data`."""
+    if not cfg.eval.data:
+        return
+    valid = list(cfg.data.keys())
+    for key in cfg.eval.data:
+        if key not in valid:
+            raise ConfigError(f"eval.data.{key} is not a data setting; valid keys: {', '.join(valid)}")
+    try:
+        merged = OmegaConf.merge(cfg.data, cfg.eval.data)
+    except ValidationError as e:
+        raise ConfigError(f"eval.data.{e.key}: {str(e).splitlines()[0]}") from None
+    check_data_config(merged, cfg.trainer)
+
+
 def validate(cfg) -> Algorithm:
     """Check the values that a schema type cannot: choices, ranges, and batch arithmetic. Returns
     the algorithm that algo.name names."""
@@ -167,6 +183,7 @@ def validate(cfg) -> Algorithm:
     _check_sweep(cfg)
     check_model_source(cfg.model.name_or_path)  # a missing or half-written model dir, before anything loads
     check_data_config(cfg.data, cfg.trainer)
+    _check_eval_data(cfg)
     if algo.samples:
         if cfg.reward.name == "model" and not cfg.reward.path:
             raise ConfigError("reward=model needs the reward model's directory: reward.path=RUN_DIR/final "

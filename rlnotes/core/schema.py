@@ -346,7 +346,7 @@ class EvalConfig:
     batch_size: int = 100
     # Data settings that differ for evaluation, merged over `data` (e.g. {digits: 2}: train on
     # one-digit sums, evaluate on held-out two-digit ones); empty = the training data's eval split.
-    data: Dict[str, Any] = field(default_factory=dict)
+    data: Dict[str, Any] = field(default_factory=lambda: OmegaConf.create({}, flags={"struct": False}))
     # Scoring function (a built-in reward or an import path); null = the task's own checker
     # (e.g. number_match for arith), so shaping terms of the training reward do not count.
     reward: Optional[str] = None
