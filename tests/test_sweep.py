@@ -167,13 +167,14 @@ def test_summary_keeps_failed_members_last_and_history_tracks_the_best(tmp_path)
 
 def test_seeds_sweep_groups_members_and_a_failed_member_does_not_stop_it(tmp_path, monkeypatch, capsys):
     """`-m sweep.seeds=2 algo.beta=0,0.1`: four members; the one with seed 1 and beta 0.1 fails."""
+    from rlnotes.core.errors import TrainingError
     from rlnotes.training import loop as common
 
     train = common.train
 
     def failing(cfg, algo, run_dir, console):
         if cfg.seed == 1 and cfg.algo.beta == 0.1:
-            raise common.TrainingError("the loss is nan")
+            raise TrainingError("the loss is nan")
         return train(cfg, algo, run_dir, console)
 
     monkeypatch.setattr(common, "train", failing)

@@ -192,6 +192,9 @@ def validate(cfg) -> Algorithm:
         _check_engine(cfg)
     _check_episodes(cfg, algo)
     _check_checkpointing(cfg.trainer)
+    if cfg.sft_warmup.steps >= cfg.trainer.steps:
+        raise ConfigError(f"sft_warmup.steps={cfg.sft_warmup.steps} leaves none of trainer.steps={cfg.trainer.steps} "
+                          f"to algo={cfg.algo.name}: the warm-up steps are the run's first; raise trainer.steps")
     _check_micro_batch(cfg, algo)
     _check_layout(cfg)
     algo.check(cfg)

@@ -50,6 +50,9 @@ RANGES: Dict[str, tuple] = {
     "optim.lr": ("(0, 1]", "AdamW's step size, about how far each weight moves per step: above 1 the "
                            "weights are overwritten by noise"),
     "optim.weight_decay": (">= 0", "AdamW's decoupled weight decay"),
+    "sft_warmup.steps": (">= 0", "supervised steps before the algorithm's, within trainer.steps; 0 = none"),
+    "sft_warmup.batch_size": (">= 1", "demonstration rows per warm-up step"),
+    "sft_warmup.lr": ("(0, 1]", "AdamW's step size in the warm-up steps"),
     "optim.beta1": ("[0, 1)", "AdamW's decay rate of the gradient's running mean"),
     "optim.beta2": ("[0, 1)", "AdamW's decay rate of the squared gradient's running mean"),
     "optim.eps": ("> 0", "added to AdamW's denominator; 0 divides 0 by 0 wherever a gradient is 0, as LoRA's A "

@@ -99,6 +99,15 @@ def require(table: Table, needs: Dict[str, str]) -> None:
                 raise ConfigError(f"{table.where(i, column)}: missing, which {who} needs")
 
 
+def require_demonstrations(table: Table, column: str, who: str) -> None:
+    """Every row holds text in `column`, the demonstration that `who` (sft_warmup.steps=N) trains on."""
+    for i, row in enumerate(table.rows):
+        if not isinstance(row.get(column), str):
+            texts = sorted(k for k, v in row.items() if isinstance(v, str) and k != "prompt")
+            raise ConfigError(f"{who} trains on each row's demonstration, but {table.where(i, column)} has no text; "
+                              f"set sft_warmup.column to one of: {', '.join(texts) or '(no text columns)'}")
+
+
 def require_prompts(table: Table, who: str) -> None:
     """Every row has a prompt to sample from: a plain-text row ({"text": ...}) has none."""
     for i, row in enumerate(table.rows):

@@ -35,6 +35,7 @@ KEY_METRICS = (
     ("rm/accuracy", "rm acc", "max"),
     ("eval/rm_accuracy", "eval rm acc", "max"),
     ("eval/sft_loss", "eval loss", "min"),
+    ("sft_warmup/loss", "warm-up loss", None),
     ("kl/ref", "kl", None),
     ("loss", "loss", None),
     ("policy/entropy", "entropy", None),

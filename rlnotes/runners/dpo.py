@@ -28,8 +28,8 @@ from rlnotes.engine.sequences import Sequences, summed_logprobs
 from rlnotes.notes import DPO_LOSS_TYPES, dpo_implicit_rewards, dpo_loss
 from rlnotes.training.batching import micro_batches, row_totals
 from rlnotes.training.context import Context
-from rlnotes.training.loop import optimizer_step
 from rlnotes.training.offline import encode_pairs
+from rlnotes.training.optimizer import optimizer_step
 from rlnotes.training.sampling import next_rows
 
 

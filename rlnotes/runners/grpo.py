@@ -40,7 +40,7 @@ from rlnotes.notes import (
 )
 from rlnotes.training.batching import batch_totals, micro_batch_weight, micro_batches
 from rlnotes.training.context import Context
-from rlnotes.training.loop import optimizer_step
+from rlnotes.training.optimizer import optimizer_step
 from rlnotes.training.sampling import (
     eval_metrics,
     next_rows,

@@ -37,7 +37,7 @@ from rlnotes.notes import (
 from rlnotes.notes.reinforce import leave_one_out_baseline
 from rlnotes.training.batching import batch_totals, micro_batch_weight, micro_batches
 from rlnotes.training.context import Context, add_head
-from rlnotes.training.loop import optimizer_step
+from rlnotes.training.optimizer import optimizer_step
 from rlnotes.training.sampling import (
     eval_metrics,
     next_rows,

@@ -25,8 +25,8 @@ from rlnotes.notes import bradley_terry_loss
 from rlnotes.rewards.model import HEAD, make_head, sequence_rewards
 from rlnotes.training.batching import micro_batches, row_totals
 from rlnotes.training.context import Context, add_head
-from rlnotes.training.loop import optimizer_step
 from rlnotes.training.offline import encode_pairs
+from rlnotes.training.optimizer import optimizer_step
 from rlnotes.training.sampling import next_rows
 
 

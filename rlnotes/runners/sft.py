@@ -21,12 +21,11 @@ import torch
 from rlnotes.core.algorithm import Algorithm, Shape
 from rlnotes.core.schema import AlgoConfig
 from rlnotes.engine import distributed
-from rlnotes.engine.sequences import Sequences
-from rlnotes.notes import AGGREGATIONS, aggregate
+from rlnotes.notes import AGGREGATIONS
 from rlnotes.training.batching import batch_totals, micro_batch_weight, micro_batches
 from rlnotes.training.context import Context
-from rlnotes.training.loop import optimizer_step
-from rlnotes.training.offline import encode_rows
+from rlnotes.training.offline import encode_rows, nll
+from rlnotes.training.optimizer import optimizer_step
 from rlnotes.training.sampling import next_rows
 
 
@@ -38,17 +37,11 @@ class SFTConfig(AlgoConfig):
     aggregation: str = "token-mean"
 
 
-def nll(ctx: Context, seqs: Sequences) -> torch.Tensor:
-    """The aggregated negative log-likelihood of the completions of `seqs` (a scalar)."""
-    logp = ctx.policy.logprobs(seqs.input_ids, seqs.attention_mask, seqs.n_completion)
-    return aggregate(-logp, seqs.completion_mask, ctx.cfg.algo.aggregation)
-
-
 @torch.no_grad()
 def evaluate(ctx: Context) -> Dict[str, float]:
     """Held-out loss on the first eval.size rows (all: null) (one batch, exact for either aggregation)."""
     ctx.policy.eval()
-    loss = float(nll(ctx, encode_rows(ctx, ctx.eval_rows[:ctx.cfg.eval.size], "completion")))
+    loss = float(nll(ctx, encode_rows(ctx, ctx.eval_rows[:ctx.cfg.eval.size], "completion"), ctx.cfg.algo.aggregation))
     return {"eval/sft_loss": loss, "eval/sft_ppl": math.exp(min(loss, 50.0))}
 
 
@@ -64,7 +57,7 @@ def train_step(ctx: Context) -> Dict[str, float]:
         for idx in micro_batches(seqs.input_ids.shape[0], cfg.trainer.micro_batch_size):
             # 1-2. Completion-token NLL, this micro-batch's share of the batch's loss.
             chunk = seqs.select(idx)
-            loss = nll(ctx, chunk)
+            loss = nll(ctx, chunk, algo.aggregation)
             weight = micro_batch_weight(algo.aggregation, chunk.completion_mask, totals)
             (loss * weight).backward()
             loss_sum += float(loss.detach()) * weight

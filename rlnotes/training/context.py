@@ -19,7 +19,7 @@ from rich.console import Console
 from rlnotes.agents.conversation import Agents
 from rlnotes.core.algorithm import Algorithm
 from rlnotes.core.schema import preset_name
-from rlnotes.data.datasets import load_checked
+from rlnotes.data.datasets import load_checked, require_demonstrations
 from rlnotes.data.fitting import fit_and_split, max_positions
 from rlnotes.data.sampler import PromptSampler
 from rlnotes.data.tasks import Row
@@ -77,6 +77,8 @@ class Context:
     engine: Optional[object] = None
     # Multi-turn settings, tools and environment (rollout.tools / rollout.env); None: one turn.
     agents: Optional[Agents] = None
+    # The SFT warm-up's order over the train rows (training.warmup), made on its first step.
+    warmup_sampler: Optional[PromptSampler] = None
 
     def precision(self):
         """The forward passes' precision context (hardware.precision): bf16 autocast or nothing."""
@@ -103,6 +105,14 @@ def lr_lambda(schedule: str, warmup: int, total: int):
     return factor
 
 
+def schedule(cfg):
+    """The learning-rate factor of each optimizer step: optim.schedule over the steps after the SFT
+    warm-up (whose steps set their own rate, sft_warmup.lr), as if the run began after it."""
+    o, start = cfg.optim, cfg.sft_warmup.steps
+    factor = lr_lambda(o.schedule, o.warmup_steps, cfg.trainer.steps - start)
+    return lambda step: factor(max(step - start, 0))
+
+
 def setup(cfg, algo: Algorithm, run_dir: Path, console: Console, resume_from: Optional[Path] = None) -> Context:
     """Seeds, device, policy/reference, data, rewards, optimizer and the metrics log. The weights of
     `resume_from` are loaded before FSDP (hardware.strategy=fsdp) shards them."""
@@ -116,6 +126,8 @@ def setup(cfg, algo: Algorithm, run_dir: Path, console: Console, resume_from: Op
         # A data mistake fails before the model loads; evaluations that generate sample its prompts too.
         data = load_checked(cfg.data, algo, rewards.fns if rewards else [],
                             "eval.generate" if cfg.trainer.eval_every and cfg.eval.generate else None)
+        if cfg.sft_warmup.steps:
+            require_demonstrations(data.train, cfg.sft_warmup.column, f"sft_warmup.steps={cfg.sft_warmup.steps}")
         policy = Policy.from_config(cfg.model, device)
     threads = set_threads(cfg.hardware.threads, policy.model)
     policy.share_prompts = cfg.trainer.shared_prompt
@@ -131,7 +143,7 @@ def setup(cfg, algo: Algorithm, run_dir: Path, console: Console, resume_from: Op
     distributed.broadcast_parameters(params)  # every rank starts from rank 0's weights
     o = cfg.optim
     optimizer = torch.optim.AdamW(params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(o.schedule, o.warmup_steps, cfg.trainer.steps))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule(cfg))
     run_dir.mkdir(parents=True, exist_ok=True)
     main = distributed.is_main()  # rank 0 writes the run's files; with one process, this process
     if main:
@@ -171,13 +183,11 @@ def shard_policy(policy: Policy) -> None:
 
 def add_head(ctx: Context, name: str, head: torch.nn.Module) -> torch.nn.Module:
     """Train `head` from now on: into ctx.heads and the optimizer, with the same learning-rate
-    schedule (the scheduler is rebuilt, which is exact only before the first step)."""
+    schedule (the scheduler is rebuilt at the step the run has reached, e.g. after an SFT warm-up)."""
     ctx.heads[name] = head
     distributed.broadcast_parameters(head.parameters())  # a random init must be the same on every rank
-    ctx.optimizer.add_param_group({"params": list(head.parameters())})
-    o = ctx.cfg.optim
-    ctx.scheduler = torch.optim.lr_scheduler.LambdaLR(ctx.optimizer, lr_lambda(o.schedule, o.warmup_steps,
-                                                                               ctx.cfg.trainer.steps))
+    ctx.optimizer.add_param_group({"params": list(head.parameters()), "initial_lr": ctx.cfg.optim.lr})
+    ctx.scheduler = torch.optim.lr_scheduler.LambdaLR(ctx.optimizer, schedule(ctx.cfg), last_epoch=ctx.step - 1)
     return head
 
 

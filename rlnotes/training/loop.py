@@ -1,51 +1,26 @@
 """The train loop: resume from a checkpoint or start, the algorithm's train_step until
 trainer.steps optimizer steps, evaluations, checkpoints, and what a stop or an error leaves
-behind; then the final policy. The optimizer step the runners call is here too.
+behind; then the final policy. The first sft_warmup.steps steps are supervised (training.warmup).
 """
 
 from __future__ import annotations
 
 import errno
 import time
-import warnings
 from pathlib import Path
 from typing import Dict, List, Optional
 
-import torch
 from rich.console import Console
 from rich.markup import escape
 
 from rlnotes.core.algorithm import Algorithm
-from rlnotes.core.errors import SaveFailed, TrainingError
+from rlnotes.core.errors import SaveFailed
 from rlnotes.engine import distributed, fsdp
 from rlnotes.run import checkpoint, restore, rundir, signals, steplogs
 from rlnotes.run.logger import passed_multiple
 from rlnotes.training.context import Context, add_head, setup
 from rlnotes.training.sampling import eval_metrics
-
-
-def optimizer_step(ctx: Context) -> Dict[str, float]:
-    """Clip, step and schedule; a non-finite gradient skips the update (three in a row stop the run)."""
-    ctx.updating = True
-    params = ctx.policy.trainable_parameters() + [p for head in ctx.heads.values() for p in head.parameters()]
-    distributed.sum_gradients(params)  # each rank's loss is its share of the global batch's: their sum is the batch's
-    grad_norm = distributed.clip_grad_norm(params, ctx.cfg.optim.max_grad_norm)
-    lr = ctx.scheduler.get_last_lr()[0]
-    if torch.isfinite(grad_norm):
-        ctx.optimizer.step()
-        ctx.bad_steps = 0
-    else:
-        ctx.bad_steps += 1
-        ctx.console.print(f"[yellow]non-finite gradient (norm {float(grad_norm)}); update skipped[/]")
-        if ctx.bad_steps >= 3:
-            raise TrainingError("the loss gave non-finite gradients 3 steps in a row; lower optim.lr, "
-                                "check the reward for huge values, or set optim.max_grad_norm")
-    ctx.optimizer.zero_grad(set_to_none=True)
-    with warnings.catch_warnings():  # a skipped update still uses up its step of the schedule
-        warnings.filterwarnings("ignore", message=".*lr_scheduler.step.*")
-        ctx.scheduler.step()
-    ctx.step += 1
-    return {"optim/grad_norm": float(grad_norm), "optim/lr": lr, "optim/skipped": float(ctx.bad_steps > 0)}
+from rlnotes.training.warmup import warming_up, warmup_step
 
 
 def eval_due(previous: int, step: int, every: Optional[int], total: int) -> bool:
@@ -97,7 +72,7 @@ def _train(cfg, algo: Algorithm, run_dir: Path, console: Console) -> Dict[str, f
                 ctx.timers = {}
                 start = time.perf_counter()
                 with ctx.precision():
-                    metrics = algo.train_step(ctx)
+                    metrics = warmup_step(ctx) if warming_up(ctx) else algo.train_step(ctx)
                 metrics.update(ctx.timers, **{"time/step_s": time.perf_counter() - start})
                 # Ranks wait for the slowest; their tokens add up (all else is already the batch's).
                 metrics = distributed.reduce_metrics(metrics, {**{k: "max" for k in metrics if k.startswith("time/")},

@@ -1,14 +1,17 @@
 """Fixed (prompt, completion) rows of a run's data as model inputs, for the algorithms that learn
 from a dataset instead of sampling (DPO, SFT, reward models): rlnotes.engine.sequences.encode with
-the run's prompt settings, and the micro-batches of such rows.
+the run's prompt settings, and the likelihood of their completions.
 """
 
 from __future__ import annotations
 
 from typing import Optional
 
+import torch
+
 from rlnotes.data.settings import system_prompt
 from rlnotes.engine.sequences import Sequences, encode
+from rlnotes.notes import aggregate
 
 
 def encode_rows(ctx, rows, key: Optional[str]) -> Sequences:
@@ -18,6 +21,13 @@ def encode_rows(ctx, rows, key: Optional[str]) -> Sequences:
         [r["chosen"] for r in rows[:len(rows) // 2]] + [r["rejected"] for r in rows[len(rows) // 2:]]
     return encode(ctx.policy.tokenizer, [r["prompt"] for r in rows], completions, ctx.device,
                   ctx.cfg.model.chat_template, system_prompt(ctx.cfg))
+
+
+def nll(ctx, seqs: Sequences, aggregation: str) -> torch.Tensor:
+    """The negative log-likelihood of the completions of `seqs` under the policy, aggregated over
+    their tokens (rlnotes.notes.AGGREGATIONS; token-mean: every token weighs the same): a scalar."""
+    logp = ctx.policy.logprobs(seqs.input_ids, seqs.attention_mask, seqs.n_completion)
+    return aggregate(-logp, seqs.completion_mask, aggregation)
 
 
 def encode_pairs(ctx, rows) -> Sequences:

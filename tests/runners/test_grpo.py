@@ -63,7 +63,7 @@ def test_same_seed_same_run(tmp_path):
 
 def test_non_finite_loss_skips_updates_then_stops(tmp_path, monkeypatch):
     from rlnotes.runners import grpo
-    from rlnotes.training import loop as common
+    from rlnotes.core.errors import TrainingError
 
     real = grpo.grpo_loss
 
@@ -72,7 +72,7 @@ def test_non_finite_loss_skips_updates_then_stops(tmp_path, monkeypatch):
         return out._replace(loss=out.loss * float("nan"))
 
     monkeypatch.setattr(grpo, "grpo_loss", nan_loss)
-    with pytest.raises(common.TrainingError, match="non-finite"):
+    with pytest.raises(TrainingError, match="non-finite"):
         run(tmp_path, "trainer.steps=5")
     assert not (tmp_path / "final").exists()
 

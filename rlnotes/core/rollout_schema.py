@@ -1,0 +1,53 @@
+"""The rollout section of the typed config schema (rlnotes.core.schema): how completions and
+multi-turn episodes are sampled."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+
+@dataclass
+class RolloutConfig:
+    # Completion tokens at most (a completion that reaches it counts as truncated).
+    max_new_tokens: int = 16
+    # Sampling temperature; log-probs for the loss use the same temperature.
+    temperature: float = 1.0
+    # Nucleus sampling mass; 1.0 samples from the full distribution.
+    top_p: float = 1.0
+    # Draw each completion's tokens from random numbers keyed by (seed, step, the prompt's place in
+    # the global batch, its sample number), so a completion does not depend on which prompts share
+    # its batch or its process: 1 and N processes then sample the same completions. null = on when
+    # several processes train (torchrun), off with one (a single stream, torch.multinomial).
+    per_prompt_seed: Optional[bool] = None
+    # What samples: hf (a generate loop over the policy itself, in this process; the default) or
+    # vllm (a vLLM engine on this process's GPU, pip extra vllm; LoRA only: each step the adapter,
+    # not merged weights, goes to vLLM, and the trainer recomputes its own log-probs of the samples).
+    engine: str = "hf"
+    # vllm: the share of the GPU's memory vLLM may take (its weights and KV cache); training keeps the rest.
+    vllm_gpu_memory: float = 0.3
+    # vllm: truncated importance sampling (Yao et al. 2025): each token's policy-gradient term is
+    # weighted by min(pi_trainer / pi_vllm, C) with C this cap (they use 2), correcting for vLLM's
+    # numerics differing from the trainer's; null = no correction (the mismatch is logged either way).
+    tis_cap: Optional[float] = None
+    # Multi-turn episodes (rollout=multi_turn; rlnotes.engine.episodes): model turns per episode, each
+    # of at most max_new_tokens, with tool results or the environment's replies between them. 1 = one
+    # completion per prompt (tools and an environment that scores one turn still work).
+    max_turns: int = 1
+    # Tools the model may call: built-in names (calculator) or your functions, 'pkg.module:fn' or
+    # 'path/to/tools.py:fn', typed and with a docstring (their JSON schemas come from the signature).
+    tools: List[str] = field(default_factory=list)
+    # An environment, one instance per episode: a built-in name (letters) or 'pkg.module:Class' /
+    # 'path/to/env.py:Class' with reset(**row), and step(action) -> (observation, reward, done) or,
+    # as TRL's environment_factory takes, public methods that become tools and get_reward().
+    env: Optional[str] = None
+    # Tool calls an episode may make; calls past it get an error message and end the episode.
+    max_tool_calls: int = 8
+    # Tokens of an episode after its prompt, the model's and the observations' together; an
+    # observation that does not fit ends the episode (truncated). null = only the turns bound it.
+    max_episode_tokens: Optional[int] = None
+    # How tool calls are written: hermes (<tool_call>{"name": ..., "arguments": {...}}</tool_call>)
+    # or your parser 'pkg.module:fn' (text -> list of {"name", "arguments"}).
+    tool_format: str = "hermes"
+    # Seconds a tool call may take; past it the model gets an error message (null: no limit).
+    tool_timeout: Optional[float] = 10.0

@@ -1,0 +1,54 @@
+"""SFT warm-up: supervised steps on demonstrations before the algorithm's own, in the same run
+(sft_warmup; InstructGPT's first stage, Ouyang et al. 2022, ahead of its RL stage).
+
+The first `sft_warmup.steps` of trainer.steps each take `sft_warmup.batch_size` train rows (an order
+of their own, so the algorithm's steps then see the data from its start, as a separate run would)
+and minimise the token-mean negative log-likelihood of each row's demonstration (`sft_warmup.column`)
+given its prompt, at `sft_warmup.lr`. The next step starts the optimizer afresh (Adam's moments of
+the supervised gradients would otherwise scale the first policy-gradient steps), so the algorithm
+trains as a run from the warmed-up weights would. Checkpoints, stops and resumes work as for any
+step: the warm-up's data position is its step count.
+"""
+
+from __future__ import annotations
+
+from typing import Dict
+
+from rlnotes.data.sampler import PromptSampler
+from rlnotes.engine import distributed
+from rlnotes.training.batching import batch_totals, micro_batch_weight, micro_batches
+from rlnotes.training.context import Context
+from rlnotes.training.offline import encode_rows, nll
+from rlnotes.training.optimizer import optimizer_step
+
+
+def warming_up(ctx: Context) -> bool:
+    """Whether the next step is a warm-up step."""
+    return ctx.step < ctx.cfg.sft_warmup.steps
+
+
+def warmup_step(ctx: Context) -> Dict[str, float]:
+    """One supervised step on the next sft_warmup.batch_size rows (micro-batched like any step)."""
+    cfg, warm = ctx.cfg, ctx.cfg.sft_warmup
+    if ctx.warmup_sampler is None:  # made on this process's first warm-up step; a resumed run skips the batches done
+        ctx.warmup_sampler = PromptSampler(ctx.sampler.rows, warm.batch_size, cfg.seed + 1)
+        for _ in range(ctx.step):
+            ctx.warmup_sampler.next_batch()
+    seqs = encode_rows(ctx, distributed.shard(ctx.warmup_sampler.next_batch()), warm.column)
+    totals = batch_totals(seqs.completion_mask)
+    ctx.policy.train()
+    loss_sum = 0.0
+    with ctx.timed("policy"):
+        for idx in micro_batches(seqs.input_ids.shape[0], cfg.trainer.micro_batch_size):
+            chunk = seqs.select(idx)
+            loss = nll(ctx, chunk, "token-mean")
+            weight = micro_batch_weight("token-mean", chunk.completion_mask, totals)
+            (loss * weight).backward()
+            loss_sum += float(loss.detach()) * weight
+    for group in ctx.optimizer.param_groups:
+        group["lr"] = warm.lr  # the scheduler's step at the end sets the schedule's rate again
+    metrics = optimizer_step(ctx)
+    if ctx.step == warm.steps:
+        ctx.optimizer.state.clear()  # the algorithm's steps start with a fresh Adam
+    loss_sum = distributed.sum_over_ranks([loss_sum])[0]  # the ranks' shares of the batch's loss
+    return {**metrics, "optim/lr": warm.lr, "sft_warmup/loss": loss_sum, "perf/tokens": seqs.tokens()}
