@@ -159,6 +159,11 @@ def setup(cfg, algo: Algorithm, run_dir: Path, console: Console, resume_from: Op
                       f"{'prompts' if rewards else 'rows'} of a step", highlight=False)
     console.print(describe_batches(batch_arithmetic(cfg.trainer, algo.shape(cfg), len(train_rows))), highlight=False,
                   soft_wrap=True)
+    w = cfg.sft_warmup
+    if w.steps:
+        console.print(f"sft_warmup: the first {w.steps} of the {cfg.trainer.steps} steps learn the demonstrations in "
+                      f"column {w.column!r} ({w.batch_size} rows a step, lr {w.lr:g}); algo={cfg.algo.name} takes "
+                      f"the other {cfg.trainer.steps - w.steps}", highlight=False, soft_wrap=True)
     scorer = Rewards(checker_config(cfg), console) if cfg.trainer.eval_every and generates(cfg, algo) else None
     logger = (MetricsLogger.for_run(cfg.logging, cfg.trainer.steps, run_dir, console,
                                     sinks=open_sinks(cfg.logging, run_dir, OmegaConf.to_container(cfg, resolve=True)),
