@@ -96,3 +96,13 @@ def test_a_missing_demonstration_column_names_the_columns_there_are(tmp_path):
                                         "to one of: answer"):
         run(tmp_path, *ARITH, "sft_warmup.column=completion")
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_the_run_says_what_the_warmup_does(tmp_path, capsys):
+    from rlnotes.commands.cli import main
+
+    assert main(["train", *ARITH, f"hydra.run.dir={tmp_path}", "logging.progress=false"]) == 0
+    out = " ".join(capsys.readouterr().err.split())
+    assert "run: 3 optimizer steps = 3 batches = 24 prompts" in out
+    assert ("sft_warmup: first 3 supervised steps on the demonstrations in column 'answer' (8 rows a step, lr "
+            "0.001), then the 3 of algo=grpo above: trainer.steps=6 in all") in out

@@ -61,7 +61,8 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def batch_arithmetic(trainer, shape: Shape, train_rows: Optional[int] = None) -> Dict[str, object]:
+def batch_arithmetic(trainer, shape: Shape, train_rows: Optional[int] = None,
+                     steps: Optional[int] = None) -> Dict[str, object]:
     """The numbers a run derives from its `trainer` config section, before any model loads.
 
     Keys: unit (what a batch row is: prompts, pairs or rows), prompts_per_batch, completions_per_batch
@@ -72,9 +73,10 @@ def batch_arithmetic(trainer, shape: Shape, train_rows: Optional[int] = None) ->
     (completion tokens of a batch at most; None without sampling), prompts_seen (and
     prompts_seen_max with DAPO dynamic sampling), and epochs (over `train_rows`: the train split's
     size; None when unknown). `shape`: the algorithm's own arithmetic of a step (its declaration's
-    shape(cfg)).
+    shape(cfg)). `steps`: the algorithm's optimizer steps when not all of trainer.steps (an SFT warm-up
+    takes the first ones).
     """
-    b, steps = trainer.batch_size, trainer.steps
+    b, steps = trainer.batch_size, trainer.steps if steps is None else steps
     completions, minibatches, updates, per_update = shape.sequences, shape.minibatches, shape.updates, shape.per_update
     micro = trainer.micro_batch_size or per_update
     batches = _ceil_div(steps, updates)
