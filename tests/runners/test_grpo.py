@@ -62,8 +62,8 @@ def test_same_seed_same_run(tmp_path):
 
 
 def test_non_finite_loss_skips_updates_then_stops(tmp_path, monkeypatch):
-    from rlnotes.runners import grpo
     from rlnotes.core.errors import TrainingError
+    from rlnotes.runners import grpo
 
     real = grpo.grpo_loss
 
