@@ -33,6 +33,11 @@ def test_warmup_steps_come_first_at_their_own_rate_then_the_algorithm_with_a_fre
     assert moments[:2] != [0, 0] and moments[2] == 0  # Adam's moments of the warm-up are gone after its last step
 
 
+def test_optim_schedule_shapes_the_warmup_rate_over_its_own_steps(tmp_path):
+    rows = run(tmp_path, *ARITH, "optim.schedule=linear", "sft_warmup.lr=3e-3", "optim.lr=1e-4")
+    assert [r["optim/lr"] for r in rows] == pytest.approx([3e-3, 2e-3, 1e-3, 1e-4, 1e-4 * 2 / 3, 1e-4 / 3])
+
+
 def test_the_schedule_runs_over_the_steps_after_the_warmup():
     cfg = compose("sft_warmup.steps=3", "trainer.steps=13", "optim.schedule=linear")
     factor = schedule(cfg)

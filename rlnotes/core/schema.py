@@ -337,7 +337,7 @@ class SFTWarmupConfig:
     steps: int = 0
     # Rows per warm-up step (its own order over the train rows, seeded by `seed`).
     batch_size: int = 32
-    # Learning rate of the warm-up steps (optim.lr and its schedule apply to the steps after).
+    # Learning rate of the warm-up steps, shaped by optim.schedule over them (optim.lr: the steps after).
     lr: float = 1e-3
     # The train rows' column holding each demonstration, e.g. answer (arith) or completion.
     column: str = "completion"

@@ -4,7 +4,8 @@
 The first `sft_warmup.steps` of trainer.steps each take `sft_warmup.batch_size` train rows (an order
 of their own, so the algorithm's steps then see the data from its start, as a separate run would)
 and minimise the token-mean negative log-likelihood of each row's demonstration (`sft_warmup.column`)
-given its prompt, at `sft_warmup.lr`. The next step starts the optimizer afresh (Adam's moments of
+given its prompt, at `sft_warmup.lr` shaped by optim.schedule over the warm-up's steps (linear: down
+to 0 at its end; no optim.warmup_steps). The next step starts the optimizer afresh (Adam's moments of
 the supervised gradients would otherwise scale the first policy-gradient steps), so the algorithm
 trains as a run from the warmed-up weights would. Checkpoints, stops and resumes work as for any
 step: the warm-up's data position is its step count.
@@ -17,7 +18,7 @@ from typing import Dict
 from rlnotes.data.sampler import PromptSampler
 from rlnotes.engine import distributed
 from rlnotes.training.batching import batch_totals, micro_batch_weight, micro_batches
-from rlnotes.training.context import Context
+from rlnotes.training.context import Context, lr_lambda
 from rlnotes.training.offline import encode_rows, nll
 from rlnotes.training.optimizer import optimizer_step
 
@@ -45,10 +46,11 @@ def warmup_step(ctx: Context) -> Dict[str, float]:
             weight = micro_batch_weight("token-mean", chunk.completion_mask, totals)
             (loss * weight).backward()
             loss_sum += float(loss.detach()) * weight
+    lr = warm.lr * lr_lambda(cfg.optim.schedule, 0, warm.steps)(ctx.step)
     for group in ctx.optimizer.param_groups:
-        group["lr"] = warm.lr  # the scheduler's step at the end sets the schedule's rate again
+        group["lr"] = lr  # the scheduler's step at the end sets the algorithm's rate again
     metrics = optimizer_step(ctx)
     if ctx.step == warm.steps:
         ctx.optimizer.state.clear()  # the algorithm's steps start with a fresh Adam
     loss_sum = distributed.sum_over_ranks([loss_sum])[0]  # the ranks' shares of the batch's loss
-    return {**metrics, "optim/lr": warm.lr, "sft_warmup/loss": loss_sum, "perf/tokens": seqs.tokens()}
+    return {**metrics, "optim/lr": lr, "sft_warmup/loss": loss_sum, "perf/tokens": seqs.tokens()}
