@@ -10,7 +10,8 @@ the same training problems and held-out test problems (the experiment's, from rl
 code), the same chat prompt (the experiment's system prompt), LoRA (r16 on q/k/v/o, alpha 32), the
 recipe's SFT warm-up (TRL: its SFTTrainer on the same demonstrations, prompt-completion, loss on the
 completion only, then its GRPOTrainer on the same adapter), group size, prompts per step,
-temperature, completion length, learning rates, beta, clip range, the notes' GRPO loss (TRL: loss_type
+temperature, completion length, learning rates and their schedule (each stage its own, as rlnotes'
+optim.schedule shapes the warm-up and the steps after it apart), beta, clip range, the notes' GRPO loss (TRL: loss_type
 grpo, scale_rewards group), AdamW, float32, threads. What differs: the order the training rows come
 in (each tool shuffles its own way) and TRL's own evaluation (greedy, HF generate, batches of 100).
 
@@ -42,11 +43,11 @@ def recipe(seed: int, overrides: List[str]):
     """The experiment's config (rlnotes' own composition) and its train and test rows."""
     from rlnotes.commands.check import check
     from rlnotes.data.datasets import load_task
-    from rlnotes.training.evaluation import eval_data_config
+    from rlnotes.training.evaluation import eval_data
 
     cfg = check(["experiment=smollm2_arith", f"seed={seed}", *overrides], False, None)[0]
     train, _ = load_task(cfg.data)
-    _, test = load_task(eval_data_config(cfg))
+    _, test = load_task(eval_data(cfg))
     return cfg, train, test
 
 
@@ -125,7 +126,7 @@ def trl_worker(spec: dict) -> None:
             if step % spec["eval_every"] == 0 or step == spec["steps"]:
                 evaluate(model, step)
 
-    common = dict(optim="adamw_torch", lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
+    common = dict(optim="adamw_torch", lr_scheduler_type=spec["schedule"], warmup_steps=0, weight_decay=0.0,
                   adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, max_grad_norm=1.0,
                   gradient_checkpointing=False, bf16=False, fp16=False, use_cpu=True, logging_steps=1,
                   save_strategy="no", eval_strategy="no", report_to="none", seed=spec["seed"], disable_tqdm=True,
@@ -145,6 +146,7 @@ def trl_worker(spec: dict) -> None:
             sft.add_callback(Evaluations(0))
             clock["since"] = time.perf_counter()
             sft.train()
+            clock["train_s"] += time.perf_counter() - clock["since"]  # the steps after the last evaluation
             policy, peft_config = sft.model, None  # GRPO trains the same adapter on
         n = spec["prompts"] * spec["group"]
         config = GRPOConfig(output_dir=tmp, max_steps=spec["steps"] - warm, learning_rate=spec["lr"],
@@ -202,6 +204,7 @@ def main(argv: Optional[List[str]] = None) -> None:
             "steps": cfg.trainer.steps, "eval_every": cfg.trainer.eval_every, "prompts": cfg.trainer.batch_size,
             "group": a.group_size, "max_new_tokens": cfg.rollout.max_new_tokens,
             "temperature": cfg.rollout.temperature, "beta": a.beta, "clip_eps": a.clip_eps, "lr": cfg.optim.lr,
+            "schedule": cfg.optim.schedule,
             "warmup_steps": cfg.sft_warmup.steps, "warmup_lr": cfg.sft_warmup.lr,
             "warmup_batch": cfg.sft_warmup.batch_size, "out": str(args.out / f"trl-{args.seed}.json")}
     spec_path = args.out / f"trl-{args.seed}.spec.json"

@@ -5,9 +5,9 @@
     rlnotes eval model=smollm2-135m data=arith eval.out=runs/base-1digit         # one-digit, before
     python scripts/smollm2_arith_report.py runs/arith-0 runs/arith-1 --base runs/base-1digit
 
-Writes docs/smollm2_arith.png (reward and held-out two-digit accuracy against steps, one line per
-seed) and prints, per run: two-digit accuracy before and after, one-digit accuracy after, wall
-time, where a step's time went, generation tokens/s, and problems fixed by training.
+Writes docs/smollm2_arith.png (the warm-up's loss, GRPO's reward and held-out two-digit accuracy
+against steps, one line per seed) and prints, per run: two-digit accuracy at each evaluation,
+one-digit accuracy after, wall time, where the steps' time went, and problems fixed by training.
 """
 
 from __future__ import annotations
@@ -36,18 +36,24 @@ def report(run: Path) -> None:
     steps = [r for r in metrics if "time/step_s" in r]
     seed = OmegaConf.load(run / "config.yaml").seed
     one_digit = first_eval(run / "eval" / "final" / "eval.jsonl")
-    median = lambda key: statistics.median(r.get(key, 0.0) for r in steps)  # noqa: E731
+    warm = [r for r in steps if "sft_warmup/loss" in r]
+    rl = [r for r in steps if "sft_warmup/loss" not in r]
+    median = lambda key, of=rl: statistics.median(r.get(key, 0.0) for r in of) if of else 0.0  # noqa: E731
     print(f"## {run} (seed {seed})")
     best = max(r["eval/accuracy"] for r in evals)
     print(f"two-digit held-out greedy accuracy: {evals[0]['eval/accuracy']:.3f} (step 0) -> "
-          f"{evals[-1]['eval/accuracy']:.3f} (step {evals[-1]['step']}), best {best:.3f}")
+          f"{evals[-1]['eval/accuracy']:.3f} (step {evals[-1]['step']}), best {best:.3f}; at each evaluation: "
+          + ", ".join(f"{r['step']}: {r['eval/accuracy']:.3f}" for r in evals))
     print(f"one-digit accuracy after: {one_digit:.3f}" if one_digit is not None else
           "one-digit accuracy after: run `rlnotes eval eval.policy=RUN/final data.max_digits=null` first")
     print(f"wall time {metrics[-1]['time/elapsed_s'] / 60:.1f} min for {steps[-1]['step']} steps "
-          f"(evaluations {sum(r.get('time/eval_s', 0) for r in evals):.0f} s of it)")
-    print(f"median step {median('time/step_s'):.1f} s: generate {median('time/generate_s'):.1f} s, reference "
-          f"{median('time/reference_s'):.1f} s, policy {median('time/policy_s'):.1f} s; generation "
-          f"{median('perf/gen_tokens_per_s'):.0f} tokens/s")
+          f"(evaluations {sum(r.get('time/eval_s', 0) for r in evals):.0f} s of it; model loading before it not counted)")
+    if warm:
+        print(f"SFT warm-up: {len(warm)} steps, median {median('time/step_s', warm):.1f} s, "
+              f"{sum(r['time/step_s'] for r in warm):.0f} s in all")
+    print(f"{len(rl)} {OmegaConf.load(run / 'config.yaml').algo.name} steps: median {median('time/step_s'):.1f} s: "
+          f"generate {median('time/generate_s'):.1f} s, reference {median('time/reference_s'):.1f} s, policy "
+          f"{median('time/policy_s'):.1f} s; generation {median('perf/gen_tokens_per_s'):.0f} tokens/s")
     before = rows(run / "eval" / f"step_{evals[0]['step']:06d}.jsonl")
     after = rows(run / "eval" / f"step_{evals[-1]['step']:06d}.jsonl")
     fixed = [(b, a) for b, a in zip(before, after) if not b["correct"] and a["correct"]]
@@ -64,9 +70,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("docs/smollm2_arith.png"))
     args = parser.parse_args()
     names = [f"seed {OmegaConf.load(run / 'config.yaml').seed}" for run in args.runs]
-    plot_metrics(args.runs, ["reward/mean", "eval/accuracy"], args.out, names=names,
-                 title="SmolLM2-135M-Instruct, GRPO + LoRA on 2 CPU cores: reward (left), "
-                       "held-out two-digit accuracy (right)")
+    plot_metrics(args.runs, ["sft_warmup/loss", "reward/mean", "eval/accuracy"], args.out, names=names,
+                 title="SmolLM2-135M-Instruct, SFT warm-up then GRPO, LoRA, 2 CPU cores: warm-up loss, "
+                       "GRPO reward, held-out two-digit accuracy")
     print(f"figure: {args.out}")
     if args.base:
         print(f"base model, one-digit accuracy: {first_eval(args.base / 'eval.jsonl'):.3f}")
