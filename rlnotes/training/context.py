@@ -157,14 +157,7 @@ def setup(cfg, algo: Algorithm, run_dir: Path, console: Console, resume_from: Op
         console.print(f"{world} processes ({cfg.hardware.strategy}, {distributed.backend()} on {device.type}): each "
                       f"trains on {cfg.trainer.batch_size // world} of the {cfg.trainer.batch_size} "
                       f"{'prompts' if rewards else 'rows'} of a step", highlight=False)
-    w = cfg.sft_warmup
-    console.print(describe_batches(batch_arithmetic(cfg.trainer, algo.shape(cfg), len(train_rows),
-                                                    cfg.trainer.steps - w.steps)), highlight=False, soft_wrap=True)
-    if w.steps:
-        console.print(f"sft_warmup: first {w.steps} supervised steps on the demonstrations in column {w.column!r} "
-                      f"({w.batch_size} rows a step, lr {w.lr:g}), then the {cfg.trainer.steps - w.steps} of "
-                      f"algo={cfg.algo.name} above: trainer.steps={cfg.trainer.steps} in all",
-                      highlight=False, soft_wrap=True)
+    describe_steps(cfg, algo, len(train_rows), console)
     scorer = Rewards(checker_config(cfg), console) if cfg.trainer.eval_every and generates(cfg, algo) else None
     logger = (MetricsLogger.for_run(cfg.logging, cfg.trainer.steps, run_dir, console,
                                     sinks=open_sinks(cfg.logging, run_dir, OmegaConf.to_container(cfg, resolve=True)),
@@ -176,6 +169,18 @@ def setup(cfg, algo: Algorithm, run_dir: Path, console: Console, resume_from: Op
                    rewards=rewards, logger=logger, console=console,
                    generator=torch.Generator(device).manual_seed(cfg.seed), scorer=scorer, engine=engine,
                    agents=agents)
+
+
+def describe_steps(cfg, algo: Algorithm, train_rows: int, console: Console) -> None:
+    """The run's batch arithmetic (rlnotes.run.diagnostics) and what an SFT warm-up adds, in a line each."""
+    w = cfg.sft_warmup
+    console.print(describe_batches(batch_arithmetic(cfg.trainer, algo.shape(cfg), train_rows,
+                                                    cfg.trainer.steps - w.steps)), highlight=False, soft_wrap=True)
+    if w.steps:
+        console.print(f"sft_warmup: first {w.steps} supervised steps on the demonstrations in column {w.column!r} "
+                      f"({w.batch_size} rows a step, lr {w.lr:g}), then the {cfg.trainer.steps - w.steps} of "
+                      f"algo={cfg.algo.name} above: trainer.steps={cfg.trainer.steps} in all",
+                      highlight=False, soft_wrap=True)
 
 
 def shard_policy(policy: Policy) -> None:
