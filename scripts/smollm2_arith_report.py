@@ -1,7 +1,7 @@
 """The README's figures and numbers for `rlnotes train experiment=smollm2_arith`, from its run dirs.
 
     rlnotes train experiment=smollm2_arith seed=0 hydra.run.dir=runs/arith-0     # and seed=1 ...
-    rlnotes eval eval.policy=runs/arith-0/final data.max_digits=null             # one-digit, after
+    rlnotes eval eval.policy=runs/arith-0/final 'eval.data={digits: 1, max_digits: null}'  # one-digit, after
     rlnotes eval model=smollm2-135m data=arith eval.out=runs/base-1digit         # one-digit, before
     python scripts/smollm2_arith_report.py runs/arith-0 runs/arith-1 --base runs/base-1digit
 
@@ -45,7 +45,7 @@ def report(run: Path) -> None:
           f"{evals[-1]['eval/accuracy']:.3f} (step {evals[-1]['step']}), best {best:.3f}; at each evaluation: "
           + ", ".join(f"{r['step']}: {r['eval/accuracy']:.3f}" for r in evals))
     print(f"one-digit accuracy after: {one_digit:.3f}" if one_digit is not None else
-          "one-digit accuracy after: run `rlnotes eval eval.policy=RUN/final data.max_digits=null` first")
+          "one-digit accuracy after: run `rlnotes eval eval.policy=RUN/final 'eval.data={digits: 1, max_digits: null}'` first")
     print(f"wall time {metrics[-1]['time/elapsed_s'] / 60:.1f} min for {steps[-1]['step']} steps "
           f"(evaluations {sum(r.get('time/eval_s', 0) for r in evals):.0f} s of it; model loading before it not counted)")
     if warm:
