@@ -20,11 +20,9 @@ import torch
 
 from rlnotes.core.algorithm import Algorithm, Shape
 from rlnotes.core.schema import AlgoConfig
-from rlnotes.engine import distributed
 from rlnotes.notes import AGGREGATIONS
-from rlnotes.training.batching import batch_totals, micro_batch_weight, micro_batches
 from rlnotes.training.context import Context
-from rlnotes.training.offline import encode_rows, nll
+from rlnotes.training.offline import encode_rows, nll, nll_backward
 from rlnotes.training.optimizer import optimizer_step
 from rlnotes.training.sampling import next_rows
 
@@ -46,24 +44,14 @@ def evaluate(ctx: Context) -> Dict[str, float]:
 
 
 def train_step(ctx: Context) -> Dict[str, float]:
-    cfg, algo, policy = ctx.cfg, ctx.cfg.algo, ctx.policy
+    algo = ctx.cfg.algo
     metrics: Dict[str, float] = {}
 
     seqs = encode_rows(ctx, next_rows(ctx), "completion")
-    totals = batch_totals(seqs.completion_mask)  # the global batch's tokens and rows
-    policy.train()
-    loss_sum = 0.0
-    with ctx.timed("policy"):
-        for idx in micro_batches(seqs.input_ids.shape[0], cfg.trainer.micro_batch_size):
-            # 1-2. Completion-token NLL, this micro-batch's share of the batch's loss.
-            chunk = seqs.select(idx)
-            loss = nll(ctx, chunk, algo.aggregation)
-            weight = micro_batch_weight(algo.aggregation, chunk.completion_mask, totals)
-            (loss * weight).backward()
-            loss_sum += float(loss.detach()) * weight
+    # 1-2. Completion-token NLL, micro-batch by micro-batch, each its share of the batch's loss.
+    loss_sum = nll_backward(ctx, seqs, algo.aggregation)
     # 3. One optimizer step per batch.
     metrics.update(optimizer_step(ctx))
-    loss_sum = distributed.sum_over_ranks([loss_sum])[0]  # the ranks' shares of the batch's loss
     metrics.update({"loss": loss_sum, "sft/ppl": math.exp(min(loss_sum, 50.0)), "perf/tokens": seqs.tokens()})
     return metrics
 

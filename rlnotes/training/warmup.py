@@ -17,9 +17,8 @@ from typing import Dict
 
 from rlnotes.data.sampler import PromptSampler
 from rlnotes.engine import distributed
-from rlnotes.training.batching import batch_totals, micro_batch_weight, micro_batches
 from rlnotes.training.context import Context, lr_lambda
-from rlnotes.training.offline import encode_rows, nll
+from rlnotes.training.offline import encode_rows, nll_backward
 from rlnotes.training.optimizer import optimizer_step
 
 
@@ -36,21 +35,11 @@ def warmup_step(ctx: Context) -> Dict[str, float]:
         for _ in range(ctx.step):
             ctx.warmup_sampler.next_batch()
     seqs = encode_rows(ctx, distributed.shard(ctx.warmup_sampler.next_batch()), warm.column)
-    totals = batch_totals(seqs.completion_mask)
-    ctx.policy.train()
-    loss_sum = 0.0
-    with ctx.timed("policy"):
-        for idx in micro_batches(seqs.input_ids.shape[0], cfg.trainer.micro_batch_size):
-            chunk = seqs.select(idx)
-            loss = nll(ctx, chunk, "token-mean")
-            weight = micro_batch_weight("token-mean", chunk.completion_mask, totals)
-            (loss * weight).backward()
-            loss_sum += float(loss.detach()) * weight
+    loss_sum = nll_backward(ctx, seqs, "token-mean")
     lr = warm.lr * lr_lambda(cfg.optim.schedule, 0, warm.steps)(ctx.step)
     for group in ctx.optimizer.param_groups:
         group["lr"] = lr  # the scheduler's step at the end sets the algorithm's rate again
     metrics = optimizer_step(ctx)
     if ctx.step == warm.steps:
         ctx.optimizer.state.clear()  # the algorithm's steps start with a fresh Adam
-    loss_sum = distributed.sum_over_ranks([loss_sum])[0]  # the ranks' shares of the batch's loss
     return {**metrics, "optim/lr": lr, "sft_warmup/loss": loss_sum, "perf/tokens": seqs.tokens()}
