@@ -7,7 +7,7 @@ from omegaconf import OmegaConf
 from rlnotes.core.schema import TinyModelConfig
 from rlnotes.engine.models import tiny_model, tiny_tokenizer
 from rlnotes.engine.policy import sequence_logprobs
-from rlnotes.engine.rollout import encode_prompts, generate, top_p_filter
+from rlnotes.engine.rollout import encode_prompts, generate, next_tokens, top_p_filter
 
 PROMPTS = ["Write the letter a:", "What is 2+3?", "Hi"]
 
@@ -84,3 +84,14 @@ def test_top_p_keeps_the_smallest_nucleus():
     assert kept.tolist() == [[True, True, False, False]]
     assert torch.isfinite(top_p_filter(logits, 0.81)).sum() == 3
     assert torch.isfinite(top_p_filter(logits, 1.0)).all()
+
+
+def test_sampled_tokens_follow_the_probabilities():
+    # One uniform number per row through the cumulative distribution, the generator's stream:
+    # frequencies match the (unnormalised) probabilities, zero-probability tokens never come up.
+    probs = torch.tensor([[0.2, 0.0, 1.2, 0.6]]).expand(40_000, 4)
+    tokens = next_tokens(probs.log(), 1.0, False, None, 0, torch.Generator().manual_seed(3))
+    freq = torch.bincount(tokens, minlength=4) / 40_000
+    assert freq[1] == 0 and torch.allclose(freq, probs[0] / 2.0, atol=0.01), freq
+    again = next_tokens(probs.log(), 1.0, False, None, 0, torch.Generator().manual_seed(3))
+    assert torch.equal(tokens, again)

@@ -18,8 +18,12 @@ class RolloutConfig:
     # Draw each completion's tokens from random numbers keyed by (seed, step, the prompt's place in
     # the global batch, its sample number), so a completion does not depend on which prompts share
     # its batch or its process: 1 and N processes then sample the same completions. null = on when
-    # several processes train (torchrun), off with one (a single stream, torch.multinomial).
+    # several processes train (torchrun), off with one (a single random stream).
     per_prompt_seed: Optional[bool] = None
+    # Sample with each LoRA layer's update merged into a copy of its float32 weight, W + (alpha/r) B A:
+    # one matmul per layer instead of three (the same outputs up to rounding), for the adapted layers'
+    # weights in extra memory while sampling. false samples through the adapter as it trains.
+    merge_adapter: bool = True
     # What samples: hf (a generate loop over the policy itself, in this process; the default) or
     # vllm (a vLLM engine on this process's GPU, pip extra vllm; LoRA only: each step the adapter,
     # not merged weights, goes to vLLM, and the trainer recomputes its own log-probs of the samples).

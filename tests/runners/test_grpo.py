@@ -33,8 +33,11 @@ def test_micro_batches_give_the_same_step(tmp_path, aggregation):
     split = run(tmp_path / "split", *common, "trainer.micro_batch_size=1")
     for a, b in zip(whole, split):
         assert a["reward/mean"] == b["reward/mean"]  # same samples
-        for key in ("loss", "optim/grad_norm", "kl/ref", "policy/clip_frac"):
+        for key in ("optim/grad_norm", "kl/ref", "policy/clip_frac"):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-7), key
+        # The loss sums per-token terms of size ~|A| ~ 1 that cancel to nearly 0 (A sums to 0 in a
+        # group): float32 summation in another order moves it by ~1e-7 per hundred tokens.
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=2e-6)
 
 
 def test_several_updates_per_batch_clip_the_ratio(tmp_path):

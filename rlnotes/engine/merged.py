@@ -1,0 +1,79 @@
+"""Sampling through merged LoRA weights.
+
+A LoRA layer computes W x + s B (A x): three matmuls, and on a CPU about as much time again in
+peft's Python around them. Generation runs one token at a time, where that overhead is most of a
+small layer's cost, so while sampling each adapted layer is swapped for a plain one with the
+adapter folded into a copy of its weight,
+
+    W' = W + s B A        (s = alpha / r),
+
+which computes the same function (up to float rounding) in one matmul. The base weights are never
+written, so the reference (adapter off) and training see exactly what they saw before.
+
+Only float32 weights are merged: in bfloat16 or float16 the small update s B A would mostly be lost
+to W's rounding. Layers with a LoRA variant (DoRA and others), a LoRA bias, or sharded (FSDP)
+weights stay as they are.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, List, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+
+class MergedLinear(torch.nn.Module):
+    """y = x W'^T + b with W' = W + s B A computed once: a LoRA layer as one plain linear map."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.weight, self.bias = weight, bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+Slot = Tuple[torch.nn.Module, str, torch.nn.Module]  # (parent, attribute name, LoRA layer)
+
+
+def lora_slots(model: torch.nn.Module) -> List[Slot]:
+    """Every peft LoRA linear layer of `model`, with where it hangs in the module tree."""
+    from peft.tuners.lora import Linear as LoraLinear
+
+    return [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+            if isinstance(child, LoraLinear)]
+
+
+def _mergeable(layer) -> bool:
+    base = layer.base_layer
+    adapters = [a for a in layer.active_adapters if a in layer.lora_A]
+    return (type(base) is torch.nn.Linear and base.weight.dtype == torch.float32
+            and not isinstance(base.weight, DTensor) and not layer.merged and not layer.disable_adapters
+            and all(a not in layer.lora_variant and not layer.lora_bias[a] for a in adapters))
+
+
+def merged_weight(layer) -> torch.Tensor:
+    """W + sum over the active adapters of s B A, for a peft LoRA linear layer (a new tensor)."""
+    weight = layer.base_layer.weight.detach().clone()
+    for adapter in layer.active_adapters:
+        if adapter in layer.lora_A:
+            weight += layer.get_delta_weight(adapter).detach()
+    return weight
+
+
+@contextlib.contextmanager
+def merged_adapters(slots: List[Slot]) -> Iterator[None]:
+    """Within the block, each mergeable LoRA layer of `slots` replaced by its MergedLinear; the LoRA
+    layers (and their weights, untouched) back in place after it."""
+    swapped = [(parent, name, layer) for parent, name, layer in slots if _mergeable(layer)]
+    with torch.no_grad():
+        for parent, name, layer in swapped:
+            setattr(parent, name, MergedLinear(merged_weight(layer), layer.base_layer.bias))
+    try:
+        yield
+    finally:
+        for parent, name, layer in swapped:
+            setattr(parent, name, layer)
