@@ -22,6 +22,8 @@ from torch.distributed.tensor import DTensor
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from rlnotes.engine.fsdp import is_sharded
+from rlnotes.engine.merged import lora_slots, merged_adapters
 from rlnotes.engine.models import load_base, usual_modes
 
 # Logits of at most this many floats exist at once in head_logprobs (64 MB in float32): 341 positions
@@ -75,14 +77,19 @@ class _FrozenHeadLogprobs(torch.autograd.Function):
 
 
 def head_logprobs(hidden: torch.Tensor, head: torch.nn.Module, tokens: torch.Tensor, temperature: float = 1.0,
-                  entropy: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                  entropy: bool = False, real: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """(log softmax(head(h) / T)[token] [B, n], entropy of that softmax [B, n] or None) from hidden
-    states h [B, n, d] and tokens [B, n], in float32, LOGIT_CHUNK logits at a time.
+    states h [B, n, d] and tokens [B, n], in float32, LOGIT_CHUNK logits at a time. `real` [B, n]
+    (bool): the positions that need them; the others (padding) get 0 and no pass through the head.
 
     A frozen linear head (LoRA, and every no-grad pass) keeps no logits for the backward pass
     (_FrozenHeadLogprobs); a trainable one (model.lora=null, or an adapter on the head) goes through
     autograd chunk by chunk, keeping each chunk's log-softmax for its backward pass.
     """
+    if real is not None and not bool(real.all()):
+        logp, ent = head_logprobs(hidden[real], head, tokens[real], temperature, entropy)
+        spread = lambda x: x.new_zeros(tokens.shape).masked_scatter(real, x)  # noqa: E731
+        return spread(logp), (spread(ent) if entropy else None)
     shape, flat, flat_tokens = tokens.shape, hidden.reshape(-1, hidden.shape[-1]), tokens.reshape(-1)
     chunk = max(1, LOGIT_CHUNK // head.weight.shape[0])
     frozen = not torch.is_grad_enabled() or not any(p.requires_grad for p in head.parameters())
@@ -175,10 +182,12 @@ def sequence_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tens
     """Log-probs [B, n_completion] of the last `n_completion` tokens of each row.
 
     Rows are [left-padded prompt | completion]; position ids follow the attention mask so
-    padding never shifts positions, and only the completion positions reach the LM head.
+    padding never shifts positions, and only the completion's real tokens reach the LM head (0
+    on its padding).
     """
     hidden = completion_states(model, input_ids, attention_mask, n_completion, share_prompts)
-    return head_logprobs(hidden, model.get_output_embeddings(), input_ids[:, -n_completion:], temperature)[0]
+    return head_logprobs(hidden, model.get_output_embeddings(), input_ids[:, -n_completion:], temperature,
+                         real=attention_mask[:, -n_completion:].bool())[0]
 
 
 class Policy:
@@ -190,6 +199,7 @@ class Policy:
         self.uses_lora = reference is None
         self._modules: list = []      # the policy's modules, whose training flag train() sets (listed on first use)
         self._lora_layers: list = []  # the adapter's layers, which reference() switches off (found on first use)
+        self._slots: Optional[list] = None  # the LoRA linear layers and their parents, which sampling() merges
         # Rows with the same prompt forward it once (trainer.shared_prompt; see completion_states).
         self.share_prompts = share_prompts
 
@@ -241,6 +251,19 @@ class Policy:
                     layer.enable_adapters(True)
         else:
             yield self._reference
+
+    @contextlib.contextmanager
+    def sampling(self, merge: bool = True) -> Iterator[torch.nn.Module]:
+        """The model to sample with: the policy, its LoRA layers merged into copies of their weights
+        (rlnotes.engine.merged: same outputs, faster token by token) unless `merge` is off or FSDP
+        shards the weights."""
+        if not merge or is_sharded(self.model):
+            yield self.model
+            return
+        if self._slots is None:
+            self._slots = lora_slots(self.model)
+        with merged_adapters(self._slots):
+            yield self.model
 
     def _find_lora_layers(self) -> list:
         from peft.tuners.tuners_utils import BaseTunerLayer

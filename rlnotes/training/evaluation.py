@@ -29,7 +29,7 @@ from rlnotes.data.datasets import load_checked
 from rlnotes.data.fitting import fit_and_split
 from rlnotes.data.settings import system_prompt
 from rlnotes.data.tasks import TASK_REWARDS
-from rlnotes.engine.rollout import encode_prompts, generate
+from rlnotes.engine.rollout import Rollout, encode_prompts, generate
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -91,25 +91,17 @@ def evaluate(policy, cfg, rows: List[dict], scorer, step: int = 0) -> Evaluation
     samples: List[dict] = []
     lengths, truncated = [], []
     agents = Agents.of(cfg.rollout)
-    for start in range(0, len(rows), e.batch_size):
-        batch = rows[start:start + e.batch_size]
-        if agents is not None:  # multi-turn: whole episodes, scored as in training
-            conversations, rollout = run_episodes(agents, policy.model, policy.tokenizer, batch, n, cfg.rollout,
-                                                  cfg.model.chat_template, system_prompt(cfg), generator,
-                                                  greedy=e.greedy, max_new_tokens=max_new)
-            rewards, _ = score_episodes(scorer, batch, conversations, rollout, n)
-        else:
-            ids = encode_prompts(policy.tokenizer, [r["prompt"] for r in batch], cfg.model.chat_template,
-                                 system_prompt(cfg))
-            rollout = generate(policy.model, policy.tokenizer, ids, n, max_new, cfg.rollout.temperature,
-                               cfg.rollout.top_p, generator, greedy=e.greedy)
-            rewards, _ = scorer.score_groups(batch, rollout.texts, rollout.token_lists(), n)
-        lengths += rollout.completion_mask.sum(-1).tolist()
-        truncated += rollout.truncated.tolist()
-        for i, (text, reward) in enumerate(zip(rollout.texts, rewards.tolist())):
-            row = batch[i // n]
-            samples.append({"prompt": row["prompt"], "completion": text, "reward": reward, "correct": reward >= 1.0,
-                            **{k: v for k, v in row.items() if k != "prompt"}})
+    with policy.sampling(cfg.rollout.merge_adapter) as model:
+        for start in range(0, len(rows), e.batch_size):
+            batch = rows[start:start + e.batch_size]
+            rollout, rewards = _sample_and_score(model, policy.tokenizer, cfg, agents, batch, n, max_new, generator,
+                                                 scorer)
+            lengths += rollout.completion_mask.sum(-1).tolist()
+            truncated += rollout.truncated.tolist()
+            for i, (text, reward) in enumerate(zip(rollout.texts, rewards.tolist())):
+                row = batch[i // n]
+                samples.append({"prompt": row["prompt"], "completion": text, "reward": reward,
+                                "correct": reward >= 1.0, **{k: v for k, v in row.items() if k != "prompt"}})
     if was_training:
         policy.train()
     correct = [s["correct"] for s in samples]
@@ -122,6 +114,21 @@ def evaluate(policy, cfg, rows: List[dict], scorer, step: int = 0) -> Evaluation
         for k in sorted({1, n}):
             metrics[f"eval/pass@{k}"] = sum(pass_at_k(n, c, k) for c in per_prompt) / len(per_prompt)
     return Evaluation(metrics, samples)
+
+
+def _sample_and_score(model, tokenizer, cfg, agents, batch: List[dict], n: int, max_new: int, generator,
+                      scorer) -> tuple[Rollout, torch.Tensor]:
+    """n completions (multi-turn: whole episodes, scored as in training) for each row of `batch`, and
+    their rewards."""
+    e = cfg.eval
+    if agents is not None:
+        conversations, rollout = run_episodes(agents, model, tokenizer, batch, n, cfg.rollout, cfg.model.chat_template,
+                                              system_prompt(cfg), generator, greedy=e.greedy, max_new_tokens=max_new)
+        return rollout, score_episodes(scorer, batch, conversations, rollout, n)[0]
+    ids = encode_prompts(tokenizer, [r["prompt"] for r in batch], cfg.model.chat_template, system_prompt(cfg))
+    rollout = generate(model, tokenizer, ids, n, max_new, cfg.rollout.temperature, cfg.rollout.top_p, generator,
+                       greedy=e.greedy)
+    return rollout, scorer.score_groups(batch, rollout.texts, rollout.token_lists(), n)[0]
 
 
 def write(evaluation: Evaluation, out_dir: Path, step: int, samples_name: Optional[str] = None) -> None:

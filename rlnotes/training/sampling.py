@@ -81,17 +81,19 @@ def sample(ctx: Context, rows: List[Row], group_size: int,
     if ctx.engine is not None:
         ctx.engine.sync(ctx.policy, ctx.step)
     if ctx.agents is not None:
-        conversations, rollout = run_episodes(ctx.agents, ctx.policy.model, ctx.policy.tokenizer, rows, group_size,
-                                              cfg.rollout, cfg.model.chat_template, system_prompt(cfg),
-                                              ctx.generator, keys, engine=ctx.engine)
+        with ctx.policy.sampling(cfg.rollout.merge_adapter and ctx.engine is None) as model:
+            conversations, rollout = run_episodes(ctx.agents, model, ctx.policy.tokenizer, rows, group_size,
+                                                  cfg.rollout, cfg.model.chat_template, system_prompt(cfg),
+                                                  ctx.generator, keys, engine=ctx.engine)
         return rollout, conversations
     prompt_ids = encode_prompts(ctx.policy.tokenizer, [r["prompt"] for r in rows], cfg.model.chat_template,
                                 system_prompt(cfg))
     if ctx.engine is not None:
         seeds = keys[::group_size].tolist() if keys is not None else None
         return ctx.engine.generate(prompt_ids, group_size, seeds, ctx.device), None
-    return generate(ctx.policy.model, ctx.policy.tokenizer, prompt_ids, group_size, cfg.rollout.max_new_tokens,
-                    cfg.rollout.temperature, cfg.rollout.top_p, ctx.generator, keys=keys), None
+    with ctx.policy.sampling(cfg.rollout.merge_adapter) as model:
+        return generate(model, ctx.policy.tokenizer, prompt_ids, group_size, cfg.rollout.max_new_tokens,
+                        cfg.rollout.temperature, cfg.rollout.top_p, ctx.generator, keys=keys), None
 
 
 def trainer_state(ctx: Context) -> TrainerState:
