@@ -64,10 +64,12 @@ def group_batch(vocab, prompt_lengths=(5, 11, 2), group=3, max_completion=7, see
 
 
 def plain_logprobs(model, ids, attn, n, temperature=1.0):
-    """The textbook pass: every row whole, full logits, log_softmax."""
+    """The textbook pass: every row whole, full logits, log_softmax; log-prob and entropy of each real
+    completion token, 0 on padding (which no loss reads, and the fast pass leaves out)."""
     logits = model(input_ids=ids, attention_mask=attn, position_ids=position_ids(attn), use_cache=False).logits
     log_pi = F.log_softmax(logits[:, -n - 1:-1].float() / temperature, -1)
-    return log_pi.gather(-1, ids[:, -n:, None]).squeeze(-1), -(log_pi.exp() * log_pi).sum(-1)
+    real = attn[:, -n:]
+    return log_pi.gather(-1, ids[:, -n:, None]).squeeze(-1) * real, -(log_pi.exp() * log_pi).sum(-1) * real
 
 
 def grads(model, loss):
@@ -198,6 +200,25 @@ def test_head_logprobs_chunks_and_matches_log_softmax(monkeypatch):
     g = torch.randn(3, 5)
     torch.testing.assert_close(torch.autograd.grad((logp * g + ent).sum(), hidden)[0],
                                torch.autograd.grad((expected * g + expected_ent).sum(), hidden)[0])
+
+
+@pytest.mark.parametrize("trainable", [False, True])
+def test_head_logprobs_skip_padding(trainable):
+    # Only the real positions go through the head: their log-probs, entropies and gradients are the
+    # full computation's, padding gets 0 (and no gradient), a head with LoRA-style trainable weights too.
+    head = torch.nn.Linear(4, 11).requires_grad_(trainable)
+    hidden = torch.randn(3, 5, 4, requires_grad=True)
+    tokens = torch.randint(0, 11, (3, 5))
+    real = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]]).bool()
+    full, full_ent = head_logprobs(hidden, head, tokens, 0.7, entropy=True)
+    logp, ent = head_logprobs(hidden, head, tokens, 0.7, entropy=True, real=real)
+    torch.testing.assert_close(logp, full * real)
+    torch.testing.assert_close(ent, full_ent * real)
+    g = torch.randn(3, 5)
+    got = torch.autograd.grad((logp * g + ent).sum(), hidden)[0]
+    expected = torch.autograd.grad(((full * g + full_ent) * real).sum(), hidden)[0]
+    torch.testing.assert_close(got, expected)
+    assert (got[~real] == 0).all()
 
 
 def test_autocast_runs_the_shared_pass():

@@ -31,12 +31,12 @@ def logprobs_and_values(model, head, input_ids, attention_mask, n_completion: in
     """(log pi [B, n], V(s_t) [B, n], entropy H(pi(. | s_t)) [B, n] or None) from ONE forward pass.
 
     Rows are [left-padded prompt | completion], as for policy.sequence_logprobs (rows with the
-    same prompt share its pass when share_prompts); only the completion positions reach the LM
+    same prompt share its pass when share_prompts); only the completion's real tokens reach the LM
     head. The exact entropy needs a full softmax per token, so it is computed only when asked for.
     """
     hidden = completion_states(model, input_ids, attention_mask, n_completion, share_prompts)
     logp, ent = head_logprobs(hidden, model.get_output_embeddings(), input_ids[:, -n_completion:], temperature,
-                              entropy)
+                              entropy, real=attention_mask[:, -n_completion:].bool())
     return logp, _values(head, hidden), ent
 
 
