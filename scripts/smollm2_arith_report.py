@@ -45,9 +45,11 @@ def report(run: Path) -> None:
           f"{evals[-1]['eval/accuracy']:.3f} (step {evals[-1]['step']}), best {best:.3f}; at each evaluation: "
           + ", ".join(f"{r['step']}: {r['eval/accuracy']:.3f}" for r in evals))
     print(f"one-digit accuracy after: {one_digit:.3f}" if one_digit is not None else
-          "one-digit accuracy after: run `rlnotes eval eval.policy=RUN/final 'eval.data={digits: 1, max_digits: null}'` first")
+          "one-digit accuracy after: run "
+          "`rlnotes eval eval.policy=RUN/final 'eval.data={digits: 1, max_digits: null}'` first")
     print(f"wall time {metrics[-1]['time/elapsed_s'] / 60:.1f} min for {steps[-1]['step']} steps "
-          f"(evaluations {sum(r.get('time/eval_s', 0) for r in evals):.0f} s of it; model loading before it not counted)")
+          f"(evaluations {sum(r.get('time/eval_s', 0) for r in evals):.0f} s of it; "
+          "model loading before it not counted)")
     if warm:
         print(f"SFT warm-up: {len(warm)} steps, median {median('time/step_s', warm):.1f} s, "
               f"{sum(r['time/step_s'] for r in warm):.0f} s in all")

@@ -77,7 +77,8 @@ class _FrozenHeadLogprobs(torch.autograd.Function):
 
 
 def head_logprobs(hidden: torch.Tensor, head: torch.nn.Module, tokens: torch.Tensor, temperature: float = 1.0,
-                  entropy: bool = False, real: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                  entropy: bool = False,
+                  real: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """(log softmax(head(h) / T)[token] [B, n], entropy of that softmax [B, n] or None) from hidden
     states h [B, n, d] and tokens [B, n], in float32, LOGIT_CHUNK logits at a time. `real` [B, n]
     (bool): the positions that need them; the others (padding) get 0 and no pass through the head.
