@@ -145,7 +145,8 @@ FULL_KEY = re.compile(r"full_key: (\S+)")
 NOT_OVERRIDDEN = re.compile(r"Could not override '([^']+)'")
 # private (error text): OmegaConf's refusal of a value: "Value 'x' of type 'str' could not be
 # converted to Integer", or "Invalid value 'x', expected one of [...]" for a choice.
-BAD_VALUE = re.compile(r"(Value '.*?' (?:of type '\w+' )?could not be converted to \w+|Invalid value '.*?'.*)")
+BAD_VALUE = re.compile(r"(Value '.*?' (?:of type '\w+' )?could not be converted to \w+|Invalid value '.*?'.*"
+                       r"|Value '.*?' is not a valid bool)")
 
 
 @dataclass
@@ -176,7 +177,8 @@ def read_error(exc: BaseException) -> Problem:
         return Problem("unknown_key", first, key=key or (named.group(1) if named else "?"))
     if "could not be converted" in full or "Invalid value" in full or "ValidationError" in type(cause or exc).__name__:
         what = BAD_VALUE.search(full)
-        return Problem("bad_value", what.group(1) if what else text.splitlines()[0], key=key)
+        line = what.group(1) if what else text.splitlines()[0]
+        return Problem("bad_value", line + (" (true or false)" if line.endswith("valid bool") else ""), key=key)
     if "Ambiguous value" in full:
         return Problem("ambiguous", first, key=key)
     if "Missing mandatory value" in full or "missing value" in full.lower():
