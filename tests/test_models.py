@@ -326,3 +326,41 @@ def test_a_whole_model_dir_passes_the_checks(saved_tiny):
     from rlnotes.engine.model_files import model_dir_problems
 
     assert model_dir_problems(saved_tiny) == []
+
+
+def test_grouped_attention_on_cpu_gives_the_same_log_probs_and_gradients(monkeypatch):
+    """Padded rows through a model with 2 key/value heads for 4 query heads: SDPA's own grouped
+    attention (models.grouped_attention_on_cpu) against transformers' copies of the heads."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.integrations import sdpa_attention
+
+    from rlnotes.engine.policy import sequence_logprobs
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa"))
+    ids = torch.randint(1, 40, (4, 9))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = mask[2, :1] = 0        # left padding
+    mask[1, -2:] = 0                     # completion padding
+
+    def pass_with(rule):
+        monkeypatch.setattr(sdpa_attention, "use_gqa_in_sdpa", rule)
+        model.zero_grad()
+        logp = sequence_logprobs(model, ids, mask, 5, share_prompts=False)
+        (logp * mask[:, -5:]).sum().backward()
+        return logp.detach(), [p.grad.clone() for p in model.parameters()]
+
+    grouped = []
+    real_sdpa = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda *a, **kw: grouped.append(kw.get("enable_gqa", False)) or real_sdpa(*a, **kw))
+    copied = pass_with(lambda *_: False)
+    assert grouped and not any(grouped)
+    grouped.clear()
+    models.grouped_attention_on_cpu()
+    ours = pass_with(sdpa_attention.use_gqa_in_sdpa)
+    assert grouped and all(grouped)
+    torch.testing.assert_close(ours[0], copied[0], rtol=1e-6, atol=1e-6)
+    for a, b in zip(ours[1], copied[1]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)  # key/value gradients add over heads in another order

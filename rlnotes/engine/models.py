@@ -168,8 +168,29 @@ def usual_modes(path: Path) -> None:
         p.chmod((0o777 if p.is_dir() else 0o666) & ~umask)
 
 
+def grouped_attention_on_cpu() -> None:
+    """Hand grouped-query attention (fewer key/value heads than query heads: SmolLM2 has 3 for 9) to
+    torch's SDPA as it is on CPU, instead of transformers copying each key/value head for its query
+    heads first. transformers does that only without a padding mask, since on CUDA a mask sends
+    grouped SDPA to the slow math kernel; on CPU the kernel is the same and the outputs equal to the
+    bit, the training pass ~10% faster and keeping a third of the keys and values for the backward
+    pass (SmolLM2, 8 x 4 x 32: 214 MB less). Other devices keep transformers' rule. Installed once."""
+    from transformers.integrations import sdpa_attention
+
+    rule = sdpa_attention.use_gqa_in_sdpa
+    if getattr(rule, "on_cpu", False):
+        return
+
+    def use_gqa(attention_mask, key, value) -> bool:
+        return (key.device.type == "cpu" and key.shape[-1] == value.shape[-1]) or rule(attention_mask, key, value)
+
+    use_gqa.on_cpu = True
+    sdpa_attention.use_gqa_in_sdpa = use_gqa
+
+
 def load_base(cfg, dtype: torch.dtype = torch.float32) -> Tuple[torch.nn.Module, PreTrainedTokenizerFast]:
     """(model, tokenizer) for `cfg.name_or_path`; the tokenizer pads on the left, as sampling needs."""
+    grouped_attention_on_cpu()
     name = cfg.name_or_path
     if name == TINY:
         tokenizer = tiny_tokenizer()
