@@ -48,3 +48,21 @@ def set_step(name: str, fn) -> None:
     from rlnotes.runners import REGISTRY
 
     REGISTRY[name] = dataclasses.replace(REGISTRY[name], train_step=fn)
+
+
+def record_passes(monkeypatch) -> list:
+    """The sizes of every cut the token budget makes from here on (lists of chunk sizes, one per
+    batch or minibatch cut), recorded around rlnotes.training.batching.micro_batches."""
+    from rlnotes.training import batching, offline
+
+    cuts, real = [], batching.micro_batches
+
+    def recorded(n, size, budget=None, tokens=None):
+        chunks = real(n, size, budget, tokens)
+        if budget is not None and not size:
+            cuts.append([len(c) for c in chunks])
+        return chunks
+
+    monkeypatch.setattr(batching, "micro_batches", recorded)
+    monkeypatch.setattr(offline, "micro_batches", recorded)
+    return cuts

@@ -6,7 +6,14 @@ import torch
 
 from rlnotes.engine.rollout import Rollout
 from rlnotes.notes import AGGREGATIONS, aggregate
-from rlnotes.training.batching import batch_totals, micro_batch_weight, micro_batches
+from rlnotes.training.batching import (
+    activation_bytes,
+    batch_totals,
+    micro_batch_weight,
+    micro_batches,
+    pass_tokens,
+    token_budget,
+)
 
 LENGTHS = [3, 7, 1, 5, 2, 6]   # uneven completions; the widest is 7 tokens
 
@@ -61,3 +68,58 @@ def test_the_batch_length_of_seq_mean_token_sum_norm_is_its_longest_completion()
     # sum / (2 rows * 2) of the chunk, as a share of sum / (6 rows * 7) of the batch
     assert micro_batch_weight("seq-mean-token-sum-norm", chunk.completion_mask,
                               batch_totals(batch.completion_mask)) == pytest.approx(4 / 42)
+
+
+# ---------------------------------------------------------------------------------------------
+# The token budget (trainer.micro_batch_tokens / micro_batch_memory)
+
+def test_the_token_budget_cuts_the_fewest_even_chunks():
+    cost = torch.tensor([5, 9, 2, 7, 4, 8, 3])           # tokens each row adds to its pass
+    tokens = lambda idx: int(cost[idx].sum())  # noqa: E731
+    # One pass holds 38 tokens; two even ones [0-3] 23 and [4-6] 15; three [0-2] 16, [3-4] 11, [5-6] 11.
+    assert [c.tolist() for c in micro_batches(7, None, 16, tokens)] == [[0, 1, 2], [3, 4], [5, 6]]
+    assert [c.tolist() for c in micro_batches(7, None, 23, tokens)] == [[0, 1, 2, 3], [4, 5, 6]]
+    assert [c.tolist() for c in micro_batches(7, None, 38, tokens)] == [list(range(7))]
+
+
+def test_a_row_over_the_budget_makes_every_pass_one_row():
+    chunks = micro_batches(3, None, 4, lambda idx: 5 * len(idx))
+    assert [c.tolist() for c in chunks] == [[0], [1], [2]]
+
+
+def test_micro_batch_size_wins_over_the_budget_and_no_budget_is_one_pass():
+    tokens = lambda idx: 100 * len(idx)  # noqa: E731
+    assert [len(c) for c in micro_batches(6, 4, 50, tokens)] == [4, 2]
+    assert [len(c) for c in micro_batches(6, None, None, tokens)] == [6]
+    assert micro_batches(0, None, 50, tokens) == []
+
+
+def test_pass_tokens_count_a_shared_prompt_once_and_the_padding():
+    # Rows 0-2 share a prompt of 2 tokens (left-padded to 3), rows 3-4 another of 3; completions of 1-4 tokens.
+    prompt_ids = torch.tensor([[0, 7, 8]] * 3 + [[5, 6, 9]] * 2)
+    prompt_mask = torch.tensor([[0, 1, 1]] * 3 + [[1, 1, 1]] * 2)
+    real = (torch.arange(4) < torch.tensor([1, 4, 2, 3, 1])[:, None]).float()
+    shared = pass_tokens(prompt_ids, prompt_mask, real, share_prompts=True)
+    assert shared(torch.arange(5)) == 2 * 3 + 5 * 4       # two prompts of width 3, five rows of width 4
+    assert shared(torch.tensor([3, 4])) == 1 * 3 + 2 * 3  # trimmed to the longest of the chunk's completions
+    assert pass_tokens(prompt_ids, prompt_mask, real, share_prompts=False)(torch.arange(5)) == 5 * (3 + 4)
+    assert pass_tokens(prompt_ids, prompt_mask, real, True, trimmed=False)(torch.tensor([3, 4])) == 3 + 2 * 4
+
+
+def test_the_budget_is_micro_batch_tokens_else_micro_batch_memory_over_the_activations_a_token():
+    from types import SimpleNamespace
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                         num_attention_heads=4))
+    per_token = 3 * (12 * 32 + 3 * 64) * 4                 # layers x (12 hidden + 3 intermediate) float32 values
+    assert activation_bytes(model) == per_token
+    trainer = lambda tokens, memory: SimpleNamespace(micro_batch_tokens=tokens, micro_batch_memory=memory)  # noqa: E731
+    assert token_budget(trainer(500, 1.0), model) == 500
+    assert token_budget(trainer(None, 1.0), model) == 2**30 // per_token
+    assert token_budget(trainer(None, None), model) is None
+    # Without gradients a pass holds one layer's activations at a time: the model's 3 layers' budget.
+    assert token_budget(trainer(500, 1.0), model, grad=False) == 3 * 500
+    assert token_budget(trainer(None, None), model, grad=False) is None
+    assert activation_bytes(model.to(torch.bfloat16)) == per_token // 2

@@ -41,7 +41,14 @@ def test_grpo_default_batches():
     assert a == {"unit": "prompts", "prompts_per_batch": 8, "completions_per_batch": 32, "micro_batch_size": 32,
                  "micro_batches": 1, "minibatches": 1, "updates_per_batch": 1, "batches": 60, "optimizer_steps": 60,
                  "max_tokens_per_batch": 32 * 16, "prompts_seen": 480, "prompts_seen_max": 480,
-                 "epochs": 0.48, "epochs_max": 0.48}
+                 "epochs": 0.48, "epochs_max": 0.48, "micro_batch_tokens": None, "micro_batch_memory": 1.0}
+    # Without trainer.micro_batch_size the passes are cut by a token budget, as each batch's lengths need.
+    assert "; micro-batches of at most 1 GiB of activations; " in describe_batches(a)
+    tokens = arith(compose("trainer.micro_batch_tokens=1024"))
+    assert (tokens["micro_batch_tokens"], tokens["micro_batch_memory"]) == (1024, None)
+    assert "; micro-batches of at most 1,024 tokens; " in describe_batches(tokens)
+    sized = arith(compose("trainer.micro_batch_size=8", "trainer.micro_batch_tokens=1024"))
+    assert (sized["micro_batch_tokens"], sized["micro_batch_memory"], sized["micro_batches"]) == (None, None, 4)
 
 
 def test_grpo_epochs_and_micro_batches():

@@ -44,7 +44,9 @@ def check_choice(key: str, value: Any, choices) -> None:
 RANGES: Dict[str, tuple] = {
     "trainer.steps": (">= 1", "optimizer steps"),
     "trainer.batch_size": (">= 1", "prompts, pairs or rows per step"),
-    "trainer.micro_batch_size": (">= 1", "completions per forward/backward pass; null = all at once"),
+    "trainer.micro_batch_size": (">= 1", "completions per forward/backward pass; null = by micro_batch_tokens"),
+    "trainer.micro_batch_tokens": (">= 1", "tokens per forward/backward pass at most; null = by micro_batch_memory"),
+    "trainer.micro_batch_memory": ("> 0", "GiB of activations a forward/backward pass keeps at most; null = no limit"),
     "trainer.log_every": (">= 1", "steps per metrics row"),
     "trainer.eval_every": (">= 1", "steps between evaluations; null = never"),
     "optim.lr": ("(0, 1]", "AdamW's step size, about how far each weight moves per step: above 1 the "

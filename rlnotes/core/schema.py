@@ -184,8 +184,16 @@ class TrainerConfig:
     steps: int = 60
     # Prompts per step (each gives algo.group_size completions).
     batch_size: int = 8
-    # Completions per forward/backward pass; null = all at once. Changes memory, not the math.
+    # Completions per forward/backward pass; null = micro_batch_tokens decides. Changes memory, not the math.
     micro_batch_size: Optional[int] = None
+    # Without micro_batch_size: the most tokens one forward/backward pass holds (a shared prompt once,
+    # padding included); each step cuts its batch into the fewest even micro-batches within it.
+    # null = from micro_batch_memory. Changes memory, not the math.
+    micro_batch_tokens: Optional[int] = None
+    # Without either: GiB of activations one pass may keep for its backward pass, as a token budget
+    # from the model's shape (SmolLM2-135M keeps ~1.4 MB a token: 1 GiB is ~780 tokens; the tiny
+    # test model ~10 kB). null = the whole batch in one pass.
+    micro_batch_memory: Optional[float] = 1.0
     # Rows that share a prompt (a prompt's G completions, a DPO pair) forward it once in the training,
     # old-policy, reference and value passes: P + G*R tokens instead of G*(P+R), with the same
     # log-probs, values and gradients (to float rounding). false = every row forwards its own prompt.

@@ -67,7 +67,8 @@ def batch_arithmetic(trainer, shape: Shape, train_rows: Optional[int] = None,
 
     Keys: unit (what a batch row is: prompts, pairs or rows), prompts_per_batch, completions_per_batch
     (sequences the policy scores per batch: B*G sampled, 2B for pairs), micro_batch_size and
-    micro_batches (forward/backward passes per optimizer step), minibatches (optimizer steps per
+    micro_batches (forward/backward passes per optimizer step; with a token budget instead, its
+    micro_batch_tokens or micro_batch_memory, the passes depend on each batch's lengths), minibatches (optimizer steps per
     pass over a batch), updates_per_batch (optimizer steps per batch), batches (batches sampled or
     read; PPO: at least, target_kl can stop a batch early), optimizer_steps, max_tokens_per_batch
     (completion tokens of a batch at most; None without sampling), prompts_seen (and
@@ -79,6 +80,7 @@ def batch_arithmetic(trainer, shape: Shape, train_rows: Optional[int] = None,
     b, steps = trainer.batch_size, trainer.steps if steps is None else steps
     completions, minibatches, updates, per_update = shape.sequences, shape.minibatches, shape.updates, shape.per_update
     micro = trainer.micro_batch_size or per_update
+    tokens = None if trainer.micro_batch_size else trainer.micro_batch_tokens
     batches = _ceil_div(steps, updates)
     seen = batches * b
     rounds = shape.rounds
@@ -88,6 +90,8 @@ def batch_arithmetic(trainer, shape: Shape, train_rows: Optional[int] = None,
         "completions_per_batch": completions,
         "micro_batch_size": micro,
         "micro_batches": _ceil_div(per_update, micro),
+        "micro_batch_tokens": tokens,
+        "micro_batch_memory": None if trainer.micro_batch_size or tokens else trainer.micro_batch_memory,
         "minibatches": minibatches,
         "updates_per_batch": updates,
         "batches": batches,
@@ -116,7 +120,12 @@ def describe_batches(a: Mapping[str, object]) -> str:
     parts.append(steps)
     what = "completions" if unit == "prompts" else unit
     passes = a["micro_batches"]
-    parts.append(f"micro-batches of {a['micro_batch_size']} {what} ({passes} per optimizer step)")
+    if a.get("micro_batch_tokens"):
+        parts.append(f"micro-batches of at most {a['micro_batch_tokens']:,} tokens")
+    elif a.get("micro_batch_memory"):
+        parts.append(f"micro-batches of at most {a['micro_batch_memory']:g} GiB of activations")
+    else:
+        parts.append(f"micro-batches of {a['micro_batch_size']} {what} ({passes} per optimizer step)")
     if a["max_tokens_per_batch"] is not None:
         parts.append(f"at most {a['max_tokens_per_batch']:,} completion tokens per batch")
     seen = f"{a['prompts_seen']:,}"

@@ -28,7 +28,7 @@ from rlnotes.engine.sequences import Sequences, summed_logprobs
 from rlnotes.notes import DPO_LOSS_TYPES, dpo_implicit_rewards, dpo_loss
 from rlnotes.training.batching import micro_batches, row_totals
 from rlnotes.training.context import Context
-from rlnotes.training.offline import encode_pairs
+from rlnotes.training.offline import encode_pairs, pair_micro_batches
 from rlnotes.training.optimizer import optimizer_step
 from rlnotes.training.sampling import next_rows
 
@@ -105,7 +105,7 @@ def evaluate(ctx: Context) -> Dict[str, float]:
 
 
 def train_step(ctx: Context) -> Dict[str, float]:
-    cfg, algo, policy = ctx.cfg, ctx.cfg.algo, ctx.policy
+    algo, policy = ctx.cfg.algo, ctx.policy
     metrics: Dict[str, float] = {}
     if algo.precompute_ref and "ref" not in ctx.cache:
         with ctx.timed("reference"):
@@ -116,7 +116,7 @@ def train_step(ctx: Context) -> Dict[str, float]:
     sums = {"loss": 0.0, "dpo/chosen_reward": 0.0, "dpo/rejected_reward": 0.0, "dpo/margin": 0.0,
             "dpo/accuracy": 0.0}
     tokens = 0.0
-    for idx in micro_batches(len(rows), cfg.trainer.micro_batch_size):
+    for idx in pair_micro_batches(ctx, rows):
         chunk, share = [rows[i] for i in idx], len(idx) / totals.rows  # the chunk's share of the global batch
         seqs = encode_pairs(ctx, chunk)
         n = len(chunk)

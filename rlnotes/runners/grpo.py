@@ -38,12 +38,13 @@ from rlnotes.notes import (
     grpo_loss,
     informative_groups,
 )
-from rlnotes.training.batching import batch_totals, micro_batch_weight, micro_batches
+from rlnotes.training.batching import batch_totals, micro_batch_weight, rollout_micro_batches
 from rlnotes.training.context import Context
 from rlnotes.training.optimizer import optimizer_step
 from rlnotes.training.sampling import (
     eval_metrics,
     next_rows,
+    reference_logprobs,
     rollout_metrics,
     sample_and_score,
     tis_weights,
@@ -132,14 +133,13 @@ def train_step(ctx: Context) -> Dict[str, float]:
     # 3. Group-normalised advantage, one per completion (none on a rank dynamic sampling left empty).
     advantages = group_advantages(rewards, algo.group_size, scale_by_std=algo.scale_by_std) if len(rewards) else rewards
 
-    # 4. Reference log-probs, micro-batch by micro-batch.
-    chunks = micro_batches(len(rollout), cfg.trainer.micro_batch_size)
+    # 4. Reference log-probs of the sampled tokens (no gradients: passes as large as the budget allows).
+    chunks = rollout_micro_batches(ctx, rollout)
     batches = [rollout.select(idx) for idx in chunks]
     ref = [None] * len(chunks)
     if algo.beta > 0:
-        with ctx.timed("reference"):
-            ref = [policy.ref_logprobs(b.input_ids, b.attention_mask, b.completion_ids.shape[1], temperature)
-                   for b in batches]
+        ref_all = reference_logprobs(ctx, rollout)
+        ref = [ref_all[idx, :b.completion_ids.shape[1]] for idx, b in zip(chunks, batches)]
 
     # 5. mu policy updates on this batch; one optimizer step per pass.
     policy.train()

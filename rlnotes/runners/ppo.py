@@ -44,7 +44,7 @@ from rlnotes.notes import (
     ppo_loss,
 )
 from rlnotes.notes.ppo import PPOLoss
-from rlnotes.training.batching import batch_totals, micro_batch_weight, micro_batches
+from rlnotes.training.batching import batch_totals, micro_batch_weight, rollout_micro_batches
 from rlnotes.training.context import Context, add_head
 from rlnotes.training.optimizer import optimizer_step
 from rlnotes.training.sampling import (
@@ -117,6 +117,14 @@ def batch_explained_variance(old_values: torch.Tensor, returns: torch.Tensor, ma
     return float(1 - var_d / var_r.clamp(min=1e-8))
 
 
+def add_shares(sums: Dict[str, float], out: PPOLoss, weight: float, share: float) -> None:
+    """Add a micro-batch's part of its minibatch's logged means to `sums`: its loss weight for the
+    aggregated losses, its `share` of the tokens for the token means, so no cut changes the log."""
+    for key, value, part in (("loss", out.loss.detach(), weight), ("value/loss", out.value_loss, weight),
+                             ("policy/clip_frac", out.clip_frac, share), ("policy/approx_kl", out.approx_kl, share)):
+        sums[key] += float(value) * part
+
+
 def minibatch_loss(ctx: Context, b, adv, returns, old_values) -> PPOLoss:
     """PPO's loss on the rollout rows `b` (trimmed to width w), with its parts for the log."""
     cfg, algo = ctx.cfg, ctx.cfg.algo
@@ -143,7 +151,7 @@ def train_step(ctx: Context) -> Dict[str, float]:
     metrics.update(rollout_metrics(rollout, rewards, algo.group_size))
     mask, n = rollout.completion_mask, rollout.completion_ids.shape[1]
     input_ids, attention_mask = rollout.input_ids, rollout.attention_mask
-    chunks = micro_batches(len(rollout), cfg.trainer.micro_batch_size)
+    chunks = rollout_micro_batches(ctx, rollout, grad=False)  # the value pass
 
     # 2. The batch's fixed quantities: log pi_ref and V_old, one no-grad pass each.
     policy.eval()
@@ -168,18 +176,16 @@ def train_step(ctx: Context) -> Dict[str, float]:
             epoch_kl, order = 0.0, torch.randperm(len(rollout), generator=ctx.generator, device=ctx.device)
             for mb in order.split(algo.minibatch_size // distributed.world_size()):
                 totals = batch_totals(mask[mb])  # the minibatch's tokens and sequences on every rank
-                for part in micro_batches(len(mb), cfg.trainer.micro_batch_size):
+                for part in rollout_micro_batches(ctx, rollout, mb):
                     idx = mb[part]
                     b = rollout.select(idx)
                     w = b.completion_ids.shape[1]
                     out = minibatch_loss(ctx, b, adv[idx, :w], returns[idx, :w], old_values[idx, :w])
                     weight = micro_batch_weight(algo.aggregation, b.completion_mask, totals, model_token_limit(cfg.rollout))
                     (out.loss * weight).backward()
-                    sums["loss"] += float(out.loss.detach()) * weight
-                    for key, value in (("value/loss", out.value_loss), ("policy/clip_frac", out.clip_frac),
-                                       ("policy/approx_kl", out.approx_kl)):
-                        sums[key] += float(value) * len(idx) / totals.rows
-                    epoch_kl += float(out.approx_kl) * len(idx) / n_global
+                    share = float(b.completion_mask.sum()) / max(totals.tokens, 1.0)  # of the minibatch's tokens
+                    add_shares(sums, out, weight, share)
+                    epoch_kl += float(out.approx_kl) * share * totals.rows / n_global
                 metrics.update(optimizer_step(ctx))
                 updates += 1
                 if ctx.step >= cfg.trainer.steps:

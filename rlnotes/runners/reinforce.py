@@ -35,7 +35,7 @@ from rlnotes.notes import (
     value_loss,
 )
 from rlnotes.notes.reinforce import leave_one_out_baseline
-from rlnotes.training.batching import batch_totals, micro_batch_weight, micro_batches
+from rlnotes.training.batching import batch_totals, micro_batch_weight, rollout_micro_batches
 from rlnotes.training.context import Context, add_head
 from rlnotes.training.optimizer import optimizer_step
 from rlnotes.training.sampling import (
@@ -106,7 +106,7 @@ def train_step(ctx: Context) -> Dict[str, float]:
     rollout, rewards, metrics = sample_and_score(ctx, rows, algo.group_size)
     metrics.update(rollout_metrics(rollout, rewards, algo.group_size))
     mask = rollout.completion_mask
-    chunks = micro_batches(len(rollout), cfg.trainer.micro_batch_size)
+    chunks = rollout_micro_batches(ctx, rollout)
 
     # 2. Per-token rewards; the KL uses the sampled log-probs (pi itself: one step per batch).
     token_rewards, metrics["kl/ref"] = penalized_token_rewards(ctx, rollout, rewards, algo.beta, algo.kl_estimator)

@@ -25,7 +25,7 @@ from rlnotes.notes import bradley_terry_loss
 from rlnotes.rewards.model import HEAD, make_head, sequence_rewards
 from rlnotes.training.batching import micro_batches, row_totals
 from rlnotes.training.context import Context, add_head
-from rlnotes.training.offline import encode_pairs
+from rlnotes.training.offline import encode_pairs, pair_micro_batches
 from rlnotes.training.optimizer import optimizer_step
 from rlnotes.training.sampling import next_rows
 
@@ -64,7 +64,6 @@ def evaluate(ctx: Context) -> Dict[str, float]:
 
 
 def train_step(ctx: Context) -> Dict[str, float]:
-    cfg = ctx.cfg
     metrics: Dict[str, float] = {}
 
     rows = next_rows(ctx)
@@ -73,7 +72,7 @@ def train_step(ctx: Context) -> Dict[str, float]:
     sums = {"loss": 0.0, "rm/accuracy": 0.0, "rm/margin": 0.0, "rm/chosen_reward": 0.0}
     tokens = 0.0
     with ctx.timed("policy"):
-        for idx in micro_batches(len(rows), cfg.trainer.micro_batch_size):
+        for idx in pair_micro_batches(ctx, rows):
             share = len(idx) / totals.rows  # the chunk's share of the global batch
             # 1. Rewards of chosen and rejected completions in one pass.
             chosen, rejected, chunk_tokens = pair_rewards(ctx, [rows[i] for i in idx])

@@ -1,23 +1,89 @@
 """Micro-batches: one path for every runner. A batch is cut into index chunks of at most
-trainer.micro_batch_size rows; each chunk's loss, times its weight, is its share of the global
-batch's loss (every rank's rows), so that accumulating the chunks' gradients (and summing them
-over ranks) gives the gradient of one pass over the whole batch, whatever the chunk size.
+trainer.micro_batch_size rows or, without it, of at most trainer.micro_batch_tokens tokens a pass;
+each chunk's loss, times its weight, is its share of the global batch's loss (every rank's rows),
+so that accumulating the chunks' gradients (and summing them over ranks) gives the gradient of one
+pass over the whole batch, whatever the chunk size.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 import torch
 
 from rlnotes.engine import distributed
+from rlnotes.engine.rollout import Rollout
 from rlnotes.notes import aggregation_divisor
 
 
-def micro_batches(n: int, size: int | None) -> List[torch.Tensor]:
-    """Index chunks of at most `size` (null: all n at once); none when n is 0 (a rank left without rows)."""
-    return list(torch.arange(n).split(size or n)) if n else []
+def micro_batches(n: int, size: int | None, budget: Optional[int] = None,
+                  tokens: Optional[Callable[[torch.Tensor], int]] = None) -> List[torch.Tensor]:
+    """Index chunks of the n rows: of at most `size` rows when it is set; else, with a token `budget`
+    and `tokens` (a chunk's indices -> the tokens its pass forwards), the fewest chunks of consecutive
+    rows whose passes each hold at most `budget` tokens, their sizes within one row of each other
+    (a row over the budget goes alone); else all n at once. None when n is 0 (a rank left without
+    rows). The budget gives every rank the same number of chunks, the most any rank needs (FSDP's
+    passes go in lock step), so every rank must call this when any does."""
+    if size or budget is None or tokens is None:
+        return list(torch.arange(n).split(size or n)) if n else []
+    rows, count = torch.arange(n), 0
+    for count in range(1, n + 1):
+        if all(tokens(chunk) <= budget for chunk in rows.tensor_split(count)):
+            break
+    count = max(distributed.gather(count))
+    return list(rows.tensor_split(min(count, n))) if n else []
+
+
+def pass_tokens(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, real: torch.Tensor, share_prompts: bool,
+                trimmed: bool = True) -> Callable[[torch.Tensor], int]:
+    """The tokens a forward pass over rows `idx` of [left-padded prompt [N, P] | completion] forwards,
+    padding included: its distinct prompts once each when rows share their prompt's pass
+    (trainer.shared_prompt) else every row's, plus each row's completion as wide as the chunk's
+    longest (`trimmed`: Rollout.select cuts the width to it) or all of `real`'s [N, T] width."""
+    width = prompt_ids.shape[1]
+    prompt = torch.unique(prompt_ids.masked_fill(prompt_mask == 0, -1), dim=0, return_inverse=True)[1]
+    lengths = real.sum(-1).long()
+
+    def tokens(idx: torch.Tensor) -> int:
+        prompts = len(prompt[idx].unique()) if share_prompts and width else len(idx)
+        completion = int(lengths[idx].max()) if trimmed else real.shape[1]
+        return prompts * width + len(idx) * completion
+
+    return tokens
+
+
+def activation_bytes(model) -> int:
+    """About the bytes a training pass keeps for its backward pass per token forwarded: layers x
+    (12 hidden + 3 intermediate) values, from the model's config (measured with saved-tensor hooks:
+    SmolLM2-135M keeps 1.28-1.54 MB a token, this says 1.38; the tiny test model 9.8-10.8 kB, this 9.2)."""
+    config, size = model.config, next(model.parameters()).element_size()
+    hidden = config.hidden_size
+    return config.num_hidden_layers * (12 * hidden + 3 * getattr(config, "intermediate_size", 4 * hidden)) * size
+
+
+def token_budget(trainer, model, grad: bool = True) -> Optional[int]:
+    """The most tokens a pass may forward: trainer.micro_batch_tokens, else trainer.micro_batch_memory
+    GiB of activations at `activation_bytes` a token, else None (no limit). A pass without gradients
+    (`grad` false) holds one layer's activations at a time, so it may forward as many times more
+    tokens as the model has layers."""
+    budget = trainer.micro_batch_tokens
+    if budget is None and trainer.micro_batch_memory is not None:
+        budget = max(1, int(trainer.micro_batch_memory * 2**30 / activation_bytes(model)))
+    return budget if budget is None or grad else budget * model.config.num_hidden_layers
+
+
+def rollout_micro_batches(ctx, rollout: Rollout, rows: Optional[torch.Tensor] = None,
+                          grad: bool = True) -> List[torch.Tensor]:
+    """`micro_batches` of the rollout's rows under the run's settings (trainer.micro_batch_size, else
+    the token budget of a pass with or without gradients); of `rows` (indices into the rollout) when
+    given, the chunks indexing `rows`."""
+    trainer, policy = ctx.cfg.trainer, ctx.policy
+    tokens = pass_tokens(rollout.prompt_ids, rollout.prompt_mask, rollout.real, policy.share_prompts)
+    budget = token_budget(trainer, policy.model, grad)
+    if rows is None:
+        return micro_batches(len(rollout), trainer.micro_batch_size, budget, tokens)
+    return micro_batches(len(rows), trainer.micro_batch_size, budget, lambda part: tokens(rows[part]))
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ the run's prompt settings, and the likelihood of their completions.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import List, Optional
 
 import torch
 
@@ -13,7 +13,7 @@ from rlnotes.data.settings import system_prompt
 from rlnotes.engine import distributed
 from rlnotes.engine.sequences import Sequences, encode
 from rlnotes.notes import aggregate
-from rlnotes.training.batching import batch_totals, micro_batch_weight, micro_batches
+from rlnotes.training.batching import batch_totals, micro_batch_weight, micro_batches, pass_tokens, token_budget
 
 
 def encode_rows(ctx, rows, key: Optional[str]) -> Sequences:
@@ -39,7 +39,7 @@ def nll_backward(ctx, seqs: Sequences, aggregation: str) -> float:
     ctx.policy.train()
     loss_sum = 0.0
     with ctx.timed("policy"):
-        for idx in micro_batches(seqs.input_ids.shape[0], ctx.cfg.trainer.micro_batch_size):
+        for idx in sequence_micro_batches(ctx, seqs):
             chunk = seqs.select(idx)
             loss = nll(ctx, chunk, aggregation)
             weight = micro_batch_weight(aggregation, chunk.completion_mask, totals)
@@ -51,5 +51,30 @@ def nll_backward(ctx, seqs: Sequences, aggregation: str) -> float:
 def encode_pairs(ctx, rows) -> Sequences:
     """Preference pairs as one batch: chosen completions in the first half, rejected in the second."""
     return encode_rows(ctx, rows + rows, None)
+
+
+def _sequence_tokens(ctx, seqs: Sequences, trimmed: bool):
+    n = seqs.n_completion
+    return pass_tokens(seqs.input_ids[:, :-n], seqs.attention_mask[:, :-n], seqs.completion_mask,
+                       ctx.policy.share_prompts, trimmed)
+
+
+def sequence_micro_batches(ctx, seqs: Sequences) -> List[torch.Tensor]:
+    """`micro_batches` of the rows of `seqs` under the trainer's settings (micro_batch_size, else
+    micro_batch_tokens), each chunk as wide as the batch (Sequences.select keeps the width)."""
+    trainer = ctx.cfg.trainer
+    return micro_batches(len(seqs.input_ids), trainer.micro_batch_size, token_budget(trainer, ctx.policy.model),
+                         _sequence_tokens(ctx, seqs, trimmed=False))
+
+
+def pair_micro_batches(ctx, rows) -> List[torch.Tensor]:
+    """`micro_batches` of preference pairs under the trainer's settings: a chunk of pairs is encoded
+    on its own (encode_pairs), its chosen and rejected sequences in one pass, padded to its own
+    longest completion; its prompt width is counted as the batch's, an upper bound."""
+    trainer, budget = ctx.cfg.trainer, token_budget(ctx.cfg.trainer, ctx.policy.model)
+    if trainer.micro_batch_size or budget is None:
+        return micro_batches(len(rows), trainer.micro_batch_size)
+    tokens, n = _sequence_tokens(ctx, encode_pairs(ctx, rows), trimmed=True), len(rows)
+    return micro_batches(n, None, budget, lambda idx: tokens(torch.cat([idx, idx + n])))
 
 

@@ -21,7 +21,7 @@ from rlnotes.notes import informative_groups, kl_penalty
 from rlnotes.notes.reinforce import kl_penalized_rewards, terminal_rewards
 from rlnotes.notes.tis import truncated_is_weights
 from rlnotes.rewards.scoring import TrainerState
-from rlnotes.training.batching import micro_batches
+from rlnotes.training.batching import rollout_micro_batches
 from rlnotes.training.context import Context
 from rlnotes.training.evaluation import evaluate
 from rlnotes.training.evaluation import write as write_eval
@@ -113,7 +113,7 @@ def trainer_logprobs(ctx: Context, rollout: Rollout) -> Dict[str, float]:
     ids, attn, n = rollout.input_ids, rollout.attention_mask, rollout.completion_ids.shape[1]
     with ctx.timed("old_logprobs"):
         logprobs = [ctx.policy.logprobs(ids[i], attn[i], n, cfg.rollout.temperature)
-                    for i in micro_batches(len(rollout), cfg.trainer.micro_batch_size)]
+                    for i in rollout_micro_batches(ctx, rollout, grad=False)]
     mask, mean = rollout.completion_mask, distributed.masked_mean_over_ranks
     rollout.logprobs = torch.cat(logprobs) * mask  # 0 on padding, as sampled log-probs are
     diff = rollout.logprobs - rollout.sampler_logprobs
@@ -133,6 +133,15 @@ def tis_weights(ctx: Context, rows: Rollout) -> Optional[torch.Tensor]:
     return truncated_is_weights(rows.logprobs, rows.sampler_logprobs, ctx.cfg.rollout.tis_cap)
 
 
+def reference_logprobs(ctx: Context, rollout: Rollout) -> torch.Tensor:
+    """log pi_ref of every sampled token [N, T] (0 on padding), in passes without gradients."""
+    n, temperature = rollout.completion_ids.shape[1], ctx.cfg.rollout.temperature
+    ids, attn = rollout.input_ids, rollout.attention_mask
+    with ctx.timed("reference"):
+        return torch.cat([ctx.policy.ref_logprobs(ids[i], attn[i], n, temperature)
+                          for i in rollout_micro_batches(ctx, rollout, grad=False)])
+
+
 def penalized_token_rewards(ctx: Context, rollout: Rollout, rewards: torch.Tensor, beta: float,
                             estimator: str) -> tuple[torch.Tensor, float]:
     """Per-token rewards r_t: the outcome R on the last real token, minus beta * KL(pi || pi_ref)
@@ -140,11 +149,7 @@ def penalized_token_rewards(ctx: Context, rollout: Rollout, rewards: torch.Tenso
     mask = rollout.completion_mask
     if beta <= 0:
         return terminal_rewards(rewards, mask), float("nan")
-    n, temperature = rollout.completion_ids.shape[1], ctx.cfg.rollout.temperature
-    ids, attn = rollout.input_ids, rollout.attention_mask
-    with ctx.timed("reference"):
-        ref = torch.cat([ctx.policy.ref_logprobs(ids[i], attn[i], n, temperature)
-                         for i in micro_batches(len(rollout), ctx.cfg.trainer.micro_batch_size)])
+    ref = reference_logprobs(ctx, rollout)
     kl = kl_penalty(rollout.logprobs, ref, estimator)
     return kl_penalized_rewards(rewards, kl, mask, beta), float(distributed.masked_mean_over_ranks(kl, mask))
 

@@ -8,7 +8,7 @@ import pytest
 from rich.console import Console
 
 from rlnotes.commands.train import train
-from tests.conftest import compose
+from tests.conftest import compose, record_passes
 
 
 def run(tmp_path, *overrides):
@@ -49,6 +49,16 @@ def test_precomputed_reference_gives_the_same_step(tmp_path):
 def test_micro_batches_give_the_same_step(tmp_path):
     whole = run(tmp_path / "a", "trainer.steps=2", "trainer.batch_size=6")
     split = run(tmp_path / "b", "trainer.steps=2", "trainer.batch_size=6", "trainer.micro_batch_size=3")
+    for a, b in zip(whole[1:], split[1:]):
+        for key in ("loss", "optim/grad_norm", "dpo/margin", "dpo/accuracy"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), key
+
+
+def test_a_token_budget_gives_the_same_step(tmp_path, monkeypatch):
+    whole = run(tmp_path / "a", "trainer.steps=2", "trainer.batch_size=6", "trainer.micro_batch_memory=null")
+    cuts = record_passes(monkeypatch)
+    split = run(tmp_path / "b", "trainer.steps=2", "trainer.batch_size=6", "trainer.micro_batch_tokens=120")
+    assert len(cuts) == 2 and all(sum(c) == 6 and len(c) > 1 for c in cuts), cuts
     for a, b in zip(whole[1:], split[1:]):
         for key in ("loss", "optim/grad_norm", "dpo/margin", "dpo/accuracy"):
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), key

@@ -7,7 +7,7 @@ from rich.console import Console
 
 from rlnotes.commands.train import train
 from rlnotes.notes import AGGREGATIONS
-from tests.conftest import compose
+from tests.conftest import compose, record_passes
 
 
 def run(tmp_path, *overrides):
@@ -37,6 +37,23 @@ def test_micro_batches_give_the_same_step(tmp_path, aggregation):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-7), key
         # The loss sums per-token terms of size ~|A| ~ 1 that cancel to nearly 0 (A sums to 0 in a
         # group): float32 summation in another order moves it by ~1e-7 per hundred tokens.
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=2e-6)
+
+
+def test_a_token_budget_gives_the_same_step(tmp_path, monkeypatch):
+    """Passes cut by trainer.micro_batch_tokens (16 completions in uneven passes) give one pass's step."""
+    common = ("trainer.steps=2", "trainer.batch_size=4")
+    whole = run(tmp_path / "whole", *common, "trainer.micro_batch_memory=null")
+    cuts = record_passes(monkeypatch)
+    split = run(tmp_path / "split", *common, "trainer.micro_batch_tokens=150")
+    training, reference = cuts[0::2], cuts[1::2]  # each step: the training passes, then the reference's
+    assert len(cuts) == 4 and all(sum(c) == 16 for c in cuts), cuts
+    assert all(len(c) > 1 and len(set(c)) > 1 for c in training), cuts  # uneven passes
+    assert all(len(r) < len(t) for t, r in zip(training, reference)), cuts  # without gradients: larger passes
+    for a, b in zip(whole, split):
+        assert a["reward/mean"] == b["reward/mean"]  # same samples
+        for key in ("optim/grad_norm", "kl/ref", "policy/clip_frac"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-7), key
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=2e-6)
 
 

@@ -11,7 +11,7 @@ from rich.console import Console
 from rlnotes.commands.train import train
 from rlnotes.runners import REGISTRY, ppo
 from rlnotes.training.context import setup
-from tests.conftest import compose
+from tests.conftest import compose, record_passes
 
 # 8 prompts x 4 completions per batch, two epochs of two minibatches: 4 optimizer steps a batch.
 SMALL = ("algo.group_size=4", "algo.minibatch_size=16", "algo.epochs=2")
@@ -73,6 +73,17 @@ def test_one_forward_per_minibatch(tmp_path, monkeypatch):
         minibatches = 8 * 4 // 16
         assert len(calls) == (reference_passes + 1 + 2 * minibatches) * (2 if shared else 1)
         assert ctx.step == metrics["policy/updates"] == 2 * minibatches
+
+
+def test_a_token_budget_gives_the_same_steps(tmp_path, monkeypatch):
+    """The batch's passes (reference, V_old) and each shuffled minibatch's, cut by the token budget."""
+    whole = run(tmp_path / "a", *SMALL, "trainer.steps=4", "trainer.micro_batch_memory=null")
+    cuts = record_passes(monkeypatch)
+    split = run(tmp_path / "b", *SMALL, "trainer.steps=4", "trainer.micro_batch_tokens=200")
+    assert [sum(c) for c in cuts] == [32, 32, 16, 16, 16, 16] and all(len(c) > 1 for c in cuts), cuts
+    for a, b in zip(whole, split):
+        for key in ("loss", "value/loss", "policy/approx_kl", "policy/clip_frac", "optim/grad_norm", "kl/ref"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
 
 
 def test_trainer_steps_count_optimizer_steps(tmp_path):

@@ -12,7 +12,7 @@ from rlnotes.commands.train import train
 from rlnotes.data.datasets import load_task
 from rlnotes.engine.policy import Policy
 from rlnotes.engine.rollout import encode_prompts, generate
-from tests.conftest import compose
+from tests.conftest import compose, record_passes
 
 
 def run(tmp_path, *overrides):
@@ -46,11 +46,14 @@ def test_sft_memorises_a_few_answers(tmp_path):
     assert right >= 7, list(zip(texts, [r["completion"] for r in train_rows]))
 
 
+@pytest.mark.parametrize("split_by", ["trainer.micro_batch_size=3", "trainer.micro_batch_tokens=60"])
 @pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean"])
-def test_micro_batches_give_the_same_step(tmp_path, aggregation):
+def test_micro_batches_give_the_same_step(tmp_path, monkeypatch, aggregation, split_by):
     common = ("trainer.steps=2", "trainer.batch_size=6", f"algo.aggregation={aggregation}")
-    _, whole = run(tmp_path / "a", *common)
-    _, split = run(tmp_path / "b", *common, "trainer.micro_batch_size=3")
+    _, whole = run(tmp_path / "a", *common, "trainer.micro_batch_memory=null")
+    cuts = record_passes(monkeypatch)
+    _, split = run(tmp_path / "b", *common, split_by)
+    assert all(len(c) > 1 for c in cuts) and len(cuts) == (0 if "size" in split_by else 2), cuts
     for a, b in zip(whole[1:], split[1:]):
         for key in ("loss", "optim/grad_norm"):
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), key
