@@ -160,3 +160,13 @@ def test_eval_command_uses_the_runs_file_reward_and_system_prompt(tmp_path, monk
     used = OmegaConf.load(tmp_path / "ev2" / "config.yaml")
     assert used.data.system_prompt is None and used.eval.reward == "letter_share"
     sys.modules.pop("evalmod_run_reward", None)
+
+
+def test_eval_command_on_a_file_smaller_than_a_training_batch(tmp_path, capsys):
+    """Evaluating draws no training batch: 5 rows evaluate under the default trainer.batch_size=8."""
+    path = tmp_path / "few.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"Say a {i}", "letter": "a"}) + "\n" for i in range(5)))
+    out = tmp_path / "ev"
+    assert main(["eval", f"data.path={path}", f"data.eval_path={path}", "reward=letters",
+                 f"eval.out={out}"]) == 0, capsys.readouterr().err
+    assert len((out / "samples.jsonl").read_text().splitlines()) == 5

@@ -153,11 +153,12 @@ def evaluates(cfg) -> bool:
 
 
 def fit_and_split(data: Data, cfg, tokenizer, limit: Optional[int], console=None,
-                  evaluating: Optional[bool] = None, samples: bool = True) -> Split:
+                  evaluating: Optional[bool] = None, samples: bool = True, training: bool = True) -> Split:
     """(train rows, eval rows) that fit the model: prompts measured with the run's chat settings,
     long ones handled by data.overlong (the counts shown on `console`), then the eval rows held out
     (`evaluating`: whether they will be scored; None: whether the training run `cfg` scores them).
-    `samples`: whether completions are sampled (else the rows' answer columns must fit too)."""
+    `samples`: whether completions are sampled (else the rows' answer columns must fit too);
+    `training`: whether batches of trainer.batch_size train rows will be drawn (not to evaluate alone)."""
     lengths = PromptLengths(tokenizer, cfg.model.chat_template, system_prompt(cfg))
     max_new_tokens = cfg.rollout.max_new_tokens if samples else None
     notes = []
@@ -169,7 +170,7 @@ def fit_and_split(data: Data, cfg, tokenizer, limit: Optional[int], console=None
         notes += _fit_note("eval", len(data.eval.rows), dropped, cut, cfg.data)
     evaluating = evaluates(cfg) if evaluating is None else evaluating
     train_rows, eval_rows = replace(data, train=train, eval=eval_table).split(evaluating)
-    if len(train_rows) < cfg.trainer.batch_size:
+    if training and len(train_rows) < cfg.trainer.batch_size:
         raise ConfigError(f"{data.train.source} gives {len(train_rows)} training rows, fewer than "
                           f"trainer.batch_size={cfg.trainer.batch_size}; lower trainer.batch_size or data.eval_size")
     if console is not None:

@@ -49,12 +49,12 @@ def eval_rows(cfg, tokenizer, limit: Optional[int], console=None) -> List[dict]:
     """The eval split: the training data's, or that of `data` + `eval.data` when eval.data is set."""
     if not cfg.eval.data:
         data = load_checked(cfg.data, None, generating="evaluation")
-        return fit_and_split(data, cfg, tokenizer, limit, console, evaluating=True)[1]
+        return fit_and_split(data, cfg, tokenizer, limit, console, evaluating=True, training=False)[1]
     other = cfg.copy()
     with open_dict(other):
         other.data = eval_data(cfg)
     rows = fit_and_split(load_checked(other.data, None, generating="evaluation"), other, tokenizer, limit,
-                         evaluating=True)[1]
+                         evaluating=True, training=False)[1]
     if console is not None:
         console.print(f"eval: {len(rows)} rows of data + eval.data {OmegaConf.to_container(cfg.eval.data)}")
     return rows
