@@ -116,9 +116,8 @@ def train_step(ctx: Context) -> Dict[str, float]:
     sums = {"loss": 0.0, "dpo/chosen_reward": 0.0, "dpo/rejected_reward": 0.0, "dpo/margin": 0.0,
             "dpo/accuracy": 0.0}
     tokens = 0.0
-    for idx in pair_micro_batches(ctx, rows):
+    for idx, seqs in pair_micro_batches(ctx, rows):
         chunk, share = [rows[i] for i in idx], len(idx) / totals.rows  # the chunk's share of the global batch
-        seqs = encode_pairs(ctx, chunk)
         n = len(chunk)
         # 1. Reference log-probs (no grad).
         with ctx.timed("reference"):

@@ -14,13 +14,14 @@ With several processes each rank takes 1/N of the pairs; every mean is over the 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict
+from typing import Dict, Optional
 
 import torch
 
 from rlnotes.core.algorithm import Algorithm, Shape
 from rlnotes.core.schema import AlgoConfig
 from rlnotes.engine import distributed
+from rlnotes.engine.sequences import Sequences
 from rlnotes.notes import bradley_terry_loss
 from rlnotes.rewards.model import HEAD, make_head, sequence_rewards
 from rlnotes.training.batching import micro_batches, row_totals
@@ -43,9 +44,9 @@ def reward_head(ctx: Context) -> torch.nn.Module:
     return ctx.heads[HEAD]
 
 
-def pair_rewards(ctx: Context, rows) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """(r chosen [n], r rejected [n], tokens) of the pairs `rows`."""
-    seqs = encode_pairs(ctx, rows)
+def pair_rewards(ctx: Context, rows, seqs: Optional[Sequences] = None) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """(r chosen [n], r rejected [n], tokens) of the pairs `rows` (encoded as `seqs`, if given)."""
+    seqs = encode_pairs(ctx, rows) if seqs is None else seqs
     r = sequence_rewards(ctx.policy.model, reward_head(ctx), seqs)
     return r[:len(rows)], r[len(rows):], seqs.tokens()
 
@@ -72,10 +73,10 @@ def train_step(ctx: Context) -> Dict[str, float]:
     sums = {"loss": 0.0, "rm/accuracy": 0.0, "rm/margin": 0.0, "rm/chosen_reward": 0.0}
     tokens = 0.0
     with ctx.timed("policy"):
-        for idx in pair_micro_batches(ctx, rows):
+        for idx, seqs in pair_micro_batches(ctx, rows):
             share = len(idx) / totals.rows  # the chunk's share of the global batch
             # 1. Rewards of chosen and rejected completions in one pass.
-            chosen, rejected, chunk_tokens = pair_rewards(ctx, [rows[i] for i in idx])
+            chosen, rejected, chunk_tokens = pair_rewards(ctx, [rows[i] for i in idx], seqs)
             # 2. Bradley-Terry loss, this micro-batch's share of the batch mean.
             loss = bradley_terry_loss(chosen, rejected).mean()
             (loss * share).backward()

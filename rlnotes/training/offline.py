@@ -5,7 +5,7 @@ the run's prompt settings, and the likelihood of their completions.
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -67,14 +67,18 @@ def sequence_micro_batches(ctx, seqs: Sequences) -> List[torch.Tensor]:
                          _sequence_tokens(ctx, seqs, trimmed=False))
 
 
-def pair_micro_batches(ctx, rows) -> List[torch.Tensor]:
-    """`micro_batches` of preference pairs under the trainer's settings: a chunk of pairs is encoded
-    on its own (encode_pairs), its chosen and rejected sequences in one pass, padded to its own
-    longest completion; its prompt width is counted as the batch's, an upper bound."""
+def pair_micro_batches(ctx, rows) -> List[Tuple[torch.Tensor, Sequences]]:
+    """`micro_batches` of preference pairs under the trainer's settings, each chunk with its pairs
+    encoded on their own (encode_pairs: chosen and rejected in one pass, padded to the chunk's
+    longest completion). The token budget counts a chunk's prompts as wide as the batch's, an upper
+    bound; the batch is encoded once when it is one chunk."""
     trainer, budget = ctx.cfg.trainer, token_budget(ctx.cfg.trainer, ctx.policy.model)
+    encoded = lambda idx: encode_pairs(ctx, [rows[i] for i in idx])  # noqa: E731
     if trainer.micro_batch_size or budget is None:
-        return micro_batches(len(rows), trainer.micro_batch_size)
-    tokens, n = _sequence_tokens(ctx, encode_pairs(ctx, rows), trimmed=True), len(rows)
-    return micro_batches(n, None, budget, lambda idx: tokens(torch.cat([idx, idx + n])))
+        return [(idx, encoded(idx)) for idx in micro_batches(len(rows), trainer.micro_batch_size)]
+    seqs, n = encode_pairs(ctx, rows), len(rows)
+    tokens = _sequence_tokens(ctx, seqs, trimmed=True)
+    chunks = micro_batches(n, None, budget, lambda idx: tokens(torch.cat([idx, idx + n])))
+    return [(chunks[0], seqs)] if len(chunks) == 1 else [(idx, encoded(idx)) for idx in chunks]
 
 
