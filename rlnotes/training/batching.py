@@ -1,5 +1,6 @@
 """Micro-batches: one path for every runner. A batch is cut into index chunks of at most
-trainer.micro_batch_size rows or, without it, of at most trainer.micro_batch_tokens tokens a pass;
+trainer.micro_batch_size rows or, without it, of at most a token budget a pass (trainer.micro_batch_tokens,
+or trainer.micro_batch_memory GiB of activations as tokens);
 each chunk's loss, times its weight, is its share of the global batch's loss (every rank's rows),
 so that accumulating the chunks' gradients (and summing them over ranks) gives the gradient of one
 pass over the whole batch, whatever the chunk size.
@@ -22,7 +23,7 @@ def micro_batches(n: int, size: int | None, budget: Optional[int] = None,
     """Index chunks of the n rows: of at most `size` rows when it is set; else, with a token `budget`
     and `tokens` (a chunk's indices -> the tokens its pass forwards), the fewest chunks of consecutive
     rows whose passes each hold at most `budget` tokens, their sizes within one row of each other
-    (a row over the budget goes alone); else all n at once. None when n is 0 (a rank left without
+    (when one row alone is over the budget, every row gets a pass of its own); else all n at once. None when n is 0 (a rank left without
     rows). The budget gives every rank the same number of chunks, the most any rank needs (FSDP's
     passes go in lock step), so every rank must call this when any does."""
     if size or budget is None or tokens is None:
