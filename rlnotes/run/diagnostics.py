@@ -68,9 +68,9 @@ def batch_arithmetic(trainer, shape: Shape, train_rows: Optional[int] = None,
     Keys: unit (what a batch row is: prompts, pairs or rows), prompts_per_batch, completions_per_batch
     (sequences the policy scores per batch: B*G sampled, 2B for pairs), micro_batch_size and
     micro_batches (forward/backward passes per optimizer step; with a token budget instead, its
-    micro_batch_tokens or micro_batch_memory, the passes depend on each batch's lengths), minibatches (optimizer steps per
-    pass over a batch), updates_per_batch (optimizer steps per batch), batches (batches sampled or
-    read; PPO: at least, target_kl can stop a batch early), optimizer_steps, max_tokens_per_batch
+    micro_batch_tokens or micro_batch_memory, the passes depend on each batch's lengths), minibatches
+    (optimizer steps per pass over a batch), updates_per_batch (optimizer steps per batch), batches
+    (batches sampled or read; PPO: at least, target_kl can stop a batch early), optimizer_steps, max_tokens_per_batch
     (completion tokens of a batch at most; None without sampling), prompts_seen (and
     prompts_seen_max with DAPO dynamic sampling), and epochs (over `train_rows`: the train split's
     size; None when unknown). `shape`: the algorithm's own arithmetic of a step (its declaration's

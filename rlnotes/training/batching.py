@@ -1,8 +1,8 @@
 """Micro-batches: one path for every runner. A batch is cut into index chunks of at most
-trainer.micro_batch_size rows or, without it, of at most a token budget a pass (trainer.micro_batch_tokens,
-or trainer.micro_batch_memory GiB of activations as tokens);
-each chunk's loss, times its weight, is its share of the global batch's loss (every rank's rows),
-so that accumulating the chunks' gradients (and summing them over ranks) gives the gradient of one
+trainer.micro_batch_size rows or, without it, of at most a token budget a pass
+(trainer.micro_batch_tokens, or trainer.micro_batch_memory GiB of activations as tokens); each
+chunk's loss, times its weight, is its share of the global batch's loss (every rank's rows), so
+that accumulating the chunks' gradients (and summing them over ranks) gives the gradient of one
 pass over the whole batch, whatever the chunk size.
 """
 
@@ -14,6 +14,7 @@ from typing import Callable, List, Optional
 import torch
 
 from rlnotes.engine import distributed
+from rlnotes.engine.policy import prompt_groups
 from rlnotes.engine.rollout import Rollout
 from rlnotes.notes import aggregation_divisor
 
@@ -23,9 +24,10 @@ def micro_batches(n: int, size: int | None, budget: Optional[int] = None,
     """Index chunks of the n rows: of at most `size` rows when it is set; else, with a token `budget`
     and `tokens` (a chunk's indices -> the tokens its pass forwards), the fewest chunks of consecutive
     rows whose passes each hold at most `budget` tokens, their sizes within one row of each other
-    (when one row alone is over the budget, every row gets a pass of its own); else all n at once. None when n is 0 (a rank left without
-    rows). The budget gives every rank the same number of chunks, the most any rank needs (FSDP's
-    passes go in lock step), so every rank must call this when any does."""
+    (when one row alone is over the budget, every row gets a pass of its own); else all n at once.
+    None when n is 0 (a rank left without rows). The budget gives every rank the same number of
+    chunks, the most any rank needs (FSDP's passes go in lock step), so every rank must call this
+    when any does."""
     if size or budget is None or tokens is None:
         return list(torch.arange(n).split(size or n)) if n else []
     rows, count = torch.arange(n), 0
@@ -40,14 +42,15 @@ def pass_tokens(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, real: torch
                 trimmed: bool = True) -> Callable[[torch.Tensor], int]:
     """The tokens a forward pass over rows `idx` of [left-padded prompt [N, P] | completion] forwards,
     padding included: its distinct prompts once each when rows share their prompt's pass
-    (trainer.shared_prompt) else every row's, plus each row's completion as wide as the chunk's
-    longest (`trimmed`: Rollout.select cuts the width to it) or all of `real`'s [N, T] width."""
+    (trainer.shared_prompt: the groups of policy.prompt_groups) else every row's, plus each row's
+    completion as wide as the chunk's longest (`trimmed`: Rollout.select cuts the width to it) or all
+    of `real`'s [N, T] width."""
     width = prompt_ids.shape[1]
-    prompt = torch.unique(prompt_ids.masked_fill(prompt_mask == 0, -1), dim=0, return_inverse=True)[1]
+    groups = prompt_groups(prompt_ids, prompt_mask) if share_prompts and width else None
     lengths = real.sum(-1).long()
 
     def tokens(idx: torch.Tensor) -> int:
-        prompts = len(prompt[idx].unique()) if share_prompts and width else len(idx)
+        prompts = len(idx) if groups is None else len(groups[1][idx].unique())
         completion = int(lengths[idx].max()) if trimmed else real.shape[1]
         return prompts * width + len(idx) * completion
 
@@ -80,11 +83,12 @@ def rollout_micro_batches(ctx, rollout: Rollout, rows: Optional[torch.Tensor] = 
     the token budget of a pass with or without gradients); of `rows` (indices into the rollout) when
     given, the chunks indexing `rows`."""
     trainer, policy = ctx.cfg.trainer, ctx.policy
+    n = len(rollout) if rows is None else len(rows)
+    budget = None if trainer.micro_batch_size else token_budget(trainer, policy.model, grad)
+    if budget is None:  # no token counts needed
+        return micro_batches(n, trainer.micro_batch_size)
     tokens = pass_tokens(rollout.prompt_ids, rollout.prompt_mask, rollout.real, policy.share_prompts)
-    budget = token_budget(trainer, policy.model, grad)
-    if rows is None:
-        return micro_batches(len(rollout), trainer.micro_batch_size, budget, tokens)
-    return micro_batches(len(rows), trainer.micro_batch_size, budget, lambda part: tokens(rows[part]))
+    return micro_batches(n, None, budget, tokens if rows is None else lambda part: tokens(rows[part]))
 
 
 @dataclass(frozen=True)

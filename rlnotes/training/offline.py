@@ -60,11 +60,13 @@ def _sequence_tokens(ctx, seqs: Sequences, trimmed: bool):
 
 
 def sequence_micro_batches(ctx, seqs: Sequences) -> List[torch.Tensor]:
-    """`micro_batches` of the rows of `seqs` under the trainer's settings (micro_batch_size, else
-    micro_batch_tokens), each chunk as wide as the batch (Sequences.select keeps the width)."""
+    """`micro_batches` of the rows of `seqs` under the trainer's settings (micro_batch_size, else the
+    token budget), each chunk as wide as the batch (Sequences.select keeps the width)."""
     trainer = ctx.cfg.trainer
-    return micro_batches(len(seqs.input_ids), trainer.micro_batch_size, token_budget(trainer, ctx.policy.model),
-                         _sequence_tokens(ctx, seqs, trimmed=False))
+    budget = None if trainer.micro_batch_size else token_budget(trainer, ctx.policy.model)
+    if budget is None:  # no token counts needed
+        return micro_batches(len(seqs.input_ids), trainer.micro_batch_size)
+    return micro_batches(len(seqs.input_ids), None, budget, _sequence_tokens(ctx, seqs, trimmed=False))
 
 
 def pair_micro_batches(ctx, rows) -> List[Tuple[torch.Tensor, Sequences]]:
