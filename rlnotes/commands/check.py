@@ -5,7 +5,7 @@ one line naming the key and what it accepts.
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 from omegaconf import OmegaConf
 
@@ -25,9 +25,12 @@ def loader(config_dir: Optional[str]):
     return hydra.config_loader(config_dir)
 
 
-def check(overrides: List[str], multirun: bool, config_dir: Optional[str]) -> list:
+def check(overrides: List[str], multirun: bool, config_dir: Optional[str],
+          settle: Optional[Callable] = None) -> list:
     """Compose and validate every job of the command; raise UsageError with one line if one fails.
-    Returns the composed configs (with their hydra node), one per job."""
+    `settle(cfg)`, when given, completes each composed config before it is validated (`rlnotes eval`
+    merges in the settings of the run that trained its policy). Returns the composed configs (with
+    their hydra node), one per job."""
     configs = loader(config_dir)
     jobs = []
     try:
@@ -38,6 +41,8 @@ def check(overrides: List[str], multirun: bool, config_dir: Optional[str]) -> li
     for job in job_overrides:
         try:
             cfg = hydra.compose(configs, job)
+            if settle is not None:
+                cfg = settle(cfg)
             resolve_auto(cfg)
             validate(cfg)
         except (*hydra.COMPOSE_ERRORS, ConfigError) as e:

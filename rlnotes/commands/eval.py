@@ -18,8 +18,7 @@ from rich.table import Table
 
 from rlnotes.agents.environments import EnvironmentFailure
 from rlnotes.commands import hydra
-from rlnotes.commands.check import check, loader
-from rlnotes.commands.validate import resolve_auto, validate
+from rlnotes.commands.check import check
 from rlnotes.core.errors import ConfigError
 from rlnotes.core.schema import saved_run_config
 from rlnotes.data.datasets import load_checked
@@ -68,15 +67,12 @@ def main(argv: List[str]) -> int:
         print(HELP)
         return 0
     args = hydra.parse_args(argv)
-    check(args.overrides, False, args.config_dir)
+    # Checked as the policy's run completes it: a run on data=file takes data.eval_path, its reward is set.
+    cfg = check(args.overrides, False, args.config_dir, settle=lambda c: with_run_settings(c, args.overrides))[0]
     console = Console(stderr=True, soft_wrap=True)  # a message is one line, however narrow the screen
-    cfg = hydra.compose(loader(args.config_dir), args.overrides)
     with open_dict(cfg):
         del cfg["hydra"]
     try:
-        cfg = with_run_settings(cfg, args.overrides)
-        resolve_auto(cfg)
-        validate(cfg)
         evaluation, out = run(cfg, console)
     except (ConfigError, RewardFailure, EnvironmentFailure) as e:
         console.print(f"[red]rlnotes: error:[/] {e}")
