@@ -4,6 +4,7 @@ group (as a multirun's jobs would share it), each into OUT/<case>, then exit.
     torchrun --standalone --nproc_per_node=2 tests/ddp_worker.py OUT [CASE ...]
 """
 
+import faulthandler
 import sys
 from pathlib import Path
 
@@ -23,4 +24,5 @@ def main(out: Path, names) -> None:
 
 
 if __name__ == "__main__":
+    faulthandler.enable()  # a crash (SIGABRT, SIGSEGV) prints every thread's Python stack where the test shows it
     main(Path(sys.argv[1]), sys.argv[2:] or list(CASES))

@@ -20,6 +20,7 @@ from rich.console import Console
 from rlnotes.commands.cli import main
 from rlnotes.commands.train import train
 from rlnotes.core.errors import ConfigError
+from rlnotes.engine.policy import Policy
 from rlnotes.run import checkpoint, restore, rundir, steplogs
 from rlnotes.run.logger import MetricsLogger
 from rlnotes.runners import grpo
@@ -284,7 +285,7 @@ PHASES = {
     "writing step 4's checkpoint": _kill_on_call(checkpoint.torch, "save", 2),
     "after step 4's checkpoint is in place, before pruning": _kill_on_call(checkpoint, "prune", 2),
     "after step 6's checkpoint, before pruning (keep_last deletes step 2)": _kill_on_call(checkpoint, "prune", 3),
-    "writing final/": _kill_on_call(checkpoint, "save_policy", 1, lambda policy, out, *a: "final" in out.name),
+    "writing final/": _kill_on_call(Policy, "save", 1, lambda policy, out, *a: "final" in out.name),
 }
 
 

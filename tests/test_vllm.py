@@ -44,13 +44,19 @@ def test_vllm_outputs_become_a_rollout():
     torch.testing.assert_close(r.select(torch.tensor([3])).sampler_logprobs, torch.tensor([[-0.7]]))
 
 
-def test_only_the_adapter_is_exported(tmp_path):
+def test_only_the_adapter_is_exported(tmp_path, monkeypatch):
+    """Each sync writes the adapter alone, and never asks the hub about the base model's name."""
+    import peft.utils.save_and_load
     from peft import PeftModel
 
     from rlnotes.engine.models import load_base
     from rlnotes.engine.policy import Policy
     from tests.conftest import compose
 
+    def no_hub(*args, **kwargs):
+        raise AssertionError(f"hub lookup while exporting: {args}")
+
+    monkeypatch.setattr(peft.utils.save_and_load, "check_file_exists_on_hf_hub", no_hub)
     cfg = compose()
     policy = Policy.from_config(cfg.model, torch.device("cpu"))
     with torch.no_grad():

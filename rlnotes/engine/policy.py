@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import copy
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Dict, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
@@ -293,17 +293,18 @@ class Policy:
         with self.reference() as ref:
             return sequence_logprobs(ref, input_ids, attention_mask, n_completion, temperature, self.share_prompts)
 
-    def save(self, path: Path) -> None:
-        """A peft adapter dir (LoRA) or a full model dir, with the tokenizer beside it."""
+    def save(self, path: Path, state_dict: Optional[Dict[str, torch.Tensor]] = None) -> None:
+        """A peft adapter dir (LoRA) or a full model dir, with the tokenizer beside it; `state_dict`:
+        the whole weights FSDP gathered from the ranks' shards (else the model's own)."""
         if self.uses_lora:
-            self.model.save_pretrained(path, save_embedding_layers=_embeddings_saved(self.model))
+            self.model.save_pretrained(path, state_dict=state_dict, save_embedding_layers=embeddings_saved(self.model))
         else:
-            self.model.save_pretrained(path)
+            self.model.save_pretrained(path, state_dict=state_dict)
         self.tokenizer.save_pretrained(path)
         usual_modes(path)
 
 
-def _embeddings_saved(model) -> bool | str:
+def embeddings_saved(model) -> bool | str:
     """peft's save_embedding_layers: "auto" (saved) when LoRA adapts an embedding, else False. peft's
     own "auto" would otherwise look the base model up on the hub by its name (tiny too) to see
     whether the vocabulary grew, at every save; rlnotes never resizes it."""

@@ -24,6 +24,7 @@ import torch
 from rlnotes.engine import distributed
 from rlnotes.engine.episodes import EpisodeTokens, Respond, between_turns, episode_rollout
 from rlnotes.engine.models import SMOLLM2, smollm2_dir
+from rlnotes.engine.policy import embeddings_saved
 from rlnotes.engine.rollout import Rollout, left_pad, mix32
 
 
@@ -47,7 +48,7 @@ def export_adapter(policy, root: Path, step: int) -> Path:
     for old in Path(root).glob("step_*"):
         if old != out:
             shutil.rmtree(old, ignore_errors=True)
-    policy.model.save_pretrained(out)
+    policy.model.save_pretrained(out, save_embedding_layers=embeddings_saved(policy.model))
     return out
 
 

@@ -134,15 +134,6 @@ class Shards:
     world: int = 1
 
 
-def save_policy(policy, out: Path, state: Optional[Dict[str, torch.Tensor]] = None) -> None:
-    """Policy.save, or from the full state dict FSDP gathered (the same files)."""
-    if state is None:
-        policy.save(out)
-        return
-    policy.model.save_pretrained(out, state_dict=state)
-    policy.tokenizer.save_pretrained(out)
-
-
 def save_heads(heads: Dict[str, torch.nn.Module], out: Path) -> None:
     for name, head in heads.items():
         save_file({k: v.contiguous() for k, v in head.state_dict().items()}, str(out / f"{name}.safetensors"))
@@ -153,7 +144,7 @@ def save_whole(policy, heads: Dict[str, torch.nn.Module], out: Path, state=None)
     into place whole (`publish`), so that a dir of that name is always complete."""
     tmp = out.with_name(f".{out.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)  # left by a process that died while writing it
-    save_policy(policy, tmp, state)
+    policy.save(tmp, state)
     save_heads(heads, tmp)
     usual_modes(tmp)  # safetensors writes 0600, a temporary dir is 0700: a shipped model gets the usual modes
     publish(tmp, out)
@@ -179,7 +170,7 @@ def _fsync_dir(path: Path) -> None:
 def write(ctx, boundary: Boundary, out: Path, shards: Optional[Shards] = None) -> None:
     """Every file of a checkpoint into the (new, empty) dir `out`; the manifest last."""
     shards = shards or Shards()
-    save_policy(ctx.policy, out, shards.policy)
+    ctx.policy.save(out, shards.policy)
     save_heads(ctx.heads, out)
     optimizer = shards.optimizer if shards.optimizer is not None else ctx.optimizer.state_dict()
     torch.save({"optimizer": optimizer, "scheduler": ctx.scheduler.state_dict(),
