@@ -100,21 +100,26 @@ def run_one(name: str, steps: int) -> dict:
             "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
 
 
-# (name, prompts, prompt tokens, G, new tokens) of --shared-prompt: the bench shape and a long-prompt one
-# (fewer prompts than a real step, to keep the run short: the ratio is per group).
-SHARING_SHAPES = [("bench", 8, 45, 4, 32), ("long-prompt", 2, 200, 8, 64)]
+# (name, prompts, prompt tokens, G, new tokens, tokens of a system prompt every prompt starts with) of
+# --shared-prompt: the bench shape (SmolLM2's template puts 27 shared tokens first), a long-prompt one
+# (fewer prompts than a real step, to keep the run short: the ratio is per group) and a long system prompt.
+SHARING_SHAPES = [("bench", 8, 45, 4, 32, 27), ("long-prompt", 2, 200, 8, 64, 27),
+                  ("system-prompt", 4, 220, 4, 32, 200)]
 
 
-def sharing_batch(vocab: int, prompts: int, prompt_len: int, group: int, new_tokens: int, seed: int = 0):
+def sharing_batch(vocab: int, prompts: int, prompt_len: int, group: int, new_tokens: int, prefix: int = 0,
+                  seed: int = 0):
     """Random [left-padded prompt | right-padded completion] rows: prompt lengths within 10% of
-    prompt_len, completion lengths from half to all of new_tokens (one row at the full length)."""
+    prompt_len, the first `prefix` tokens the same in all, completion lengths from half to all of
+    new_tokens (one row at the full length)."""
     import torch
 
     from rlnotes.engine.rollout import left_pad
 
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(int(prompt_len * 0.9), int(prompt_len * 1.1) + 1, (prompts,), generator=g)
-    texts = [torch.randint(3, vocab, (int(n),), generator=g).tolist() for n in lengths]
+    system = torch.randint(3, vocab, (prefix,), generator=g).tolist()
+    texts = [system + torch.randint(3, vocab, (int(n) - prefix,), generator=g).tolist() for n in lengths]
     p_ids, p_mask = left_pad([t for t in texts for _ in range(group)], 2)
     n = prompts * group
     c_len = torch.randint(new_tokens // 2, new_tokens + 1, (n,), generator=g)
@@ -124,41 +129,51 @@ def sharing_batch(vocab: int, prompts: int, prompt_len: int, group: int, new_tok
     return torch.cat([p_ids, c_ids], 1), torch.cat([p_mask, c_mask.long()], 1), c_mask
 
 
+# --shared-prompt's ways to run the pass: every row whole; each prompt once per group
+# (trainer.shared_prompt) but the common prefix with each prompt; and the prefix once too (the default).
+SHARING_MODES = {"plain": (False, float("inf")), "groups": (True, float("inf")), "prefix": (True, None)}
+
+
 def shared_prompt_ratio(threads: int, rounds: int, layers: int) -> None:
     """Time the policy's training pass (log-probs forward and backward, LoRA r16 on q/k/v/o) of a
-    SmolLM2-shaped random model, with and without prompt sharing, alternating; print medians and
-    their ratio per shape."""
+    SmolLM2-shaped random model in each of SHARING_MODES, alternating; print the tokens forwarded,
+    median seconds and the ratios per shape."""
     import torch
     from peft import LoraConfig, get_peft_model
 
+    import rlnotes.engine.policy as policy
     from rlnotes.engine.models import smollm2_shaped
-    from rlnotes.engine.policy import sequence_logprobs
 
     torch.set_num_threads(threads)
     lora = LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
                       task_type="CAUSAL_LM")
     model = get_peft_model(smollm2_shaped(layers), lora).train()
+    default_saving = policy.MIN_PREFIX_SAVING
     print(f"policy pass (forward + backward), SmolLM2-shaped random model, {layers} layers, {threads} threads; "
-          f"median of {rounds} alternating rounds")
-    print("shape | prompts x G x new tokens | tokens plain | tokens shared | plain s | shared s | ratio")
-    for name, prompts, prompt_len, group, new_tokens in SHARING_SHAPES:
-        ids, attn, mask = sharing_batch(model.config.vocab_size, prompts, prompt_len, group, new_tokens)
-        times, tokens = {True: [], False: []}, {True: 0, False: 0}
+          f"median of {rounds} alternating rounds; prefix: once when it saves >= {default_saving} tokens")
+    print("shape | prompts x G x new tokens | tokens plain / groups / prefix | s plain / groups / prefix | "
+          "groups vs plain | prefix vs groups")
+    for name, prompts, prompt_len, group, new_tokens, prefix in SHARING_SHAPES:
+        ids, attn, mask = sharing_batch(model.config.vocab_size, prompts, prompt_len, group, new_tokens, prefix)
+        times, tokens = {mode: [] for mode in SHARING_MODES}, {}
         for _ in range(rounds):
-            for share in (False, True):
+            for mode, (share, saving) in SHARING_MODES.items():
+                policy.MIN_PREFIX_SAVING = default_saving if saving is None else saving
                 fed = []  # the tokens the passes really forward
-                embed = model.get_input_embeddings()
-                hook = embed.register_forward_hook(lambda m, args, out: fed.append(args[0].numel()))
+                hook = model.get_input_embeddings().register_forward_hook(
+                    lambda m, args, out: fed.append(args[0].numel()))
                 start = time.perf_counter()
-                logp = sequence_logprobs(model, ids, attn, mask.shape[1], share_prompts=share)
+                logp = policy.sequence_logprobs(model, ids, attn, mask.shape[1], share_prompts=share)
                 (logp * mask).sum().backward()
-                times[share].append(time.perf_counter() - start)
+                times[mode].append(time.perf_counter() - start)
                 hook.remove()
-                tokens[share] = sum(fed)
+                tokens[mode] = sum(fed)
                 model.zero_grad(set_to_none=True)
-        plain, shared = statistics.median(times[False]), statistics.median(times[True])
-        print(f"{name} | {prompts} x {group} x {new_tokens} (prompts ~{prompt_len}) | {tokens[False]} | "
-              f"{tokens[True]} | {plain:.2f} | {shared:.2f} | {plain / shared:.2f}x", flush=True)
+        policy.MIN_PREFIX_SAVING = default_saving
+        s = {mode: statistics.median(times[mode]) for mode in SHARING_MODES}
+        print(f"{name} | {prompts} x {group} x {new_tokens} (prompts ~{prompt_len}, {prefix} shared) | "
+              f"{' / '.join(str(tokens[m]) for m in SHARING_MODES)} | {' / '.join(f'{s[m]:.2f}' for m in s)} | "
+              f"{s['plain'] / s['groups']:.2f}x | {s['groups'] / s['prefix']:.2f}x", flush=True)
 
 
 def main() -> None:

@@ -2,6 +2,7 @@
 same tokens and log-probs as forwarding the whole compacted episode, the environment's tokens
 carry no loss, and every bound (turns, tokens, the episode budget) holds."""
 
+import pytest
 import torch
 from omegaconf import OmegaConf
 
@@ -77,8 +78,14 @@ def naive_greedy(model, tok, prompt, respond_one, max_new_tokens, max_turns):
         seq += obs
 
 
-def test_greedy_episodes_equal_a_slow_reference_without_cache():
-    model, tok, prompts = setup()
+@pytest.mark.parametrize("system", ["", "You are a careful assistant; answer in one word. "])
+def test_greedy_episodes_equal_a_slow_reference_without_cache(system, monkeypatch):
+    """With a system prompt every prompt shares, forwarded once (its cache's padding in the middle)."""
+    import rlnotes.engine.policy
+
+    monkeypatch.setattr(rlnotes.engine.policy, "MIN_PREFIX_SAVING", 1)
+    model, tok, _ = setup()
+    prompts = encode_prompts(tok, [system + p for p in PROMPTS], chat_template=False)
     env = Scripted(tok)
     r = run(model, tok, prompts, env, group_size=1, greedy=True, max_new_tokens=6, max_turns=3)
     for i, prompt in enumerate(prompts):

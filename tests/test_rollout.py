@@ -95,3 +95,26 @@ def test_sampled_tokens_follow_the_probabilities():
     assert freq[1] == 0 and torch.allclose(freq, probs[0] / 2.0, atol=0.01), freq
     again = next_tokens(probs.log(), 1.0, False, None, 0, torch.Generator().manual_seed(3))
     assert torch.equal(tokens, again)
+
+
+def test_prompts_that_share_a_prefix_prefill_it_once_and_sample_the_same(monkeypatch):
+    """A system prompt every prompt starts with is forwarded once (policy.prompt_pass): the samples,
+    their log-probs and the rows' prompts are those of the plain prefill."""
+    import rlnotes.engine.policy
+
+    model, tok, _ = setup()
+    prompts = encode_prompts(tok, [f"You are a careful assistant; answer in one word. {p}" for p in PROMPTS],
+                             chat_template=False)
+    fed = []
+    hook = model.get_input_embeddings().register_forward_hook(lambda m, args, out: fed.append(args[0].shape))
+    runs = {}
+    for saving in (float("inf"), 1):
+        monkeypatch.setattr(rlnotes.engine.policy, "MIN_PREFIX_SAVING", saving)
+        fed.clear()
+        runs[saving] = sample(model, tok, prompts, temperature=0.7)
+        assert fed[0][0] == (3 if saving > 1 else 1)  # the prefill: every prompt whole, or the prefix once
+    hook.remove()
+    plain, shared = runs[float("inf")], runs[1]
+    assert torch.equal(plain.completion_ids, shared.completion_ids) and plain.texts == shared.texts
+    assert torch.equal(plain.prompt_ids, shared.prompt_ids) and torch.equal(plain.prompt_mask, shared.prompt_mask)
+    torch.testing.assert_close(shared.logprobs, plain.logprobs, atol=1e-5, rtol=0)

@@ -17,6 +17,7 @@ from rlnotes.engine.policy import (
     position_ids,
     prompt_groups,
     sequence_logprobs,
+    shared_prefix,
 )
 from rlnotes.engine.rollout import left_pad
 
@@ -48,11 +49,13 @@ def lora_smollm2_shaped(layers=2):
     return model
 
 
-def group_batch(vocab, prompt_lengths=(5, 11, 2), group=3, max_completion=7, seed=0):
+def group_batch(vocab, prompt_lengths=(5, 11, 2), group=3, max_completion=7, seed=0, prefix=0):
     """Prompts of different lengths (left-padded), each repeated `group` times, with completions of
-    uneven lengths (right-padded): (input_ids, attention_mask, completion_mask)."""
+    uneven lengths (right-padded): (input_ids, attention_mask, completion_mask). `prefix`: the
+    length of a run of tokens every prompt starts with (a system prompt)."""
     g = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in prompt_lengths]
+    shared = torch.randint(3, vocab, (prefix,), generator=g).tolist()
+    prompts = [shared + torch.randint(3, vocab, (n,), generator=g).tolist() for n in prompt_lengths]
     p_ids, p_mask = left_pad([p for p in prompts for _ in range(group)], pad_id=0)
     rows = len(prompts) * group
     lengths = torch.randint(1, max_completion + 1, (rows,), generator=g)
@@ -101,6 +104,68 @@ def test_prompt_groups_find_rows_that_share_a_prompt_in_any_order():
     assert first.tolist() == [0, 1, 3] and number.tolist() == [0, 1, 0, 2, 2]
     # the same ids with different padding are different prompts (pad ids may be real tokens)
     assert prompt_groups(torch.tensor([[4, 5], [4, 5]]), torch.tensor([[0, 1], [1, 1]])) is None
+
+
+def test_shared_prefix_is_the_common_start_of_the_real_tokens():
+    ids = torch.tensor([[0, 0, 7, 8, 9, 4], [7, 8, 9, 5, 6, 2], [0, 7, 8, 9, 5, 3]])
+    assert shared_prefix(ids, (ids != 0).long()) == 3
+    assert shared_prefix(ids[1:], (ids[1:] != 0).long()) == 4
+    same = torch.tensor([[7, 8, 9], [7, 8, 9]])  # equal prompts keep one token of their own
+    assert shared_prefix(same, torch.ones_like(same)) == 2
+    assert shared_prefix(ids[:1], (ids[:1] != 0).long()) == 0
+    assert shared_prefix(torch.tensor([[0, 7], [8, 7]]), torch.tensor([[0, 1], [1, 1]])) == 0
+
+
+@pytest.fixture
+def any_prefix(monkeypatch):
+    """Share a common prefix however few tokens it saves."""
+    import rlnotes.engine.policy
+
+    monkeypatch.setattr(rlnotes.engine.policy, "MIN_PREFIX_SAVING", 1)
+
+
+def test_a_prefix_all_prompts_share_is_forwarded_once(any_prefix):
+    model = tiny_policy()
+    ids, attn, mask = group_batch(model.config.vocab_size, prefix=40)
+    seen = []
+    hook = model.get_input_embeddings().register_forward_hook(lambda m, args, out: seen.append(args[0].shape))
+    try:
+        check_equivalent(model, ids, attn, mask)
+        seen.clear()
+        sequence_logprobs(model, ids, attn, mask.shape[1])
+    finally:
+        hook.remove()
+    n = mask.shape[1]
+    assert seen == [(1, 40), (3, 11), (9, n - 1)]  # the prefix once, each prompt's own tokens, the completions
+
+
+@pytest.mark.parametrize("case", ["lora", "temperature", "full", "partial", "shuffled", "one token", "shortest"])
+def test_a_shared_prefix_gives_the_plain_pass(any_prefix, case):
+    model = tiny_policy(lora=case != "full")
+    model.train()
+    lengths = (1, 6, 3) if case == "shortest" else (5, 11, 2)  # "shortest": a prompt one token past the prefix
+    ids, attn, mask = group_batch(model.config.vocab_size, lengths, group=4, prefix=9,
+                                  max_completion=1 if case == "one token" else 7)
+    shuffled = torch.randperm(12, generator=torch.Generator().manual_seed(3))[:7]
+    rows = {"partial": torch.arange(2, 9), "shuffled": shuffled}
+    if case in rows:
+        ids, attn, mask = ids[rows[case]], attn[rows[case]], mask[rows[case]]
+    check_equivalent(model, ids, attn, mask, 0.7 if case == "temperature" else 1.0)
+
+
+def test_a_shared_prefix_on_a_smollm2_shaped_model_gives_the_plain_pass_and_values(any_prefix):
+    model = lora_smollm2_shaped()
+    model.train()
+    ids, attn, mask = group_batch(model.config.vocab_size, prompt_lengths=(9, 23, 4), group=3, max_completion=6,
+                                  prefix=12)
+    check_equivalent(model, ids, attn, mask)
+    head = torch.nn.Linear(model.config.hidden_size, 1)
+    n = mask.shape[1]
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=attn, position_ids=position_ids(attn), use_cache=False,
+                    output_hidden_states=True)
+        torch.testing.assert_close(values(model, head, ids, attn, n), head(out.hidden_states[-1][:, -n - 1:-1])
+                                   .squeeze(-1), atol=1e-5, rtol=1e-5)
 
 
 def test_shared_prompt_forward_runs_each_prompt_once():

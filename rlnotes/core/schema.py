@@ -196,7 +196,8 @@ class TrainerConfig:
     micro_batch_memory: Optional[float] = 1.0
     # Rows that share a prompt (a prompt's G completions, a DPO pair) forward it once in the training,
     # old-policy, reference and value passes: P + G*R tokens instead of G*(P+R), with the same
-    # log-probs, values and gradients (to float rounding). false = every row forwards its own prompt.
+    # log-probs, values and gradients (to float rounding); a prefix all the prompts of a pass share (a
+    # system prompt) goes once when it saves enough (policy.MIN_PREFIX_SAVING). false = every row whole.
     shared_prompt: bool = True
     # Log a metrics row every N steps (each row averages nothing: it is that step).
     log_every: int = 1

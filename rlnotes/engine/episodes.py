@@ -128,13 +128,14 @@ def generate_episodes(model, tokenizer, prompts: Sequence[Sequence[int]], group_
     pad_id = tokenizer.pad_token_id
     eos = torch.tensor(eos_ids if eos_ids is not None else [tokenizer.eos_token_id], device=device)
     budget = max_episode_tokens if max_episode_tokens is not None else float("inf")
-    prompt_ids, prompt_mask, cache, logits, next_pos = prefill(model, prompts, pad_id, group_size, device)
+    prompt_ids, prompt_mask, cache, cache_mask, logits, next_pos = prefill(model, prompts, pad_id, group_size,
+                                                                           device)
     if any(type(layer) is not DynamicLayer for layer in cache.layers):
         raise ValueError("multi-turn episodes need a model whose KV cache is one plain layer per layer "
                          "(no sliding windows); this model's is not")
     n = prompt_ids.shape[0]
     episodes = [EpisodeTokens() for _ in range(n)]
-    batch = _Batch(torch.arange(n, device=device), cache, prompt_mask, next_pos)
+    batch = _Batch(torch.arange(n, device=device), cache, cache_mask, next_pos)
     keys = keys.to(device) if keys is not None else None
     counts = torch.zeros(n, dtype=torch.long, device=device)       # model tokens so far, the key's clock
 

@@ -152,30 +152,78 @@ def completion_states(model, input_ids: torch.Tensor, attention_mask: torch.Tens
 
     share_prompts: rows with the same prompt (a GRPO group) share one forward pass of it: the
     prompt rows once, with a KV cache, then the completions against the cache copied to their
-    rows, G(P+n) -> P+Gn tokens. Gradients flow through the cache into the prompt pass. The
-    positions are those the whole row would have, so every output equals the one-pass forward's.
+    rows, G(P+n) -> P+Gn tokens (and a prefix the distinct prompts share goes once: shared_prefix).
+    Gradients flow through the cache into the prompt pass. The positions are those the whole row
+    would have, so every output equals the one-pass forward's.
     """
     width = input_ids.shape[1] - n_completion
     positions = position_ids(attention_mask)
     groups = prompt_groups(input_ids[:, :width], attention_mask[:, :width]) if share_prompts and width else None
-    none = torch.empty(0, dtype=torch.long, device=input_ids.device)  # no logits: the head runs in head_logprobs
+    none = input_ids.new_empty(0)  # logits_to_keep: none, the head runs in head_logprobs
     cache = DynamicCache(config=model.config) if groups is not None else None
     if cache is None or any(type(layer) is not DynamicLayer for layer in cache.layers):  # e.g. sliding windows
         out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=False,
                     logits_to_keep=none, output_hidden_states=True)
         return _last_hidden(out)[:, width - 1:-1]
     first, number = groups
-    prompt = model(input_ids=input_ids[first, :width], attention_mask=attention_mask[first, :width],
-                   position_ids=positions[first, :width], cache=cache, use_cache=True, logits_to_keep=none,
-                   output_hidden_states=True)
-    last = _last_hidden(prompt)[number, -1:]  # predicts each row's first completion token
+    out, cached_mask = prompt_pass(model, input_ids[first, :width], attention_mask[first, :width],
+                                   positions[first, :width], cache, none, hidden=True)
+    last = _last_hidden(out)[:, -1:]  # predicts each row's first completion token
     if n_completion == 1:
-        return last
+        return last[number]
     cache.batch_select_indices(number)  # indexing, so the rows' gradients add up in the prompt pass
-    rest = model(input_ids=input_ids[:, width:-1], attention_mask=attention_mask[:, :-1],
+    rest = model(input_ids=input_ids[:, width:-1],
+                 attention_mask=torch.cat([cached_mask[number], attention_mask[:, width:-1]], dim=1),
                  position_ids=positions[:, width:-1], cache=cache, use_cache=True, logits_to_keep=none,
                  output_hidden_states=True)
-    return torch.cat([last, _last_hidden(rest)], dim=1)
+    return torch.cat([last[number], _last_hidden(rest)], dim=1)
+
+
+# A prefix the distinct prompts share is forwarded once when that saves at least this many tokens: the
+# extra pass reads every weight once more. SmolLM2-135M's training pass on 2 CPU cores measured even at
+# 81 tokens saved; `python scripts/bench.py --shared-prompt`: 1.11x at 189 saved (the bench shape's
+# 32 rows: its template's 27 system tokens, 8 prompts), 1.25x at 600 (a 200-token system prompt).
+MIN_PREFIX_SAVING = 128
+
+
+def shared_prefix(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> int:
+    """The number of leading real tokens that every left-padded prompt row has in common (a chat
+    template's system prompt), at most the shortest prompt's length less one (so each row keeps a
+    token of its own, whose hidden state predicts its completion)."""
+    lengths = prompt_mask.sum(1)
+    shortest = int(lengths.min()) - 1
+    if len(prompt_ids) < 2 or shortest < 1:
+        return 0
+    starts = prompt_ids.shape[1] - lengths  # each row's first real column
+    aligned = prompt_ids.gather(1, starts[:, None] + torch.arange(shortest, device=prompt_ids.device))
+    differs = (aligned != aligned[:1]).any(0)
+    return int(differs.to(torch.int8).argmax()) if bool(differs.any()) else shortest
+
+
+def prompt_pass(model, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: DynamicCache,
+                logits_to_keep, hidden: bool = False):
+    """The U distinct left-padded prompts [U, P] forwarded into `cache`: (the model's output for the
+    last tokens of each, the attention mask [U, K] of the K columns now cached). A prefix of L tokens
+    they all share (shared_prefix, when it saves MIN_PREFIX_SAVING tokens) goes once, as one row, then
+    each prompt's remainder against it: the cache holds [prefix | left-padded remainders], a layout
+    whose mask has its padding in the middle and whose tokens keep their whole-row positions, so
+    every output equals the plain pass's."""
+    n, width = ids.shape
+    common = shared_prefix(ids, mask)
+    if (n - 1) * common < MIN_PREFIX_SAVING or any(type(layer) is not DynamicLayer for layer in cache.layers):
+        return model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True,
+                     logits_to_keep=logits_to_keep, output_hidden_states=hidden), mask
+    lengths = mask.sum(1)
+    start = width - int(lengths[0])
+    model(input_ids=ids[:1, start:start + common], attention_mask=mask[:1, start:start + common],
+          position_ids=positions[:1, start:start + common], cache=cache, use_cache=True,
+          logits_to_keep=ids.new_empty(0))
+    cache.batch_select_indices(torch.zeros(n, dtype=torch.long, device=ids.device))
+    tail = int(lengths.max()) - common  # the longest remainder; shorter ones are left-padded to it
+    own = torch.arange(width - tail, width, device=ids.device) >= (width - lengths + common)[:, None]
+    cached = torch.cat([mask.new_ones(n, common), own.to(mask.dtype)], dim=1)
+    return model(input_ids=ids[:, -tail:], attention_mask=cached, position_ids=positions[:, -tail:], cache=cache,
+                 use_cache=True, logits_to_keep=logits_to_keep, output_hidden_states=hidden), cached
 
 
 def sequence_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, n_completion: int,

@@ -14,7 +14,7 @@ from typing import Dict, List, Optional, Sequence, Union
 import torch
 from transformers import DynamicCache
 
-from rlnotes.engine.policy import position_ids
+from rlnotes.engine.policy import position_ids, prompt_pass
 
 # A prompt: plain text, or a conversation of {"role": ..., "content": ...} messages.
 Prompt = Union[str, List[Dict[str, str]]]
@@ -198,20 +198,22 @@ def next_tokens(scaled: torch.Tensor, top_p: float, greedy: bool, keys: Optional
 
 
 def prefill(model, prompts: Sequence[Sequence[int]], pad_id: int, group_size: int, device):
-    """Each prompt (token id lists) forwarded once, its KV cache and last logits then copied for
-    its `group_size` samples: (prompt ids [N, P], mask [N, P], the cache, the logits of each row's
-    first token [N, V], the position of each row's next token [N]), N = prompts x group_size."""
+    """Each prompt (token id lists) forwarded once (a prefix they all share once: policy.prompt_pass),
+    its KV cache and last logits then copied for its `group_size` samples: (prompt ids [N, P], mask
+    [N, P], the cache, the mask of the cache's columns [N, K], the logits of each row's first token
+    [N, V], the position of each row's next token [N]), N = prompts x group_size."""
     prompt_ids, prompt_mask = (t.to(device) for t in left_pad(prompts, pad_id))
     cache = DynamicCache(config=model.config)
     positions = position_ids(prompt_mask)
-    logits = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions,
-                   cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+    out, cache_mask = prompt_pass(model, prompt_ids, prompt_mask, positions, cache, logits_to_keep=1)
+    logits = out.logits[:, -1]
     if group_size > 1:
         cache.batch_repeat_interleave(group_size)
         logits = logits.repeat_interleave(group_size, dim=0)
         prompt_ids = prompt_ids.repeat_interleave(group_size, dim=0)
         prompt_mask = prompt_mask.repeat_interleave(group_size, dim=0)
-    return prompt_ids, prompt_mask, cache, logits, positions[:, -1].repeat_interleave(group_size) + 1
+        cache_mask = cache_mask.repeat_interleave(group_size, dim=0)
+    return prompt_ids, prompt_mask, cache, cache_mask, logits, positions[:, -1].repeat_interleave(group_size) + 1
 
 
 @torch.no_grad()
@@ -226,14 +228,13 @@ def generate(model, tokenizer, prompts: Sequence[Sequence[int]], group_size: int
     device = next(model.parameters()).device
     pad_id = tokenizer.pad_token_id
     eos = torch.tensor(eos_ids if eos_ids is not None else [tokenizer.eos_token_id], device=device)
-    prompt_ids, prompt_mask, cache, logits, next_pos = prefill(model, prompts, pad_id, group_size, device)
+    prompt_ids, prompt_mask, cache, attn, logits, next_pos = prefill(model, prompts, pad_id, group_size, device)
     n = prompt_ids.shape[0]
     tokens = torch.full((n, max_new_tokens), pad_id, dtype=torch.long, device=device)
     logps = torch.zeros((n, max_new_tokens), device=device)
     lengths = torch.full((n,), max_new_tokens, dtype=torch.long, device=device)
     alive = torch.arange(n, device=device)     # rows still generating, as indices into the batch
     keys = keys.to(device) if keys is not None else None
-    attn = prompt_mask
 
     for t in range(max_new_tokens):
         scaled = logits.float() / temperature
