@@ -57,8 +57,8 @@ def record_passes(monkeypatch) -> list:
 
     cuts, real = [], batching.micro_batches
 
-    def recorded(n, size, budget=None, tokens=None):
-        chunks = real(n, size, budget, tokens)
+    def recorded(n, size, budget=None, tokens=None, most=None):
+        chunks = real(n, size, budget, tokens, most)
         if budget is not None and not size:
             cuts.append([len(c) for c in chunks])
         return chunks

@@ -82,6 +82,14 @@ def test_the_token_budget_cuts_the_fewest_even_chunks():
     assert [c.tolist() for c in micro_batches(7, None, 38, tokens)] == [list(range(7))]
 
 
+def test_a_batch_bounded_within_the_budget_is_one_pass_without_counting():
+    def never(idx):
+        raise AssertionError("counted")
+
+    assert [c.tolist() for c in micro_batches(4, None, 40, never, most=40)] == [[0, 1, 2, 3]]
+    assert [len(c) for c in micro_batches(4, None, 40, lambda idx: 15 * len(idx), most=41)] == [2, 2]
+
+
 def test_a_row_over_the_budget_makes_every_pass_one_row():
     chunks = micro_batches(3, None, 4, lambda idx: 5 * len(idx))
     assert [c.tolist() for c in chunks] == [[0], [1], [2]]

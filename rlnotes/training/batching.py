@@ -20,20 +20,23 @@ from rlnotes.notes import aggregation_divisor
 
 
 def micro_batches(n: int, size: int | None, budget: Optional[int] = None,
-                  tokens: Optional[Callable[[torch.Tensor], int]] = None) -> List[torch.Tensor]:
+                  tokens: Optional[Callable[[torch.Tensor], int]] = None,
+                  most: Optional[int] = None) -> List[torch.Tensor]:
     """Index chunks of the n rows: of at most `size` rows when it is set; else, with a token `budget`
     and `tokens` (a chunk's indices -> the tokens its pass forwards), the fewest chunks of consecutive
     rows whose passes each hold at most `budget` tokens, their sizes within one row of each other
     (when one row alone is over the budget, every row gets a pass of its own); else all n at once.
-    None when n is 0 (a rank left without rows). The budget gives every rank the same number of
-    chunks, the most any rank needs (FSDP's passes go in lock step), so every rank must call this
-    when any does."""
+    `most`: a bound on the whole batch's tokens (rows x width); within the budget, one chunk without
+    counting. None when n is 0 (a rank left without rows). The budget gives every rank the same
+    number of chunks, the most any rank needs (FSDP's passes go in lock step), so every rank must
+    call this when any does."""
     if size or budget is None or tokens is None:
         return list(torch.arange(n).split(size or n)) if n else []
-    rows, count = torch.arange(n), 0
-    for count in range(1, n + 1):
-        if all(tokens(chunk) <= budget for chunk in rows.tensor_split(count)):
-            break
+    rows, count = torch.arange(n), 1
+    if most is None or most > budget:
+        for count in range(1, n + 1):
+            if all(tokens(chunk) <= budget for chunk in rows.tensor_split(count)):
+                break
     count = max(distributed.gather(count))
     return list(rows.tensor_split(min(count, n))) if n else []
 
@@ -45,11 +48,13 @@ def pass_tokens(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, real: torch
     (trainer.shared_prompt: the groups of policy.prompt_groups) else every row's, plus each row's
     completion as wide as the chunk's longest (`trimmed`: Rollout.select cuts the width to it) or all
     of `real`'s [N, T] width."""
-    width = prompt_ids.shape[1]
-    groups = prompt_groups(prompt_ids, prompt_mask) if share_prompts and width else None
-    lengths = real.sum(-1).long()
+    width, found = prompt_ids.shape[1], []  # the groups and lengths, found on the first count
 
     def tokens(idx: torch.Tensor) -> int:
+        if not found:
+            found.extend([prompt_groups(prompt_ids, prompt_mask) if share_prompts and width else None,
+                          real.sum(-1).long()])
+        groups, lengths = found
         prompts = len(idx) if groups is None else len(groups[1][idx].unique())
         completion = int(lengths[idx].max()) if trimmed else real.shape[1]
         return prompts * width + len(idx) * completion
@@ -88,7 +93,8 @@ def rollout_micro_batches(ctx, rollout: Rollout, rows: Optional[torch.Tensor] = 
     if budget is None:  # no token counts needed
         return micro_batches(n, trainer.micro_batch_size)
     tokens = pass_tokens(rollout.prompt_ids, rollout.prompt_mask, rollout.real, policy.share_prompts)
-    return micro_batches(n, None, budget, tokens if rows is None else lambda part: tokens(rows[part]))
+    return micro_batches(n, None, budget, tokens if rows is None else lambda part: tokens(rows[part]),
+                         most=n * (rollout.prompt_ids.shape[1] + rollout.real.shape[1]))
 
 
 @dataclass(frozen=True)

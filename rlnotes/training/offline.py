@@ -66,7 +66,8 @@ def sequence_micro_batches(ctx, seqs: Sequences) -> List[torch.Tensor]:
     budget = None if trainer.micro_batch_size else token_budget(trainer, ctx.policy.model)
     if budget is None:  # no token counts needed
         return micro_batches(len(seqs.input_ids), trainer.micro_batch_size)
-    return micro_batches(len(seqs.input_ids), None, budget, _sequence_tokens(ctx, seqs, trimmed=False))
+    return micro_batches(len(seqs.input_ids), None, budget, _sequence_tokens(ctx, seqs, trimmed=False),
+                         most=seqs.input_ids.numel())
 
 
 def pair_micro_batches(ctx, rows) -> List[Tuple[torch.Tensor, Sequences]]:
@@ -80,7 +81,7 @@ def pair_micro_batches(ctx, rows) -> List[Tuple[torch.Tensor, Sequences]]:
         return [(idx, encoded(idx)) for idx in micro_batches(len(rows), trainer.micro_batch_size)]
     seqs, n = encode_pairs(ctx, rows), len(rows)
     tokens = _sequence_tokens(ctx, seqs, trimmed=True)
-    chunks = micro_batches(n, None, budget, lambda idx: tokens(torch.cat([idx, idx + n])))
+    chunks = micro_batches(n, None, budget, lambda idx: tokens(torch.cat([idx, idx + n])), most=seqs.input_ids.numel())
     return [(chunks[0], seqs)] if len(chunks) == 1 else [(idx, encoded(idx)) for idx in chunks]
 
 
