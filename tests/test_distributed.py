@@ -30,6 +30,8 @@ from tests.conftest import RLNOTES
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ("trainer.steps=2", "trainer.batch_size=4")
+SYSTEM = ("You are a patient tutor. Read the request, think about which letter it asks for, and reply with words "
+          "that start with that letter only. Keep every reply short and plain, with no lists and no extra remarks.")
 HELD_OUT = ("trainer.eval_every=1", "data.eval_size=8", "eval.size=8")
 # Runs tests/ddp_worker.py makes on 2 processes; those in EXACT must match one process to float
 # tolerance (with per-prompt seeds, the default under torchrun, the samples are the same).
@@ -44,6 +46,8 @@ CASES = {
     # multi-turn episodes: each rank runs its own episodes and environments
     "episodes": ("rollout=multi_turn", "rollout.env=letters", "rollout.max_turns=2", "rollout.max_new_tokens=6",
                  "rollout.max_episode_tokens=64", "reward=env", *SMALL),
+    "system": (*SMALL, f"data.system_prompt='{SYSTEM}'"),  # its prefix forwarded once on each rank
+    "fsdp_system": ("hardware.strategy=fsdp", *SMALL, f"data.system_prompt='{SYSTEM}'"),
     "grpo_4": ("trainer.steps=4", "trainer.batch_size=4", "trainer.save_every=2", "trainer.keep_last=null"),
     "grpo_resumed": ("trainer.steps=4", "trainer.batch_size=4", "trainer.resume={OUT}/grpo_4/checkpoints/step_000002"),
     "fsdp_grpo": ("hardware.strategy=fsdp", *SMALL, "trainer.eval_every=2", "eval.size=4"),
@@ -55,7 +59,8 @@ CASES = {
     "fsdp_resumed": ("hardware.strategy=fsdp", "trainer.steps=4", "trainer.batch_size=4",
                      "trainer.resume={OUT}/fsdp_4/checkpoints/step_000002"),
 }
-EXACT = ("grpo", "dapo", "reinforce", "dpo", "sft", "rm", "episodes", "fsdp_grpo", "fsdp_dpo", "fsdp_full_sft")
+EXACT = ("grpo", "dapo", "reinforce", "dpo", "sft", "rm", "episodes", "system", "fsdp_grpo", "fsdp_dpo",
+         "fsdp_full_sft", "fsdp_system")
 
 
 @pytest.fixture(autouse=True)

@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from rlnotes.engine import distributed
 from rlnotes.engine.fsdp import is_sharded
 from rlnotes.engine.merged import lora_slots, merged_adapters
 from rlnotes.engine.models import load_base, usual_modes
@@ -152,22 +153,32 @@ def completion_states(model, input_ids: torch.Tensor, attention_mask: torch.Tens
 
     share_prompts: rows with the same prompt (a GRPO group) share one forward pass of it: the
     prompt rows once, with a KV cache, then the completions against the cache copied to their
-    rows, G(P+n) -> P+Gn tokens (and a prefix the distinct prompts share goes once: shared_prefix).
+    rows, G(P+n) -> P+Gn tokens (and a prefix the distinct prompts share goes once: prompt_pass).
     Gradients flow through the cache into the prompt pass. The positions are those the whole row
-    would have, so every output equals the one-pass forward's.
+    would have, so every output equals the one-pass forward's. Under FSDP every rank runs the same
+    passes (its gathers go in lock step): the plain one wherever the ranks' batches would differ.
     """
     width = input_ids.shape[1] - n_completion
     positions = position_ids(attention_mask)
     groups = prompt_groups(input_ids[:, :width], attention_mask[:, :width]) if share_prompts and width else None
     none = input_ids.new_empty(0)  # logits_to_keep: none, the head runs in head_logprobs
     cache = DynamicCache(config=model.config) if groups is not None else None
-    if cache is None or any(type(layer) is not DynamicLayer for layer in cache.layers):  # e.g. sliding windows
+    if cache is not None and any(type(layer) is not DynamicLayer for layer in cache.layers):  # e.g. sliding windows
+        groups = None
+    sharded = is_sharded(model)
+    # No prefix pass under FSDP: its last layer's output goes unused, and FSDP gathers a layer's weights
+    # for the backward pass only through its outputs (its keys and values would find them freed).
+    common = prefix_to_share(input_ids[groups[0], :width], attention_mask[groups[0], :width]) \
+        if groups and not sharded else 0
+    if sharded and len(set(distributed.gather((groups is not None, n_completion > 1)))) > 1:
+        groups = None
+    if groups is None:
         out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=False,
                     logits_to_keep=none, output_hidden_states=True)
         return _last_hidden(out)[:, width - 1:-1]
     first, number = groups
     out, cached_mask = prompt_pass(model, input_ids[first, :width], attention_mask[first, :width],
-                                   positions[first, :width], cache, none, hidden=True)
+                                   positions[first, :width], cache, none, hidden=True, common=common)
     last = _last_hidden(out)[:, -1:]  # predicts each row's first completion token
     if n_completion == 1:
         return last[number]
@@ -200,17 +211,26 @@ def shared_prefix(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> int:
     return int(differs.to(torch.int8).argmax()) if bool(differs.any()) else shortest
 
 
-def prompt_pass(model, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: DynamicCache,
-                logits_to_keep, hidden: bool = False):
-    """The U distinct left-padded prompts [U, P] forwarded into `cache`: (the model's output for the
-    last tokens of each, the attention mask [U, K] of the K columns now cached). A prefix of L tokens
-    they all share (shared_prefix, when it saves MIN_PREFIX_SAVING tokens) goes once, as one row, then
-    each prompt's remainder against it: the cache holds [prefix | left-padded remainders], a layout
-    whose mask has its padding in the middle and whose tokens keep their whole-row positions, so
-    every output equals the plain pass's."""
-    n, width = ids.shape
+def prefix_to_share(ids: torch.Tensor, mask: torch.Tensor) -> int:
+    """The shared_prefix of the distinct prompts [U, P] when forwarding it once saves at least
+    MIN_PREFIX_SAVING tokens, else 0."""
     common = shared_prefix(ids, mask)
-    if (n - 1) * common < MIN_PREFIX_SAVING or any(type(layer) is not DynamicLayer for layer in cache.layers):
+    return common if (len(ids) - 1) * common >= MIN_PREFIX_SAVING else 0
+
+
+def prompt_pass(model, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: DynamicCache,
+                logits_to_keep, hidden: bool = False, common: Optional[int] = None):
+    """The U distinct left-padded prompts [U, P] forwarded into `cache`: (the model's output for the
+    last tokens of each, the attention mask [U, K] of the K columns now cached). A prefix of `common`
+    tokens they all share (default: prefix_to_share) goes once, as one row, then each prompt's
+    remainder against it: the cache holds [prefix | left-padded remainders], a layout whose mask has
+    its padding in the middle and whose tokens keep their whole-row positions, so every output
+    equals the plain pass's."""
+    n, width = ids.shape
+    if common is None:
+        plain_layers = all(type(layer) is DynamicLayer for layer in cache.layers)  # not e.g. sliding windows
+        common = prefix_to_share(ids, mask) if plain_layers else 0
+    if not common:
         return model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True,
                      logits_to_keep=logits_to_keep, output_hidden_states=hidden), mask
     lengths = mask.sum(1)
