@@ -323,3 +323,27 @@ def test_trainer_shared_prompt_switch_changes_no_metric(tmp_path, monkeypatch, a
         assert a["reward/mean"] == b["reward/mean"]
         for key in ("loss", "optim/grad_norm", "kl/ref", "policy/entropy"):
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6, nan_ok=True), key
+
+
+@pytest.mark.parametrize("other_rank", ["same", "no shared prompts"])
+def test_under_fsdp_every_rank_runs_the_same_passes(monkeypatch, any_prefix, other_rank):
+    """FSDP's gathers go in lock step: the ranks agree on sharing (the plain pass when another rank's
+    rows share no prompt), and no prefix pass runs (FSDP re-gathers weights for backward only through
+    a layer's outputs)."""
+    import rlnotes.engine.policy
+
+    model = tiny_policy()
+    ids, attn, mask = group_batch(model.config.vocab_size, prefix=40)
+    monkeypatch.setattr(rlnotes.engine.policy, "is_sharded", lambda m: True)
+    other = lambda plan: plan if other_rank == "same" else (False, plan[1])  # noqa: E731
+    monkeypatch.setattr(rlnotes.engine.policy.distributed, "gather", lambda plan: [plan, other(plan)])
+    seen = []
+    hook = model.get_input_embeddings().register_forward_hook(lambda m, args, out: seen.append(args[0].shape))
+    try:
+        check_equivalent(model, ids, attn, mask)
+        seen.clear()
+        sequence_logprobs(model, ids, attn, mask.shape[1])
+    finally:
+        hook.remove()
+    n = mask.shape[1]
+    assert seen == ([(3, ids.shape[1] - n), (9, n - 1)] if other_rank == "same" else [tuple(ids.shape)])
