@@ -162,8 +162,12 @@ def test_eval_command_uses_the_runs_file_reward_and_system_prompt(tmp_path, monk
     held_out = tmp_path / "held_out.jsonl"  # a file of its own for the run's data=file: its rows, the run's reward
     held_out.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"Say b {i}"}], "letter": "b"})
                                 + "\n" for i in range(3)))
+    capsys.readouterr()
     assert main(["eval", f"eval.policy={run_dir}/final", f"eval.out={tmp_path / 'ev3'}",
                  f"data.eval_path={held_out}"]) == 0, capsys.readouterr().err
+    said = capsys.readouterr()
+    assert f"3 eval rows (from {held_out})" in said.err, said.err
+    assert f"on{held_out}(3completions)" in "".join(said.out.split())  # the table's title, however it wraps
     samples = [json.loads(line) for line in (tmp_path / "ev3" / "samples.jsonl").read_text().splitlines()]
     assert [s["prompt"][-1]["content"] for s in samples] == ["Say b 0", "Say b 1", "Say b 2"]
     assert json.loads((tmp_path / "ev3" / "eval.jsonl").read_text())["eval/reward"] == pytest.approx(0.25)

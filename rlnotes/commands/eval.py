@@ -77,7 +77,8 @@ def main(argv: List[str]) -> int:
     except (ConfigError, RewardFailure, EnvironmentFailure) as e:
         console.print(f"[red]rlnotes: error:[/] {e}")
         return 1
-    table = Table(title=f"{cfg.eval.policy or cfg.model.name_or_path} on {cfg.data.path or cfg.data.name} "
+    table = Table(title=f"{cfg.eval.policy or cfg.model.name_or_path} on "
+                        f"{cfg.data.eval_path or cfg.data.path or cfg.data.name} "
                         f"({len(evaluation.samples)} completions)")
     table.add_column("metric")
     table.add_column("value", justify="right")

@@ -182,7 +182,7 @@ def fit_and_split(data: Data, cfg, tokenizer, limit: Optional[int], console=None
 def _held_out_note(data: Data, held: int) -> str:
     """How the eval rows came about, for the start-of-run line: a default is said, with how to change it."""
     if data.eval is not None:
-        return ""
+        return f" (from {data.eval.source})" if data.eval.source != data.train.source else ""
     if data.eval_size is not None:
         return f" (held out with data.seed={data.seed})"
     if held == 0:
