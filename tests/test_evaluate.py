@@ -122,12 +122,12 @@ def test_eval_every_follows_steps_that_jump(tmp_path):
 def test_eval_command_refuses_a_checker_argument_no_column_fills_before_the_model_loads(monkeypatch, capsys):
     """An eval.reward taking a required argument that the data lacks: one line naming the function,
     the argument and the columns, before any model loads."""
-    import rlnotes.engine.models
+    import rlnotes.commands.eval  # imported now, so that the patch below replaces the name it calls
 
     module = types.ModuleType("evalneeds")
     module.accuracy = lambda completions, solution, **kwargs: [1.0] * len(completions)
     monkeypatch.setitem(sys.modules, "evalneeds", module)
-    monkeypatch.setattr(rlnotes.engine.models, "load_base", lambda *a: pytest.fail("the model loaded"))
+    monkeypatch.setattr(rlnotes.commands.eval, "load_base", lambda *a: pytest.fail("the model loaded"))
     assert main(["eval", "eval.reward=evalneeds.accuracy"]) == 1
     err = capsys.readouterr().err
     assert "no column 'solution', which reward accuracy needs; its columns: letter, prompt" in err
