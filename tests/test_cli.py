@@ -90,6 +90,7 @@ def _options(group):
 @pytest.mark.parametrize("override, expected", [
     ("algo=foo", f"algo=foo is not an option; choose one of: {_options('algo')}"),
     ("trainer.foo=1", "trainer.foo is not a setting; valid keys under trainer: steps, batch_size"),
+    ("data.eval_pth=x.jsonl", "data.eval_pth is not a setting; did you mean data.eval_path? valid keys under data:"),
     ("optim.lr=abc", "optim.lr: Value 'abc' of type 'str' could not be converted to Float"),
     ("rollout.merge_adapter=maybe", "rollout.merge_adapter: Value 'maybe' is not a valid bool (true or false)"),
     ("model.lora={r: 8, rank: 2}", "model.lora.rank is not a setting; valid keys under model.lora: r, alpha"),

@@ -95,7 +95,7 @@ def test_search_members_are_representatives_one_parameter_at_a_time():
 
 @pytest.mark.parametrize("override, expected", [
     ("optim.lr=interval(0, 1e-2)", "optim.lr=0 must be in (0, 1]"),
-    ("optim.lrr=interval(1e-5, 1e-2)", "optim.lrr is not a setting; valid keys under optim: lr"),
+    ("optim.lrr=interval(1e-5, 1e-2)", "optim.lrr is not a setting; did you mean optim.lr? valid keys under optim: lr"),
     ("algo=choice(grpo,gpro)", "algo=gpro is not an option"),
 ])
 def test_a_search_with_a_mistake_fails_before_any_run(override, expected, tmp_path, capsys):

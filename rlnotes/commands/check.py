@@ -5,6 +5,7 @@ one line naming the key and what it accepts.
 
 from __future__ import annotations
 
+import difflib
 from typing import Callable, List, Optional
 
 from omegaconf import OmegaConf
@@ -107,7 +108,9 @@ def explain(exc: BaseException, configs, overrides: List[str]) -> str:
         node = OmegaConf.select(base, parent) if parent else base
         keys = [k for k in node.keys() if k != "hydra"] if node is not None and hasattr(node, "keys") else []
         where = f"under {parent}" if parent else "at the top level"
-        return f"{key} is not a setting; valid keys {where}: {', '.join(map(str, keys))}"
+        close = difflib.get_close_matches(key.rpartition(".")[2], list(map(str, keys)), n=1)
+        hint = f" did you mean {parent + '.' if parent else ''}{close[0]}?" if close else ""
+        return f"{key} is not a setting;{hint} valid keys {where}: {', '.join(map(str, keys))}"
     if problem.kind == "bad_value":
         return f"{key or 'a value'}: {problem.line}"
     if problem.kind == "ambiguous":
