@@ -124,19 +124,24 @@ def any_prefix(monkeypatch):
     monkeypatch.setattr(rlnotes.engine.policy, "MIN_PREFIX_SAVING", 1)
 
 
-def test_a_prefix_all_prompts_share_is_forwarded_once(any_prefix):
-    model = tiny_policy()
-    ids, attn, mask = group_batch(model.config.vocab_size, prefix=40)
+def equivalent_passes(model, ids, attn, mask) -> list:
+    """check_equivalent, then the [rows, tokens] of each forward pass the shared path makes."""
+    check_equivalent(model, ids, attn, mask)
     seen = []
     hook = model.get_input_embeddings().register_forward_hook(lambda m, args, out: seen.append(args[0].shape))
     try:
-        check_equivalent(model, ids, attn, mask)
-        seen.clear()
         sequence_logprobs(model, ids, attn, mask.shape[1])
     finally:
         hook.remove()
+    return seen
+
+
+def test_a_prefix_all_prompts_share_is_forwarded_once(any_prefix):
+    model = tiny_policy()
+    ids, attn, mask = group_batch(model.config.vocab_size, prefix=40)
     n = mask.shape[1]
-    assert seen == [(1, 40), (3, 11), (9, n - 1)]  # the prefix once, each prompt's own tokens, the completions
+    # the prefix once, each prompt's own tokens, the completions
+    assert equivalent_passes(model, ids, attn, mask) == [(1, 40), (3, 11), (9, n - 1)]
 
 
 @pytest.mark.parametrize("case", ["lora", "temperature", "full", "partial", "shuffled", "one token", "shortest"])
@@ -337,13 +342,6 @@ def test_under_fsdp_every_rank_runs_the_same_passes(monkeypatch, any_prefix, oth
     monkeypatch.setattr(rlnotes.engine.policy, "is_sharded", lambda m: True)
     other = lambda plan: plan if other_rank == "same" else (False, plan[1])  # noqa: E731
     monkeypatch.setattr(rlnotes.engine.policy.distributed, "gather", lambda plan: [plan, other(plan)])
-    seen = []
-    hook = model.get_input_embeddings().register_forward_hook(lambda m, args, out: seen.append(args[0].shape))
-    try:
-        check_equivalent(model, ids, attn, mask)
-        seen.clear()
-        sequence_logprobs(model, ids, attn, mask.shape[1])
-    finally:
-        hook.remove()
     n = mask.shape[1]
-    assert seen == ([(3, ids.shape[1] - n), (9, n - 1)] if other_rank == "same" else [tuple(ids.shape)])
+    assert equivalent_passes(model, ids, attn, mask) == \
+        ([(3, ids.shape[1] - n), (9, n - 1)] if other_rank == "same" else [tuple(ids.shape)])

@@ -28,8 +28,8 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
 
+from rlnotes.engine.policy import plain_layers
 from rlnotes.engine.rollout import Rollout, left_pad, next_tokens, prefill
 
 # respond(rows, turns, last) -> one observation per row: token ids to prefill, or None (the episode
@@ -130,7 +130,7 @@ def generate_episodes(model, tokenizer, prompts: Sequence[Sequence[int]], group_
     budget = max_episode_tokens if max_episode_tokens is not None else float("inf")
     prompt_ids, prompt_mask, cache, cache_mask, logits, next_pos = prefill(model, prompts, pad_id, group_size,
                                                                            device)
-    if any(type(layer) is not DynamicLayer for layer in cache.layers):
+    if not plain_layers(cache):
         raise ValueError("multi-turn episodes need a model whose KV cache is one plain layer per layer "
                          "(no sliding windows); this model's is not")
     n = prompt_ids.shape[0]

@@ -142,6 +142,12 @@ def prompt_groups(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> Option
     return first[order], number[inverse]
 
 
+def plain_layers(cache: DynamicCache) -> bool:
+    """Whether every layer of `cache` keeps each row's keys and values whole (no sliding windows): the
+    layout that rows can be selected from and passes added to."""
+    return all(type(layer) is DynamicLayer for layer in cache.layers)
+
+
 def _last_hidden(out) -> torch.Tensor:
     return out.hidden_states[-1]  # after the final norm: the LM head's input
 
@@ -163,7 +169,7 @@ def completion_states(model, input_ids: torch.Tensor, attention_mask: torch.Tens
     groups = prompt_groups(input_ids[:, :width], attention_mask[:, :width]) if share_prompts and width else None
     none = input_ids.new_empty(0)  # logits_to_keep: none, the head runs in head_logprobs
     cache = DynamicCache(config=model.config) if groups is not None else None
-    if cache is not None and any(type(layer) is not DynamicLayer for layer in cache.layers):  # e.g. sliding windows
+    if cache is not None and not plain_layers(cache):
         groups = None
     sharded = is_sharded(model)
     # No prefix pass under FSDP: its last layer's output goes unused, and FSDP gathers a layer's weights
@@ -228,8 +234,7 @@ def prompt_pass(model, ids: torch.Tensor, mask: torch.Tensor, positions: torch.T
     equals the plain pass's."""
     n, width = ids.shape
     if common is None:
-        plain_layers = all(type(layer) is DynamicLayer for layer in cache.layers)  # not e.g. sliding windows
-        common = prefix_to_share(ids, mask) if plain_layers else 0
+        common = prefix_to_share(ids, mask) if plain_layers(cache) else 0
     if not common:
         return model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True,
                      logits_to_keep=logits_to_keep, output_hidden_states=hidden), mask

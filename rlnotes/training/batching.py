@@ -8,6 +8,7 @@ pass over the whole batch, whatever the chunk size.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable, List, Optional
 
@@ -48,13 +49,14 @@ def pass_tokens(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, real: torch
     (trainer.shared_prompt: the groups of policy.prompt_groups) else every row's, plus each row's
     completion as wide as the chunk's longest (`trimmed`: Rollout.select cuts the width to it) or all
     of `real`'s [N, T] width."""
-    width, found = prompt_ids.shape[1], []  # the groups and lengths, found on the first count
+    width = prompt_ids.shape[1]
+
+    @functools.cache
+    def counted():  # the groups and completion lengths, found on the first count only
+        return prompt_groups(prompt_ids, prompt_mask) if share_prompts and width else None, real.sum(-1).long()
 
     def tokens(idx: torch.Tensor) -> int:
-        if not found:
-            found.extend([prompt_groups(prompt_ids, prompt_mask) if share_prompts and width else None,
-                          real.sum(-1).long()])
-        groups, lengths = found
+        groups, lengths = counted()
         prompts = len(idx) if groups is None else len(groups[1][idx].unique())
         completion = int(lengths[idx].max()) if trimmed else real.shape[1]
         return prompts * width + len(idx) * completion
