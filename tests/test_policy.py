@@ -5,8 +5,9 @@ import torch
 from omegaconf import OmegaConf
 
 from rlnotes.core.schema import ModelConfig
+from rlnotes.engine.head import head_logprobs
 from rlnotes.engine.models import load_base
-from rlnotes.engine.policy import Policy, head_logprobs, sequence_logprobs
+from rlnotes.engine.policy import Policy, sequence_logprobs
 from rlnotes.engine.rollout import left_pad
 
 

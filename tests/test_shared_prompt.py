@@ -1,5 +1,5 @@
 """Rows that share a prompt forward it once (policy.completion_states), and log-probs come from the
-hidden states chunk by chunk (policy.head_logprobs): both give the log-probs, entropies, values and
+hidden states chunk by chunk (head.head_logprobs): both give the log-probs, entropies, values and
 gradients of one plain forward pass with full logits, on the tiny model and on a SmolLM2-shaped one
 (GQA, tied embeddings), with LoRA, left padding, uneven completions, partial groups and shuffled rows."""
 
@@ -10,10 +10,10 @@ from omegaconf import OmegaConf
 
 from rlnotes.core.schema import ModelConfig
 from rlnotes.engine.critic import logprobs_and_values, values
+from rlnotes.engine.head import head_logprobs
 from rlnotes.engine.models import smollm2_shaped
 from rlnotes.engine.policy import (
     Policy,
-    head_logprobs,
     position_ids,
     prompt_groups,
     sequence_logprobs,
@@ -256,9 +256,9 @@ def test_values_and_entropy_equal_the_plain_pass():
 
 
 def test_head_logprobs_chunks_and_matches_log_softmax(monkeypatch):
-    import rlnotes.engine.policy
+    import rlnotes.engine.head
 
-    monkeypatch.setattr(rlnotes.engine.policy, "LOGIT_CHUNK", 2 * 11)  # two positions per chunk
+    monkeypatch.setattr(rlnotes.engine.head, "LOGIT_CHUNK", 2 * 11)  # two positions per chunk
     head = torch.nn.Linear(4, 11).requires_grad_(False)
     hidden = torch.randn(3, 5, 4, requires_grad=True)
     tokens = torch.randint(0, 11, (3, 5))
