@@ -12,9 +12,14 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-# Logits of at most this many floats exist at once in head_logprobs (64 MB in float32): 341 positions
-# of a 49k vocabulary, every position of a small one.
-LOGIT_CHUNK = 2**24
+# Logits of at most this many floats exist at once in head_logprobs (32 MiB in float32): 170 positions
+# of a 49k vocabulary, every position of a small one. glibc's malloc serves a block of 32 MiB or more
+# with a fresh mmap every time, whose pages the kernel then zeroes on first touch; smaller blocks come
+# back from its heap once a few steps have run. With 64 MiB chunks SmolLM2's GRPO training pass (bench
+# shape, 2 cores) took 250-570 thousand page faults and 2-4 s of system time every pass; with 32 MiB,
+# from the fourth step on, 0-40 thousand faults and about 1 s a step. The head over 900 positions ran as
+# fast as with 341 positions a chunk, and 1.3x faster than with 85.
+LOGIT_CHUNK = 2**23
 
 
 class _FrozenHeadLogprobs(torch.autograd.Function):
