@@ -118,3 +118,48 @@ def test_prompts_that_share_a_prefix_prefill_it_once_and_sample_the_same(monkeyp
     assert torch.equal(plain.completion_ids, shared.completion_ids) and plain.texts == shared.texts
     assert torch.equal(plain.prompt_ids, shared.prompt_ids) and torch.equal(plain.prompt_mask, shared.prompt_mask)
     torch.testing.assert_close(shared.logprobs, plain.logprobs, atol=1e-5, rtol=0)
+
+
+def test_growing_cache_layer_holds_what_a_dynamic_layer_holds_and_decodes_in_place():
+    """GrowingLayer against transformers' DynamicLayer through what sampling does: a prompt pass, rows
+    repeated for a group, one position per step, finished rows dropped, and a pass past its room."""
+    from transformers.cache_utils import DynamicLayer
+
+    from rlnotes.engine.kvcache import GrowingLayer
+
+    g = torch.Generator().manual_seed(0)
+    states = lambda rows, n: (torch.randn(rows, 2, n, 4, generator=g), torch.randn(rows, 2, n, 4, generator=g))  # noqa: E731
+    grown, plain = GrowingLayer(room=3), DynamicLayer()
+
+    def both(op, *args):
+        out = [getattr(layer, op)(*args) for layer in (grown, plain)]
+        torch.testing.assert_close(grown.keys, plain.keys, rtol=0, atol=0)
+        torch.testing.assert_close(grown.values, plain.values, rtol=0, atol=0)
+        return out[0]
+
+    both("update", *states(2, 5))
+    both("batch_repeat_interleave", 3)
+    buffer = grown.buffers[0].data_ptr()
+    for _ in range(3):  # decoding: each position written into the buffers, nothing copied
+        keys, _ = both("update", *states(6, 1))
+        assert grown.buffers[0].data_ptr() == buffer and keys.data_ptr() == buffer
+    both("batch_select_indices", torch.tensor([0, 2, 5]))
+    both("update", *states(3, 4))  # past the room: the buffers grow
+    assert grown.get_seq_length() == plain.get_seq_length() == 12
+
+
+def test_rows_that_finish_early_keep_the_log_probs_of_a_training_pass(monkeypatch):
+    """Sampling with rows leaving the batch as they end, and a cache that outgrows its room: every
+    sampled token's log-prob is the one a whole-row forward pass gives."""
+    import rlnotes.engine.kvcache
+
+    model, tok, prompts = setup()
+    with torch.no_grad():
+        model.lm_head.weight[tok.eos_token_id] = 0
+    original = rlnotes.engine.kvcache.GrowingLayer.__init__
+    monkeypatch.setattr(rlnotes.engine.kvcache.GrowingLayer, "__init__", lambda self, room: original(self, 2))
+    r = sample(model, tok, prompts, max_new_tokens=30, temperature=0.7)
+    lengths = r.completion_mask.sum(-1)
+    assert lengths.min() < lengths.max(), "the test needs rows that end at different steps"
+    recomputed = sequence_logprobs(model, r.input_ids, r.attention_mask, r.completion_ids.shape[1], 0.7)
+    torch.testing.assert_close(recomputed * r.completion_mask, r.logprobs, atol=1e-5, rtol=0)

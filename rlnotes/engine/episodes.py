@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from rlnotes.engine.policy import plain_layers
+from rlnotes.engine.kvcache import plain_layers
 from rlnotes.engine.rollout import Rollout, left_pad, next_tokens, prefill
 
 # respond(rows, turns, last) -> one observation per row: token ids to prefill, or None (the episode

@@ -18,11 +18,11 @@ from typing import Dict, Iterator, Optional
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
 
 from rlnotes.engine import distributed
 from rlnotes.engine.fsdp import is_sharded
 from rlnotes.engine.head import head_logprobs
+from rlnotes.engine.kvcache import plain_layers
 from rlnotes.engine.merged import lora_slots, merged_adapters
 from rlnotes.engine.models import load_base, usual_modes
 
@@ -55,12 +55,6 @@ def prompt_groups(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> Option
     number = torch.empty_like(order)
     number[order] = torch.arange(len(order), device=key.device)
     return first[order], number[inverse]
-
-
-def plain_layers(cache: DynamicCache) -> bool:
-    """Whether every layer of `cache` keeps each row's keys and values whole (no sliding windows): the
-    layout that rows can be selected from and passes added to."""
-    return all(type(layer) is DynamicLayer for layer in cache.layers)
 
 
 def _last_hidden(out) -> torch.Tensor:

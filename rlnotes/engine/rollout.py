@@ -14,6 +14,7 @@ from typing import Dict, List, Optional, Sequence, Union
 import torch
 from transformers import DynamicCache
 
+from rlnotes.engine.kvcache import GrowingLayer, plain_layers
 from rlnotes.engine.policy import position_ids, prompt_pass
 
 # A prompt: plain text, or a conversation of {"role": ..., "content": ...} messages.
@@ -197,13 +198,17 @@ def next_tokens(scaled: torch.Tensor, top_p: float, greedy: bool, keys: Optional
     return sample_inverse_cdf(probs, torch.rand(len(probs), generator=generator, device=device, dtype=torch.float64))
 
 
-def prefill(model, prompts: Sequence[Sequence[int]], pad_id: int, group_size: int, device):
+def prefill(model, prompts: Sequence[Sequence[int]], pad_id: int, group_size: int, device, room: int = 0):
     """Each prompt (token id lists) forwarded once (a prefix they all share once: policy.prompt_pass),
     its KV cache and last logits then copied for its `group_size` samples: (prompt ids [N, P], mask
     [N, P], the cache, the mask of the cache's columns [N, K], the logits of each row's first token
-    [N, V], the position of each row's next token [N]), N = prompts x group_size."""
+    [N, V], the position of each row's next token [N]), N = prompts x group_size. `room`: the cache's
+    layers keep buffers with that many positions to spare for decoding (GrowingLayer), where every
+    layer is a plain one."""
     prompt_ids, prompt_mask = (t.to(device) for t in left_pad(prompts, pad_id))
     cache = DynamicCache(config=model.config)
+    if room and plain_layers(cache):
+        cache.layers = [GrowingLayer(room) for _ in cache.layers]
     positions = position_ids(prompt_mask)
     out, cache_mask = prompt_pass(model, prompt_ids, prompt_mask, positions, cache, logits_to_keep=1)
     logits = out.logits[:, -1]
@@ -228,12 +233,15 @@ def generate(model, tokenizer, prompts: Sequence[Sequence[int]], group_size: int
     device = next(model.parameters()).device
     pad_id = tokenizer.pad_token_id
     eos = torch.tensor(eos_ids if eos_ids is not None else [tokenizer.eos_token_id], device=device)
-    prompt_ids, prompt_mask, cache, attn, logits, next_pos = prefill(model, prompts, pad_id, group_size, device)
+    prompt_ids, prompt_mask, cache, attn, logits, next_pos = prefill(model, prompts, pad_id, group_size, device,
+                                                                     room=max_new_tokens)
     n = prompt_ids.shape[0]
     tokens = torch.full((n, max_new_tokens), pad_id, dtype=torch.long, device=device)
     logps = torch.zeros((n, max_new_tokens), device=device)
     lengths = torch.full((n,), max_new_tokens, dtype=torch.long, device=device)
     alive = torch.arange(n, device=device)     # rows still generating, as indices into the batch
+    width = attn.shape[1]
+    attn = torch.cat([attn, attn.new_ones((n, max_new_tokens))], dim=1)  # with the columns decoding adds
     keys = keys.to(device) if keys is not None else None
 
     for t in range(max_new_tokens):
@@ -250,8 +258,7 @@ def generate(model, tokenizer, prompts: Sequence[Sequence[int]], group_size: int
             keep = (~done).nonzero().squeeze(-1)
             cache.batch_select_indices(keep)
             alive, attn, next_pos, tok = alive[keep], attn[keep], next_pos[keep], tok[keep]
-        attn = torch.cat([attn, attn.new_ones((attn.shape[0], 1))], dim=1)
-        logits = model(input_ids=tok[:, None], attention_mask=attn, position_ids=next_pos[:, None],
+        logits = model(input_ids=tok[:, None], attention_mask=attn[:, :width + t + 1], position_ids=next_pos[:, None],
                        cache=cache, use_cache=True).logits[:, -1]
         next_pos = next_pos + 1
 
