@@ -41,17 +41,18 @@ class GrowingLayer(DynamicLayer):
     def _view(self, used: int) -> None:
         self.keys, self.values = (b[:, :, :used] for b in self.buffers)
 
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        if self.get_seq_length() > 0:
-            used = self.get_seq_length()
-            self.buffers = tuple(b.index_select(0, indices) for b in self.buffers)
+    def _rows(self, take) -> None:
+        """The buffers' rows as `take` (a function of a buffer) picks them, room included."""
+        used = self.get_seq_length()
+        if used:
+            self.buffers = tuple(take(b) for b in self.buffers)
             self._view(used)
 
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._rows(lambda b: b.index_select(0, indices))
+
     def batch_repeat_interleave(self, repeats: int) -> None:
-        if self.get_seq_length() > 0:
-            used = self.get_seq_length()
-            self.buffers = tuple(b.repeat_interleave(repeats, dim=0) for b in self.buffers)
-            self._view(used)
+        self._rows(lambda b: b.repeat_interleave(repeats, dim=0))
 
 
 def plain_layers(cache: DynamicCache) -> bool:
