@@ -255,21 +255,28 @@ def test_values_and_entropy_equal_the_plain_pass():
         torch.testing.assert_close(values(model, head, ids, attn, n), expected_v, atol=1e-5, rtol=1e-5)
 
 
-def test_head_logprobs_chunks_and_matches_log_softmax(monkeypatch):
+@pytest.mark.parametrize("chunk,rows,scale", [(22, 1024, 1.0), (6, 2, 1.0), (8, 4, 30.0), (10**6, 3, 30.0)])
+def test_head_logprobs_chunks_and_matches_log_softmax(monkeypatch, chunk, rows, scale):
+    # Blocks of positions (rows) and of vocabulary columns (chunk // rows: 1, 3, 2 or all 11, so the
+    # last block is short), each raising or keeping the running maximum; large logits (scale) too.
     import rlnotes.engine.head
 
-    monkeypatch.setattr(rlnotes.engine.head, "LOGIT_CHUNK", 2 * 11)  # two positions per chunk
+    monkeypatch.setattr(rlnotes.engine.head, "LOGIT_CHUNK", chunk)
+    monkeypatch.setattr(rlnotes.engine.head, "LOGIT_ROWS", rows)
     head = torch.nn.Linear(4, 11).requires_grad_(False)
-    hidden = torch.randn(3, 5, 4, requires_grad=True)
+    hidden = (torch.randn(3, 5, 4) * scale).requires_grad_(True)
     tokens = torch.randint(0, 11, (3, 5))
-    log_pi = torch.log_softmax(head(hidden) / 0.7, -1)
+    log_pi = torch.log_softmax(head(hidden).double() / 0.7, -1)
     expected, expected_ent = log_pi.gather(-1, tokens[..., None]).squeeze(-1), -(log_pi.exp() * log_pi).sum(-1)
     logp, ent = head_logprobs(hidden, head, tokens, 0.7, entropy=True)
-    torch.testing.assert_close(logp, expected)
-    torch.testing.assert_close(ent, expected_ent)
+    torch.testing.assert_close(logp, expected.float(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ent, expected_ent.float(), atol=1e-5, rtol=1e-5)
     g = torch.randn(3, 5)
     torch.testing.assert_close(torch.autograd.grad((logp * g + ent).sum(), hidden)[0],
-                               torch.autograd.grad((expected * g + expected_ent).sum(), hidden)[0])
+                               torch.autograd.grad((expected * g + expected_ent).sum(), hidden)[0].float(),
+                               atol=1e-5, rtol=1e-4)
+    with torch.no_grad():  # the reference pass's path: no gradients, no entropy
+        torch.testing.assert_close(head_logprobs(hidden, head, tokens, 0.7)[0], logp)
 
 
 @pytest.mark.parametrize("trainable", [False, True])
