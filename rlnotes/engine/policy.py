@@ -4,9 +4,9 @@ Policy = base model + LoRA adapter; reference = the same base with the adapter d
 there is one copy of the weights. Without LoRA (`model.lora=null`) every weight trains and a
 frozen copy serves as the reference.
 
-Log-probs: rows that share a prompt forward it once (completion_states), and the LM head turns
-hidden states into log-probs a chunk at a time (rlnotes.engine.head), so full-vocabulary logits of the
-whole batch never exist at once.
+Log-probs: rows that share a prompt forward it once (completion_states), the MLPs and projections
+skip padding (rlnotes.engine.padding), and the LM head turns hidden states into log-probs a block at a
+time (rlnotes.engine.head), so full-vocabulary logits of the whole batch never exist at once.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from rlnotes.engine.head import head_logprobs
 from rlnotes.engine.kvcache import plain_layers
 from rlnotes.engine.merged import lora_slots, merged_adapters
 from rlnotes.engine.models import load_base, usual_modes
+from rlnotes.engine.padding import forward_real
 
 
 def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -35,9 +36,11 @@ def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
 def forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
             hidden_states: bool = False):
     """One forward pass over [left-padded prompt | completion] rows, with position ids that follow
-    the attention mask and logits for the last `logits_to_keep` positions only."""
-    return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask),
-                 use_cache=False, logits_to_keep=logits_to_keep, output_hidden_states=hidden_states)
+    the attention mask, logits for the last `logits_to_keep` positions only, and padding skipped by
+    the position-wise layers (rlnotes.engine.padding)."""
+    return forward_real(model, input_ids=input_ids, attention_mask=attention_mask,
+                        position_ids=position_ids(attention_mask), use_cache=False, logits_to_keep=logits_to_keep,
+                        output_hidden_states=hidden_states)
 
 
 def prompt_groups(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
@@ -72,6 +75,8 @@ def completion_states(model, input_ids: torch.Tensor, attention_mask: torch.Tens
     Gradients flow through the cache into the prompt pass. The positions are those the whole row
     would have, so every output equals the one-pass forward's. Under FSDP every rank runs the same
     passes (its gathers go in lock step): the plain one wherever the ranks' batches would differ.
+    Every pass skips padding in its position-wise layers (rlnotes.engine.padding), so the states at
+    padding positions are unspecified: only real positions are read.
     """
     width = input_ids.shape[1] - n_completion
     positions = position_ids(attention_mask)
@@ -88,8 +93,8 @@ def completion_states(model, input_ids: torch.Tensor, attention_mask: torch.Tens
     if sharded and len(set(distributed.gather((groups is not None, n_completion > 1)))) > 1:
         groups = None
     if groups is None:
-        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=False,
-                    logits_to_keep=none, output_hidden_states=True)
+        out = forward_real(model, input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
+                           use_cache=False, logits_to_keep=none, output_hidden_states=True)
         return _last_hidden(out)[:, width - 1:-1]
     first, number = groups
     out, cached_mask = prompt_pass(model, input_ids[first, :width], attention_mask[first, :width],
@@ -98,10 +103,10 @@ def completion_states(model, input_ids: torch.Tensor, attention_mask: torch.Tens
     if n_completion == 1:
         return last[number]
     cache.batch_select_indices(number)  # indexing, so the rows' gradients add up in the prompt pass
-    rest = model(input_ids=input_ids[:, width:-1],
-                 attention_mask=torch.cat([cached_mask[number], attention_mask[:, width:-1]], dim=1),
-                 position_ids=positions[:, width:-1], cache=cache, use_cache=True, logits_to_keep=none,
-                 output_hidden_states=True)
+    rest = forward_real(model, input_ids=input_ids[:, width:-1],
+                        attention_mask=torch.cat([cached_mask[number], attention_mask[:, width:-1]], dim=1),
+                        position_ids=positions[:, width:-1], cache=cache, use_cache=True, logits_to_keep=none,
+                        output_hidden_states=True)
     return torch.cat([last[number], _last_hidden(rest)], dim=1)
 
 
@@ -145,8 +150,8 @@ def prompt_pass(model, ids: torch.Tensor, mask: torch.Tensor, positions: torch.T
     if common is None:
         common = prefix_to_share(ids, mask) if plain_layers(cache) else 0
     if not common:
-        return model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True,
-                     logits_to_keep=logits_to_keep, output_hidden_states=hidden), mask
+        return forward_real(model, input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache,
+                            use_cache=True, logits_to_keep=logits_to_keep, output_hidden_states=hidden), mask
     lengths = mask.sum(1)
     start = width - int(lengths[0])
     model(input_ids=ids[:1, start:start + common], attention_mask=mask[:1, start:start + common],
@@ -156,8 +161,8 @@ def prompt_pass(model, ids: torch.Tensor, mask: torch.Tensor, positions: torch.T
     tail = int(lengths.max()) - common  # the longest remainder; shorter ones are left-padded to it
     own = torch.arange(width - tail, width, device=ids.device) >= (width - lengths + common)[:, None]
     cached = torch.cat([mask.new_ones(n, common), own.to(mask.dtype)], dim=1)
-    return model(input_ids=ids[:, -tail:], attention_mask=cached, position_ids=positions[:, -tail:], cache=cache,
-                 use_cache=True, logits_to_keep=logits_to_keep, output_hidden_states=hidden), cached
+    return forward_real(model, input_ids=ids[:, -tail:], attention_mask=cached, position_ids=positions[:, -tail:],
+                        cache=cache, use_cache=True, logits_to_keep=logits_to_keep, output_hidden_states=hidden), cached
 
 
 def sequence_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, n_completion: int,
