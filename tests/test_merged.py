@@ -27,9 +27,9 @@ def trained_policy(targets=("all-linear",), seed=0):
     return policy
 
 
-def sample(policy, merge, seed=0, **kw):
+def sample(policy, merge, seed=0, pack=True, **kw):
     ids = encode_prompts(policy.tokenizer, PROMPTS, chat_template=False)
-    with policy.sampling(merge) as model:
+    with policy.sampling(merge, pack) as model:
         return generate(model, policy.tokenizer, ids, 4, 12, generator=torch.Generator().manual_seed(seed), **kw)
 
 

@@ -25,6 +25,7 @@ from rlnotes.engine.head import head_logprobs
 from rlnotes.engine.kvcache import plain_layers
 from rlnotes.engine.merged import lora_slots, merged_adapters
 from rlnotes.engine.models import load_base, usual_modes
+from rlnotes.engine.packed import packed_linears
 from rlnotes.engine.padding import forward_real
 
 
@@ -241,16 +242,18 @@ class Policy:
             yield self._reference
 
     @contextlib.contextmanager
-    def sampling(self, merge: bool = True) -> Iterator[torch.nn.Module]:
+    def sampling(self, merge: bool = True, pack: bool = True) -> Iterator[torch.nn.Module]:
         """The model to sample with: the policy, its LoRA layers merged into copies of their weights
-        (rlnotes.engine.merged: same outputs, faster token by token) unless `merge` is off or FSDP
-        shards the weights."""
-        if not merge or is_sharded(self.model):
+        (rlnotes.engine.merged) unless `merge` is off, and its large float32 linear layers on the CPU
+        through copies packed for oneDNN (rlnotes.engine.packed) unless `pack` is off: the same
+        outputs up to rounding, faster token by token. Neither where FSDP shards the weights."""
+        if is_sharded(self.model):
             yield self.model
             return
-        if self._slots is None:
+        if merge and self._slots is None:
             self._slots = lora_slots(self.model)
-        with merged_adapters(self._slots):
+        with merged_adapters(self._slots if merge else []), \
+                packed_linears(self.model) if pack else contextlib.nullcontext():
             yield self.model
 
     def _find_lora_layers(self) -> list:

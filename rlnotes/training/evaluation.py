@@ -91,7 +91,7 @@ def evaluate(policy, cfg, rows: List[dict], scorer, step: int = 0) -> Evaluation
     samples: List[dict] = []
     lengths, truncated = [], []
     agents = Agents.of(cfg.rollout)
-    with policy.sampling(cfg.rollout.merge_adapter) as model:
+    with policy.sampling(cfg.rollout.merge_adapter, cfg.rollout.pack_weights) as model:
         for start in range(0, len(rows), e.batch_size):
             batch = rows[start:start + e.batch_size]
             rollout, rewards = _sample_and_score(model, policy.tokenizer, cfg, agents, batch, n, max_new, generator,

@@ -81,7 +81,8 @@ def sample(ctx: Context, rows: List[Row], group_size: int,
     if ctx.engine is not None:
         ctx.engine.sync(ctx.policy, ctx.step)
     if ctx.agents is not None:
-        with ctx.policy.sampling(cfg.rollout.merge_adapter and ctx.engine is None) as model:
+        with ctx.policy.sampling(cfg.rollout.merge_adapter and ctx.engine is None,
+                                 cfg.rollout.pack_weights and ctx.engine is None) as model:
             conversations, rollout = run_episodes(ctx.agents, model, ctx.policy.tokenizer, rows, group_size,
                                                   cfg.rollout, cfg.model.chat_template, system_prompt(cfg),
                                                   ctx.generator, keys, engine=ctx.engine)
@@ -91,7 +92,7 @@ def sample(ctx: Context, rows: List[Row], group_size: int,
     if ctx.engine is not None:
         seeds = keys[::group_size].tolist() if keys is not None else None
         return ctx.engine.generate(prompt_ids, group_size, seeds, ctx.device), None
-    with ctx.policy.sampling(cfg.rollout.merge_adapter) as model:
+    with ctx.policy.sampling(cfg.rollout.merge_adapter, cfg.rollout.pack_weights) as model:
         return generate(model, ctx.policy.tokenizer, prompt_ids, group_size, cfg.rollout.max_new_tokens,
                         cfg.rollout.temperature, cfg.rollout.top_p, ctx.generator, keys=keys), None
 

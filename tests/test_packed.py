@@ -1,0 +1,64 @@
+"""Sampling through linear layers packed for oneDNN (rlnotes.engine.packed): the plain layers' outputs,
+the same completions, only the layers it pays for, and everything back in place after."""
+
+import pytest
+import torch
+from test_merged import sample, trained_policy
+from test_shared_prompt import lora_smollm2_shaped
+
+from rlnotes.engine import packed
+from rlnotes.engine.merged import MergedLinear, lora_slots, merged_adapters
+from rlnotes.engine.packed import PackedLinear, packed_linears
+
+pytestmark = pytest.mark.skipif(not packed.available(), reason="this torch has no working oneDNN linear")
+
+
+def test_a_packed_linear_computes_the_plain_one():
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(500, 300)
+    fast = PackedLinear(layer.weight, layer.bias)
+    for x in (torch.randn(7, 500), torch.randn(3, 5, 500)):
+        with torch.no_grad():
+            torch.testing.assert_close(fast(x), layer(x), atol=1e-5, rtol=1e-5)
+    x = torch.randn(4, 500, requires_grad=True)  # with gradients: through the plain weight
+    fast(x).sum().backward()
+    torch.testing.assert_close(x.grad, layer.weight.sum(0).expand(4, -1))
+
+
+@pytest.mark.parametrize("greedy", [False, True])
+def test_packed_sampling_gives_the_same_completions_and_log_probs(monkeypatch, greedy):
+    monkeypatch.setattr(packed, "MIN_WEIGHTS", 0)  # every layer of the tiny model
+    policy = trained_policy()
+    seen = []
+    with policy.sampling() as model:
+        seen = [type(m) for m in model.modules() if isinstance(m, PackedLinear)]
+    assert len(seen) == 7 * policy.model.config.num_hidden_layers + 1  # q k v o gate up down, and the head
+    plain, fast = sample(policy, True, greedy=greedy, pack=False), sample(policy, True, greedy=greedy)
+    assert torch.equal(plain.completion_ids, fast.completion_ids) and plain.texts == fast.texts
+    torch.testing.assert_close(fast.logprobs, plain.logprobs, atol=1e-5, rtol=0)
+
+
+def test_only_large_float32_layers_are_packed_and_all_come_back():
+    model = lora_smollm2_shaped()
+    before = dict(model.named_modules())
+    with merged_adapters(lora_slots(model)), packed_linears(model):
+        kinds = {name.split(".")[-1]: type(m).__name__ for name, m in model.named_modules()
+                 if isinstance(m, (PackedLinear, MergedLinear, torch.nn.Linear))}
+    # 576 x 192 key and value maps are below MIN_WEIGHTS; the rest (and the 49152-token head) are packed
+    assert kinds == {"q_proj": "PackedLinear", "o_proj": "PackedLinear", "k_proj": "MergedLinear",
+                     "v_proj": "MergedLinear", "gate_proj": "PackedLinear", "up_proj": "PackedLinear",
+                     "down_proj": "PackedLinear", "lm_head": "PackedLinear"}
+    assert dict(model.named_modules()) == before
+    model.to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match="inside"), packed_linears(model):
+        assert not any(isinstance(m, PackedLinear) for m in model.modules())
+        raise RuntimeError("inside")
+    assert dict(model.named_modules()) == before
+
+
+def test_without_onednn_nothing_is_swapped(monkeypatch):
+    monkeypatch.setattr(packed, "available", lambda: False)
+    monkeypatch.setattr(packed, "MIN_WEIGHTS", 0)
+    policy = trained_policy()
+    with policy.sampling() as model:
+        assert not any(isinstance(m, PackedLinear) for m in model.modules())
