@@ -18,7 +18,7 @@ weights stay as they are.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, List, Tuple
+from typing import Callable, Iterator, List, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -69,11 +69,19 @@ def merged_adapters(slots: List[Slot]) -> Iterator[None]:
     """Within the block, each mergeable LoRA layer of `slots` replaced by its MergedLinear; the LoRA
     layers (and their weights, untouched) back in place after it."""
     swapped = [(parent, name, layer) for parent, name, layer in slots if _mergeable(layer)]
-    with torch.no_grad():
-        for parent, name, layer in swapped:
-            setattr(parent, name, MergedLinear(merged_weight(layer), layer.base_layer.bias))
+    with swapped_in(swapped, lambda layer: MergedLinear(merged_weight(layer), layer.base_layer.bias)):
+        yield
+
+
+@contextlib.contextmanager
+def swapped_in(slots: List[Slot], make: Callable[[torch.nn.Module], torch.nn.Module]) -> Iterator[None]:
+    """Within the block, each layer of `slots` replaced in its parent by make(layer), built without
+    gradients; every layer back in place after it, also after an error."""
     try:
+        with torch.no_grad():
+            for parent, name, layer in slots:
+                setattr(parent, name, make(layer))
         yield
     finally:
-        for parent, name, layer in swapped:
+        for parent, name, layer in slots:
             setattr(parent, name, layer)
