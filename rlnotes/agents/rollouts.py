@@ -33,7 +33,7 @@ def run_episodes(agents: Agents, model, tokenizer, rows: Sequence[dict], group_s
         rollout = generate_episodes(model, tokenizer, prompts, shared, conversations.respond,
                                     max_new_tokens or rollout_cfg.max_new_tokens, agents.max_turns,
                                     agents.max_episode_tokens, rollout_cfg.temperature, rollout_cfg.top_p, generator,
-                                    greedy=greedy, keys=keys)
+                                    greedy=greedy, keys=keys, fast_decode=rollout_cfg.fast_decode)
     rollout.texts = conversations.texts()
     return conversations, rollout
 

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
+from rlnotes.engine.decoder import Step, decoding_step
 from rlnotes.engine.kvcache import plain_layers
 from rlnotes.engine.rollout import Rollout, left_pad, next_tokens, prefill
 
@@ -119,11 +120,12 @@ def generate_episodes(model, tokenizer, prompts: Sequence[Sequence[int]], group_
                       max_new_tokens: int, max_turns: int, max_episode_tokens: Optional[int] = None,
                       temperature: float = 1.0, top_p: float = 1.0, generator: Optional[torch.Generator] = None,
                       eos_ids: Optional[Sequence[int]] = None, greedy: bool = False,
-                      keys: Optional[torch.Tensor] = None) -> Rollout:
+                      keys: Optional[torch.Tensor] = None, fast_decode: bool = True) -> Rollout:
     """`group_size` episodes per prompt (token id lists), each of at most `max_turns` model turns of
     at most `max_new_tokens` tokens and `max_episode_tokens` tokens after its prompt (the model's
     and the observations'; None: no bound but the turns). Sampling as rlnotes.engine.rollout.generate
-    (`keys` count each episode's own model tokens). Returns the compacted episodes (module docstring)."""
+    (`keys` count each episode's own model tokens, `fast_decode` as there). Returns the compacted
+    episodes (module docstring)."""
     device = next(model.parameters()).device
     pad_id = tokenizer.pad_token_id
     eos = torch.tensor(eos_ids if eos_ids is not None else [tokenizer.eos_token_id], device=device)
@@ -138,9 +140,10 @@ def generate_episodes(model, tokenizer, prompts: Sequence[Sequence[int]], group_
     batch = _Batch(torch.arange(n, device=device), cache, cache_mask, next_pos)
     keys = keys.to(device) if keys is not None else None
     counts = torch.zeros(n, dtype=torch.long, device=device)       # model tokens so far, the key's clock
+    step = decoding_step(model, fast_decode)
 
     while len(batch.rows):
-        parked, logits = _sample_turn(model, batch, logits, episodes, eos, max_new_tokens, budget, temperature,
+        parked, logits = _sample_turn(step, batch, logits, episodes, eos, max_new_tokens, budget, temperature,
                                       top_p, greedy, keys, counts, generator)
         going = between_turns(episodes, [r for p in parked for r in p.rows], respond, max_turns, budget)
         if not going:
@@ -182,7 +185,7 @@ def _turn_length(ep: EpisodeTokens) -> int:
     return k
 
 
-def _sample_turn(model, batch: _Batch, logits, episodes: List[EpisodeTokens], eos, max_new_tokens: int, budget,
+def _sample_turn(step: Step, batch: _Batch, logits, episodes: List[EpisodeTokens], eos, max_new_tokens: int, budget,
                  temperature: float, top_p: float, greedy: bool, keys, counts, generator):
     """One turn of every row in `batch`: tokens until each row's EOS, max_new_tokens or the budget;
     a finished row is parked at once. Returns the parked rows (every row, when the turn ends)."""
@@ -211,8 +214,7 @@ def _sample_turn(model, batch: _Batch, logits, episodes: List[EpisodeTokens], eo
         if not len(batch.rows):
             break
         batch.attn = torch.cat([batch.attn, batch.attn.new_ones((batch.attn.shape[0], 1))], dim=1)
-        logits = model(input_ids=tok[:, None], attention_mask=batch.attn, position_ids=batch.next_pos[:, None],
-                       cache=batch.cache, use_cache=True).logits[:, -1]
+        logits = step(tok, batch.attn, batch.next_pos, batch.cache)
         batch.next_pos = batch.next_pos + 1
     return parked, logits
 

@@ -14,6 +14,7 @@ from typing import Dict, List, Optional, Sequence, Union
 import torch
 from transformers import DynamicCache
 
+from rlnotes.engine.decoder import decoding_step
 from rlnotes.engine.kvcache import GrowingLayer, plain_layers
 from rlnotes.engine.policy import position_ids, prompt_pass
 
@@ -225,12 +226,14 @@ def prefill(model, prompts: Sequence[Sequence[int]], pad_id: int, group_size: in
 def generate(model, tokenizer, prompts: Sequence[Sequence[int]], group_size: int, max_new_tokens: int,
              temperature: float = 1.0, top_p: float = 1.0, generator: Optional[torch.Generator] = None,
              eos_ids: Optional[Sequence[int]] = None, greedy: bool = False,
-             keys: Optional[torch.Tensor] = None) -> Rollout:
+             keys: Optional[torch.Tensor] = None, fast_decode: bool = True) -> Rollout:
     """Sample `group_size` completions for each prompt (token id lists); `greedy` takes the most
     likely token instead (the log-probs are then those of softmax(z / temperature)). With `keys`
     (one per completion, from completion_keys) each token is drawn by sample_keyed instead of from
-    `generator`, so a completion does not depend on the rest of the batch."""
+    `generator`, so a completion does not depend on the rest of the batch. `fast_decode`: decode
+    with rlnotes' own step where the model is one it computes (rlnotes.engine.decoder)."""
     device = next(model.parameters()).device
+    step = decoding_step(model, fast_decode)
     pad_id = tokenizer.pad_token_id
     eos = torch.tensor(eos_ids if eos_ids is not None else [tokenizer.eos_token_id], device=device)
     prompt_ids, prompt_mask, cache, attn, logits, next_pos = prefill(model, prompts, pad_id, group_size, device,
@@ -258,8 +261,7 @@ def generate(model, tokenizer, prompts: Sequence[Sequence[int]], group_size: int
             keep = (~done).nonzero().squeeze(-1)
             cache.batch_select_indices(keep)
             alive, attn, next_pos, tok = alive[keep], attn[keep], next_pos[keep], tok[keep]
-        logits = model(input_ids=tok[:, None], attention_mask=attn[:, :width + t + 1], position_ids=next_pos[:, None],
-                       cache=cache, use_cache=True).logits[:, -1]
+        logits = step(tok, attn[:, :width + t + 1], next_pos, cache)
         next_pos = next_pos + 1
 
     width = int(lengths.max())

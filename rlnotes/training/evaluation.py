@@ -127,7 +127,7 @@ def _sample_and_score(model, tokenizer, cfg, agents, batch: List[dict], n: int, 
         return rollout, score_episodes(scorer, batch, conversations, rollout, n)[0]
     ids = encode_prompts(tokenizer, [r["prompt"] for r in batch], cfg.model.chat_template, system_prompt(cfg))
     rollout = generate(model, tokenizer, ids, n, max_new, cfg.rollout.temperature, cfg.rollout.top_p, generator,
-                       greedy=e.greedy)
+                       greedy=e.greedy, fast_decode=cfg.rollout.fast_decode)
     return rollout, scorer.score_groups(batch, rollout.texts, rollout.token_lists(), n)[0]
 
 

@@ -94,7 +94,8 @@ def sample(ctx: Context, rows: List[Row], group_size: int,
         return ctx.engine.generate(prompt_ids, group_size, seeds, ctx.device), None
     with ctx.policy.sampling(cfg.rollout.merge_adapter, cfg.rollout.pack_weights) as model:
         return generate(model, ctx.policy.tokenizer, prompt_ids, group_size, cfg.rollout.max_new_tokens,
-                        cfg.rollout.temperature, cfg.rollout.top_p, ctx.generator, keys=keys), None
+                        cfg.rollout.temperature, cfg.rollout.top_p, ctx.generator, keys=keys,
+                        fast_decode=cfg.rollout.fast_decode), None
 
 
 def trainer_state(ctx: Context) -> TrainerState:
