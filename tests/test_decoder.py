@@ -35,11 +35,12 @@ def family_model(family: str, **overrides):
     on its q, k and v maps, and Llama here on every attention map."""
     vocab = len(tiny_tokenizer())
     torch.manual_seed(0)
+    shape = SHAPE | overrides
     if family == "llama":
-        return LlamaForCausalLM(LlamaConfig(vocab_size=vocab, attention_bias=True, **SHAPE, **overrides)).eval()
+        return LlamaForCausalLM(LlamaConfig(vocab_size=vocab, attention_bias=True, **shape)).eval()
     if family == "qwen2":
-        return Qwen2ForCausalLM(Qwen2Config(vocab_size=vocab, **SHAPE, **overrides)).eval()
-    return MistralForCausalLM(MistralConfig(vocab_size=vocab, sliding_window=None, **SHAPE, **overrides)).eval()
+        return Qwen2ForCausalLM(Qwen2Config(vocab_size=vocab, **shape)).eval()
+    return MistralForCausalLM(MistralConfig(vocab_size=vocab, sliding_window=None, **shape)).eval()
 
 
 def clone_cache(cache):
@@ -50,10 +51,17 @@ def clone_cache(cache):
     return copy
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+ROPES = {"linear": dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 500.0}),
+         # positions past max_position_embeddings: the frequencies change with the step's positions
+         "dynamic": dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
+                         max_position_embeddings=10)}
+
+
+@pytest.mark.parametrize("family, rope", [("llama", None), ("qwen2", None), ("mistral", None), ("llama", "linear"),
+                                          ("llama", "dynamic")])
 @torch.no_grad()
-def test_each_step_gives_the_models_logits(family):
-    model = family_model(family)
+def test_each_step_gives_the_models_logits(family, rope):
+    model = family_model(family, **ROPES.get(rope, {}))
     decoder = Decoder.of(model)
     assert decoder is not None
     *_, cache, mask, logits, positions = prefill(model, PROMPTS, 0, 2, "cpu", room=8)

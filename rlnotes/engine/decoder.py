@@ -106,10 +106,27 @@ class Decoder:
         half = self.head_dim // 2
         # rotate_half(x) * sin == roll(x, d/2) * (sin with its first half negated)
         self.sign = torch.cat([-torch.ones(half), torch.ones(half)]).to(base.embed_tokens.weight.device)
+        rope = self.rotary.rope_type
+        self.tabled = isinstance(rope, str) and "dynamic" not in rope and rope != "longrope"
+        self.table: Optional[tuple[torch.Tensor, torch.Tensor]] = None
         self.layers = [(layer.input_layernorm, *(_linear(getattr(layer.self_attn, f"{w}_proj")) for w in "qkvo"),
                         layer.post_attention_layernorm,
                         *(_linear(getattr(layer.mlp, f"{w}_proj")) for w in ("gate", "up", "down")), layer.mlp.act_fn)
                        for layer in base.layers]
+
+    def _rotation(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sign * sin at each row's position [N, 1, 1, d], from a table of the rotary module's
+        values at positions 0, 1, ... (made again, twice as long, when a position passes its end);
+        a RoPE whose frequencies depend on the positions of the call (dynamic, longrope) is asked
+        at each step, as the model's forward does."""
+        if not self.tabled:
+            cos, sin = self.rotary(x, positions[:, None])
+            return cos[:, None], (sin * self.sign.to(sin.dtype))[:, None]
+        if self.table is None or int(positions.max()) >= len(self.table[0]) or self.table[0].dtype != x.dtype:
+            length = 2 * int(positions.max()) + 2
+            cos, sin = self.rotary(x[:1], torch.arange(length, device=x.device)[None])
+            self.table = (cos[0], sin[0] * self.sign.to(sin.dtype))
+        return tuple(t[positions][:, None, None] for t in self.table)
 
     @classmethod
     def of(cls, model) -> Optional["Decoder"]:
@@ -132,8 +149,7 @@ class Decoder:
                  cache) -> torch.Tensor:
         n, d, group = len(tokens), self.head_dim, self.heads // self.kv_heads
         x = self.embed(tokens)[:, None]                                   # [N, 1, H]
-        cos, sin = self.rotary(x, positions[:, None])                     # [N, 1, d]
-        cos, sin = cos[:, None], (sin * self.sign.to(sin.dtype))[:, None]  # [N, 1, 1, d]: one for every head
+        cos, sin = self._rotation(x, positions)                           # [N, 1, 1, d]: one for every head
         bias = torch.zeros(attention_mask.shape, dtype=x.dtype, device=x.device)
         bias = bias.masked_fill_(attention_mask == 0, float("-inf"))[:, None, None]  # [N, 1, 1, K]
         for (norm1, wq, wk, wv, wo, norm2, gate, up, down, act), layer in zip(self.layers, cache.layers):
