@@ -115,18 +115,18 @@ class Decoder:
                        for layer in base.layers]
 
     def _rotation(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sign * sin at each row's position [N, 1, 1, d], from a table of the rotary module's
+        """cos and sign * sin at each row's position [N, 1, d], from a table of the rotary module's
         values at positions 0, 1, ... (made again, twice as long, when a position passes its end);
         a RoPE whose frequencies depend on the positions of the call (dynamic, longrope) is asked
         at each step, as the model's forward does."""
         if not self.tabled:
-            cos, sin = self.rotary(x, positions[:, None])
-            return cos[:, None], (sin * self.sign.to(sin.dtype))[:, None]
+            cos, sin = self.rotary(x[:, None], positions[:, None])
+            return cos, sin * self.sign.to(sin.dtype)
         if self.table is None or int(positions.max()) >= len(self.table[0]) or self.table[0].dtype != x.dtype:
             length = 2 * int(positions.max()) + 2
             cos, sin = self.rotary(x[:1], torch.arange(length, device=x.device)[None])
             self.table = (cos[0], sin[0] * self.sign.to(sin.dtype))
-        return tuple(t[positions][:, None, None] for t in self.table)
+        return tuple(t[positions][:, None] for t in self.table)
 
     @classmethod
     def of(cls, model) -> Optional["Decoder"]:
@@ -148,21 +148,20 @@ class Decoder:
     def __call__(self, tokens: torch.Tensor, attention_mask: torch.Tensor, positions: torch.Tensor,
                  cache) -> torch.Tensor:
         n, d, group = len(tokens), self.head_dim, self.heads // self.kv_heads
-        x = self.embed(tokens)[:, None]                                   # [N, 1, H]
-        cos, sin = self._rotation(x, positions)                           # [N, 1, 1, d]: one for every head
+        x = self.embed(tokens)                                            # [N, H]
+        cos, sin = self._rotation(x, positions)                           # [N, 1, d]: one for every head
         bias = torch.zeros(attention_mask.shape, dtype=x.dtype, device=x.device)
         bias = bias.masked_fill_(attention_mask == 0, float("-inf"))[:, None, None]  # [N, 1, 1, K]
         for (norm1, wq, wk, wv, wo, norm2, gate, up, down, act), layer in zip(self.layers, cache.layers):
             h = rms_norm(x, norm1)
-            q, k, v = (w(h).view(n, -1, 1, d) for w in (wq, wk, wv))    # [N, heads, 1, d]
+            q, k, v = (w(h).view(n, -1, d) for w in (wq, wk, wv))       # [N, heads, d]
             q = torch.addcmul(q * cos, q.roll(d // 2, -1), sin)
             k = torch.addcmul(k * cos, k.roll(d // 2, -1), sin)
-            keys, values = layer.update(k, v)                            # [N, kv heads, K, d]
+            keys, values = layer.update(k[:, :, None], v[:, :, None])   # [N, kv heads, K, d]
             q = q.view(n, self.kv_heads, group, d)                       # a key/value head's queries as rows
             scores = torch.add(bias, q @ keys.transpose(-1, -2), alpha=self.scale)
             out = scores.softmax(-1, dtype=torch.float32).to(values.dtype) @ values  # [N, kv heads, group, d]
-            x = x + wo(out.reshape(n, 1, -1))
+            x = x + wo(out.view(n, -1))
             h = rms_norm(x, norm2)
             x = x + down(act(gate(h)) * up(h))
-        return self.head(rms_norm(x, self.norm))[:, -1]
-
+        return self.head(rms_norm(x, self.norm))
