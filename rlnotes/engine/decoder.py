@@ -18,8 +18,8 @@ step at 8 prompts x 4 (the bench shape; alternating rounds in one process, media
 the tiny model on 1 thread 1.05 vs 2.11 ms (2.0x), SmolLM2-135M on 2 cores 124 vs 137 ms (1.10x).
 The logits equal the model's up to float32 rounding.
 
-Other architectures, models with sliding-window attention and sharded (FSDP) models decode through
-the model's own forward (their caches are not the plain layers this step writes to).
+Other architectures, sliding-window attention (whose cache keeps only the window) and sharded (FSDP)
+weights (gathered by the model's own forward) decode through the model's forward.
 """
 
 from __future__ import annotations
