@@ -75,6 +75,13 @@ def _env(**extra):
     return dict(os.environ, OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE", PYTHONPATH=str(ROOT), **extra)
 
 
+def _why(stderr: str) -> str:
+    """What a failed launch printed that says why: from its first fatal error or traceback (a rank's
+    crash ends with a list of extension modules long enough to hide it), then its end."""
+    starts = [i for i in (stderr.find("Fatal Python error"), stderr.find("Traceback")) if i >= 0]
+    return stderr[min(starts):][:3000] + "\n[...]\n" + stderr[-1500:] if starts else stderr[-3000:]
+
+
 def _rows(path: Path):
     return [json.loads(line) for line in path.read_text().splitlines()]
 
@@ -217,7 +224,7 @@ def test_two_processes_train_as_one(tmp_path):
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                str(ROOT / "tests" / "ddp_worker.py"), str(out)]
     done = subprocess.run(command, capture_output=True, text=True, env=_env(), timeout=280)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, _why(done.stderr)
     assert "Unable to fetch remote file" not in done.stderr  # FSDP's saves never ask the hub about "tiny"
     for name in EXACT:
         one = tmp_path / "one" / name
@@ -243,7 +250,7 @@ def test_console_script_starts_torchrun_and_writes_one_run_dir(tmp_path):
     command = [RLNOTES, "train", "hardware=ddp", "hardware.nproc=2", "trainer.steps=2", "trainer.batch_size=4",
                "logging.progress=false"]
     done = subprocess.run(command, capture_output=True, text=True, env=_env(), cwd=tmp_path, timeout=180)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, _why(done.stderr)
     runs = [p for p in (tmp_path / "outputs").glob("*/*") if p.is_dir()]
     assert len(runs) == 1, runs
     assert [r["step"] for r in _rows(runs[0] / "metrics.jsonl")] == [1, 2]
@@ -257,7 +264,7 @@ def test_a_multirun_under_torchrun_does_not_hang(tmp_path):
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "rlnotes",
                "train", "-m", "seed=0,1", "trainer.steps=2", "trainer.batch_size=4", "logging.progress=false"]
     done = subprocess.run(command, capture_output=True, text=True, env=_env(), cwd=tmp_path, timeout=180)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, _why(done.stderr)
     sweeps = list((tmp_path / "multirun").glob("*/*"))
     assert len(sweeps) == 1, sweeps
     assert sorted(p.parent.name for p in sweeps[0].glob("*/metrics.jsonl")) == ["0", "1"]
