@@ -197,3 +197,11 @@ def test_smollm2_samples_the_same_through_either_step():
                                      greedy=greedy, fast_decode=fast) for fast in (True, False)]
         assert torch.equal(ours.completion_ids, theirs.completion_ids) and ours.texts == theirs.texts
         torch.testing.assert_close(ours.logprobs, theirs.logprobs, atol=1e-4, rtol=1e-4)
+
+
+def test_a_sharded_model_decodes_through_its_own_forward(monkeypatch):
+    from rlnotes.engine import decoder
+
+    model = family_model("llama")
+    monkeypatch.setattr(decoder, "is_sharded", lambda m: m is model)  # as FSDP's fully_shard would leave it
+    assert Decoder.of(model) is None and not isinstance(decoding_step(model), Decoder)

@@ -29,8 +29,8 @@ from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
 
+from rlnotes.engine.fsdp import is_sharded
 from rlnotes.engine.merged import MergedLinear
 from rlnotes.engine.packed import PackedLinear
 
@@ -133,6 +133,8 @@ class Decoder:
     def of(cls, model) -> Optional["Decoder"]:
         """The Decoder of `model` (a causal LM, or a peft model around one), or None where the step
         above is not what the model computes or its weights are sharded."""
+        if is_sharded(model):
+            return None
         inner = model.get_base_model() if hasattr(model, "get_base_model") else model
         family = _family(inner)
         if family is None:
@@ -141,8 +143,6 @@ class Decoder:
         if family == "Mistral":  # its window is the config's, for every layer
             windows.append(getattr(inner.config, "sliding_window", None))
         if any(w is not None for w in windows):
-            return None
-        if any(isinstance(p, DTensor) for p in inner.parameters()):
             return None
         return cls(inner)
 
