@@ -26,12 +26,12 @@ class RolloutConfig:
     merge_adapter: bool = True
     # Sample with copies of the large float32 linear layers' weights (the merged ones among them)
     # reordered for oneDNN's matmul, on the CPU (rlnotes.engine.packed): the same outputs up to
-    # rounding, SmolLM2's generation about 1.4x faster on 2 cores, for those weights' size again in
-    # memory while sampling. false: torch's default matmul (MKL).
+    # rounding, faster generation, for those weights' size again in memory while sampling.
+    # false: torch's default matmul (MKL).
     pack_weights: bool = True
     # Decode Llama, Qwen2 and Mistral models with rlnotes' own step (rlnotes.engine.decoder: the
     # layers' math as plain tensor operations) rather than the model's forward: the same logits up
-    # to float32 rounding; a decoding step 2x faster for the tiny model, 1.1x for SmolLM2-135M. false: the
+    # to float32 rounding, without the Python around each call of the model's forward. false: the
     # model's forward.
     fast_decode: bool = True
     # What samples: hf (a generate loop over the policy itself, in this process; the default) or

@@ -13,10 +13,9 @@ layer,
 then logits = Head(RMSNorm(x)). The query heads that share a key/value head (grouped-query
 attention) are rows of one matmul against it, so keys and values are never repeated. Each layer's
 weights are used as they sit while sampling (merged LoRA, oneDNN-packed, or peft's own layer), and
-the model's rotary module gives cos and sin (so every RoPE scaling it knows applies). A decoding
-step at 8 prompts x 4 (the bench shape; alternating rounds in one process, medians, 2026-12-04):
-the tiny model on 1 thread 1.05 vs 2.11 ms (2.0x), SmolLM2-135M on 2 cores 124 vs 137 ms (1.10x).
-The logits equal the model's up to float32 rounding.
+the model's rotary module gives cos and sin (so every RoPE scaling it knows applies). The logits
+equal the model's up to float32 rounding; `rollout.fast_decode=false` goes through the model's
+forward instead (scripts/bench.py times generation either way; figures in docs/benchmarks.md).
 
 Other architectures, sliding-window attention (whose cache keeps only the window) and sharded (FSDP)
 weights (gathered by the model's own forward) decode through the model's forward.

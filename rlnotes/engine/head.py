@@ -13,11 +13,10 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 # A frozen head's logits exist LOGIT_CHUNK floats at a time (16 MiB in float32): a block of at most
-# LOGIT_ROWS positions against as many vocabulary columns as fit, so each block stays in this
-# machine's cache (32 MiB L3) while it is exponentiated and summed, and no block is large enough for
-# glibc's malloc to map it afresh (32 MiB and up: page faults on every pass). SmolLM2's head over 903
-# positions (2 cores) took 0.89 s with gradients and 0.55 s without, in blocks of about 4600 columns,
-# against 1.13 and 0.70 s in whole-vocabulary rows of 170 positions a block (its matmuls alone: 0.44 s).
+# LOGIT_ROWS positions against as many vocabulary columns as fit, so each block stays in a server
+# CPU's last-level cache while it is exponentiated and summed, and no block is large enough for
+# glibc's malloc to map it afresh (32 MiB and up: page faults on every pass). Blocks of columns beat
+# whole-vocabulary rows at SmolLM2's vocabulary (figures: docs/benchmarks.md).
 LOGIT_CHUNK = 2**22
 LOGIT_ROWS = 1024
 

@@ -17,7 +17,7 @@ class GrowingLayer(DynamicLayer):
     DynamicLayer's torch.cat does, every layer, every step). The buffers grow by `room` positions
     when full. Rows are selected or repeated as in DynamicLayer; other cache operations (crop,
     reorder) are not kept in step with the buffers. For sampling without gradients: the writes are
-    in place. SmolLM2-135M, 8 prompts x 4 x 32 new tokens, 2 cores: generation 5.92 vs 6.33 s."""
+    in place."""
 
     def __init__(self, room: int):
         super().__init__()

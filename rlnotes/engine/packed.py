@@ -2,16 +2,15 @@
 
 torch multiplies float32 matrices on a CPU with MKL's sgemm. oneDNN (torch's mkldnn operators),
 given a copy of the weight reordered once into its own blocked layout, multiplies the same matrices
-faster on this project's machines (2-core AMD EPYC, AVX-512), most at the few rows of a decoding step:
-at 32 rows, 1.4-1.6x for SmolLM2-135M's attention and MLP weights and 2.7x for its LM head (576 x
-49152); 1.1-1.3x at 1024 rows. Each call costs oneDNN about 13 us more, so a small weight (below
-MIN_WEIGHTS elements: a tiny model's, or SmolLM2's 576 x 192 key and value maps) stays with MKL.
+faster on the CPUs measured, most at the few rows of a decoding step, and most of all for a wide LM
+head. Each call costs oneDNN a fixed few microseconds more, so a small weight (below MIN_WEIGHTS
+elements: a tiny model's, or SmolLM2's 576 x 192 key and value maps) stays with MKL.
 
 While sampling, each such nn.Linear (the merged LoRA layers of rlnotes.engine.merged among them) is
 swapped for a PackedLinear holding the reordered copy, made afresh each time (the adapter changes
-every step; SmolLM2: about 0.2 s and the weights' size again in memory while sampling). The outputs
-are those of the plain layers up to float32 rounding (which may tip a sampled token where two are
-nearly tied). SmolLM2-135M, 8 prompts x 4 x 32 new tokens, 2 cores: generation 4.13 vs 5.81 s.
+every step, at the cost of the weights' size again in memory while sampling). The outputs are those
+of the plain layers up to float32 rounding (which may tip a sampled token where two are nearly tied).
+`rollout.pack_weights=false` keeps MKL; scripts/bench.py times generation (figures: docs/benchmarks.md).
 """
 
 from __future__ import annotations

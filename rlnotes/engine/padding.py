@@ -9,9 +9,8 @@ gathered into one [N, d] matrix, and scatter their outputs back with 0 at paddin
 
     y[real] = f(x[real]),    y[padding] = 0
 
-The outputs at real positions and every gradient are those of the whole rectangle. SmolLM2-135M at
-the bench shape (32 rows, 796 real completion tokens of 1024, 2 cores, 10 alternating rounds): training
-pass 5.50 vs 5.65 s (its profiled matmuls 3.87 vs 4.80 s), reference pass 2.33 vs 2.52 s.
+The outputs at real positions and every gradient are those of the whole rectangle; scripts/bench.py
+times the passes (figures: docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -24,11 +23,11 @@ import torch
 
 from rlnotes.engine.merged import MergedLinear
 
-# Gathering a module's real positions and scattering its output back costs about 50 us (one thread)
+# Gathering a module's real positions and scattering its output back costs tens of microseconds
 # whatever the module, so the padding's work in it must be well above that: padding positions x its
-# weights, on average over the modules, at least MIN_SAVING multiply-adds. A tiny Llama (d=64, 2 layers,
-# 10 modules) with 147 padding positions of 992 saves 1.4 million a module, and its passes ran 1.06x
-# slower skipping them; SmolLM2-135M at the bench shape saves about 120 million.
+# weights, on average over the modules, at least MIN_SAVING multiply-adds. A tiny Llama's modules save
+# about a million each at the bench shape and its passes ran slower skipping; SmolLM2-135M's save
+# about a hundred times that.
 MIN_SAVING = 4_000_000
 
 _LAYERS: "weakref.WeakKeyDictionary[torch.nn.Module, list]" = weakref.WeakKeyDictionary()

@@ -112,9 +112,8 @@ def completion_states(model, input_ids: torch.Tensor, attention_mask: torch.Tens
 
 
 # A prefix the distinct prompts share is forwarded once when that saves at least this many tokens: the
-# extra pass reads every weight once more. SmolLM2-135M's training pass on 2 CPU cores measured even at
-# 81 tokens saved; `python scripts/bench.py --shared-prompt`: 1.11x at 189 saved (the bench shape's
-# 32 rows: its template's 27 system tokens, 8 prompts), 1.25x at 600 (a 200-token system prompt).
+# extra pass reads every weight once more, which a few dozen saved tokens do not pay for
+# (`python scripts/bench.py --shared-prompt` measures it; figures in docs/benchmarks.md).
 MIN_PREFIX_SAVING = 128
 
 
@@ -264,7 +263,7 @@ class Policy:
 
     def train(self, mode: bool = True) -> None:
         """model.train(mode) (eval: mode=False), the flag set on the modules listed once: the model's
-        own train() walks the module tree on every call, twice a step, about 2% of a tiny step."""
+        own train() walks the module tree on every call, twice a step, a cost a tiny step notices."""
         self._modules = self._modules or list(self.model.modules())
         for module in self._modules:
             module.training = mode

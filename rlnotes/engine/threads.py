@@ -7,15 +7,9 @@ import torch
 
 # hardware.threads=auto: one thread for a model of fewer parameters than this, torch's default from
 # it up (all cores; under torchrun the launcher's OMP_NUM_THREADS share). Below it a step's matmuls are
-# too small to split: threads only add hand-off and wake-up costs. Measured with
-# scripts/bench_threads.py (a GRPO step at the default shape, median s after two warm-up steps, 2 cores,
-# the tiny model widened to hidden W, MLP 2W; 1 thread / 2 threads):
-#   0.09M parameters (W 64, model=tiny): 0.088 / 0.299 s     5.35M (W 512):  0.570 / 0.673 s
-#   0.35M (W 128):                       0.175 / 0.290 s    21.18M (W 1024): 1.851 / 1.843 s (even)
-#   1.36M (W 256):                       0.257 / 0.330 s
-#   SmolLM2-135M (134.52M, one measured step each): 11.52 / 11.01 s
-# (2026-12-03, other work on the machine beside it.) Two cores pay little even at SmolLM2's size here;
-# more cores or a quieter machine may move the crossover down, never below the sizes measured faster on one.
+# too small to split: threads only add hand-off and wake-up costs. scripts/bench_threads.py times a GRPO
+# step at widths around it with one thread and with all (figures: docs/benchmarks.md); more cores may move
+# the crossover down, never below the sizes measured faster on one.
 AUTO_ONE_THREAD_BELOW = 20_000_000
 
 

@@ -68,7 +68,7 @@ class PPOConfig(AlgoConfig):
     beta: float = 0.05
     # Per-token KL estimator of that penalty. InstructGPT uses k1 = log pi - log pi_ref; k3 is
     # never negative and has far less variance, which a small model's reward cannot absorb
-    # (on the letters task k1 at 0.05 drowned the reward signal, k3 learned).
+    # (k1's noise at this beta can drown a 0/1 reward's signal).
     kl_estimator: str = "k3"
     # Discount gamma and GAE lambda (Schulman et al. 2015; RLHF PPO uses 1.0 and 0.95).
     gamma: float = 1.0
@@ -83,8 +83,8 @@ class PPOConfig(AlgoConfig):
     # 0 skips computing it.
     entropy_coef: float = 0.0
     # K: passes over each sampled batch (PPO paper: 3-10). 2 x 2 minibatches = 4 optimizer
-    # steps per batch, so a default 60-step run samples 15 batches (the tiny model's letters
-    # reward went 0.02 -> 0.44; 4 epochs x 8 minibatches saw 2 batches and learned nothing).
+    # steps per batch, so a default 60-step run samples 15 batches: more epochs or minibatches
+    # per batch leave a short run too few fresh samples to learn from.
     epochs: int = 2
     # Completions per optimizer step; must divide trainer.batch_size * group_size.
     minibatch_size: int = 16
