@@ -1,4 +1,4 @@
-"""The README's figures and numbers for `rlnotes train experiment=smollm2_arith`, from its run dirs.
+"""The figures and numbers of docs/results.md for `rlnotes train experiment=smollm2_arith`, from its run dirs.
 
     rlnotes train experiment=smollm2_arith seed=0 hydra.run.dir=runs/arith-0     # and seed=1 ...
     rlnotes eval eval.policy=runs/arith-0/final 'eval.data={digits: 1, max_digits: null}'  # one-digit, after

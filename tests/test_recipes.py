@@ -1,4 +1,4 @@
-"""The real-model recipes of the README still learn (slow: `make test-slow` / `pytest -m slow`)."""
+"""The real-model recipes of docs/results.md still learn (slow: `make test-slow` / `pytest -m slow`)."""
 
 import json
 

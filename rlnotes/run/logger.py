@@ -1,7 +1,7 @@
 """Run outputs: metrics.jsonl (one JSON object per step), the console, and the trackers' sinks.
 
 Metric names are grouped by what they measure (`reward/`, `kl/`, `policy/`, `completion/`,
-`optim/`, `time/`, `perf/`, `eval/`) and are the same in the file and on screen; the README lists
+`optim/`, `time/`, `perf/`, `eval/`) and are the same in the file and on screen; docs/runs.md lists
 them. On a terminal the run shows a progress bar (step, steps/s, elapsed, ETA) with the key
 metrics under it; with `logging.progress=false` or when the output is not a terminal (CI, a log
 file) it prints a plain line now and then instead. Every `logging.samples_every` steps a small
