@@ -9,11 +9,11 @@ from typing import List, Optional
 
 @dataclass
 class RolloutConfig:
-    # Completion tokens at most (a completion that reaches it counts as truncated).
+    # Completion tokens at most; a completion that reaches it counts as truncated.
     max_new_tokens: int = 16
-    # Sampling temperature; log-probs for the loss use the same temperature.
+    # The sampling temperature; log-probs divide by it, in sampling and in the loss alike.
     temperature: float = 1.0
-    # Nucleus sampling mass; 1.0 samples from the full distribution.
+    # The nucleus sampling mass; 1 samples from the full distribution.
     top_p: float = 1.0
     # Draw each completion's tokens from random numbers keyed by (seed, step, the prompt's place in
     # the global batch, its sample number), so a completion does not depend on which prompts share
@@ -38,15 +38,16 @@ class RolloutConfig:
     # vllm (a vLLM engine on this process's GPU, pip extra vllm; LoRA only: each step the adapter,
     # not merged weights, goes to vLLM, and the trainer recomputes its own log-probs of the samples).
     engine: str = "hf"
-    # vllm: the share of the GPU's memory vLLM may take (its weights and KV cache); training keeps the rest.
+    # The share of the GPU's memory vLLM may take (rollout.engine=vllm): its weights and KV cache;
+    # training keeps the rest.
     vllm_gpu_memory: float = 0.3
-    # vllm: truncated importance sampling (Yao et al. 2025): each token's policy-gradient term is
-    # weighted by min(pi_trainer / pi_vllm, C) with C this cap (they use 2), correcting for vLLM's
-    # numerics differing from the trainer's; null = no correction (the mismatch is logged either way).
+    # The cap C of min(pi_trainer / pi_vllm, C); null = no correction. rollout.engine=vllm: truncated
+    # importance sampling (Yao et al. 2025, who use C = 2) weights each token's policy-gradient term by
+    # it, correcting for vLLM's numerics differing from the trainer's; the mismatch is logged either way.
     tis_cap: Optional[float] = None
-    # Multi-turn episodes (rollout=multi_turn; rlnotes.engine.episodes): model turns per episode, each
-    # of at most max_new_tokens, with tool results or the environment's replies between them. 1 = one
-    # completion per prompt (tools and an environment that scores one turn still work).
+    # Model turns per episode; 1 = one completion per prompt. Multi-turn episodes (rollout=multi_turn;
+    # rlnotes.engine.episodes): turns of at most max_new_tokens each, with tool results or the
+    # environment's replies between them. With 1, tools and an environment that scores one turn still work.
     max_turns: int = 1
     # Tools the model may call: built-in names (calculator) or your functions, 'pkg.module:fn' or
     # 'path/to/tools.py:fn', typed and with a docstring (their JSON schemas come from the signature).
@@ -57,11 +58,11 @@ class RolloutConfig:
     env: Optional[str] = None
     # Tool calls an episode may make; calls past it get an error message and end the episode.
     max_tool_calls: int = 8
-    # Tokens of an episode after its prompt, the model's and the observations' together; an
-    # observation that does not fit ends the episode (truncated). null = only the turns bound it.
+    # Tokens of an episode after its prompt; null = only the turns bound it. The model's and the
+    # observations' together; an observation that does not fit ends the episode (truncated).
     max_episode_tokens: Optional[int] = None
     # How tool calls are written: hermes (<tool_call>{"name": ..., "arguments": {...}}</tool_call>)
     # or your parser 'pkg.module:fn' (text -> list of {"name", "arguments"}).
     tool_format: str = "hermes"
-    # Seconds a tool call may take; past it the model gets an error message (null: no limit).
+    # Seconds a tool call may take; null = no limit. Past it the model gets an error message.
     tool_timeout: Optional[float] = 10.0

@@ -26,6 +26,9 @@ class AlgoConfig:
     # name run dirs and the start line give the run. `name` is the runner that serves it (rloo is
     # REINFORCE with baseline=group). null = the runner's name.
     preset: Optional[str] = None
+    # The algorithm that runs: a runner of rlnotes.runners, whose schema gives the rest of this
+    # section (each schema sets its own name as the default).
+    name: str = MISSING
 
 
 def preset_name(algo) -> str:
@@ -39,11 +42,11 @@ def preset_name(algo) -> str:
 
 @dataclass
 class LoraConfig:
-    # Rank r of the update B A.
+    # The rank of LoRA's update B A; null model.lora trains all weights instead.
     r: int = 16
-    # Scale alpha; the update is multiplied by alpha / r.
+    # LoRA's scale: the update is multiplied by alpha / r.
     alpha: float = 32.0
-    # Dropout on the adapter input. 0 keeps sampling and training log-probs identical.
+    # The dropout probability on LoRA's input. 0 keeps sampling and training log-probs identical.
     dropout: float = 0.0
     # Module names to adapt, or ["all-linear"].
     target_modules: List[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
@@ -51,15 +54,18 @@ class LoraConfig:
 
 @dataclass
 class TinyModelConfig:
-    # Shape of the random-init Llama-style model built in code for tests and smoke runs.
+    # The tiny model's width (its hidden size).
     hidden_size: int = 64
+    # The tiny model's layers.
     num_layers: int = 2
+    # The tiny model's attention heads.
     num_heads: int = 4
+    # The tiny model's MLP width.
     intermediate_size: int = 128
     # Seed of the weight initialisation (independent of the run seed, so runs share one model).
     init_seed: int = 0
-    # Std of the initial weights. Larger than Llama's 0.02 so that, like a trained model, the
-    # random one has peaked next-token distributions that LoRA can move.
+    # The std of the tiny model's initial weights. Larger than Llama's 0.02 so that, like a trained
+    # model, the random one has peaked next-token distributions that LoRA can move.
     init_std: float = 0.1
 
 
@@ -74,6 +80,7 @@ class ModelConfig:
     chat_template: bool = True
     # System message for chat prompts; null keeps the template's default.
     system_prompt: Optional[str] = None
+    # The shape of model=tiny: a random-init Llama-style model built in code for tests and smoke runs.
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
 
 
@@ -83,10 +90,10 @@ class ModelConfig:
 
 @dataclass
 class RewardFnConfig:
-    # A built-in reward name (see rlnotes.rewards.builtin.REWARDS), an import path "pkg.mod.fn" or
-    # "pkg.mod:fn" (found from the working directory too) or a file "path/to/rewards.py:fn" of a
-    # function called as TRL calls it: fn(prompts=, completions=, <column>=, ..., **kwargs)
-    # -> list[float | None].
+    # The function: a built-in reward name (see rlnotes.rewards.builtin.REWARDS), an import path
+    # "pkg.mod.fn" or "pkg.mod:fn" (found from the working directory too) or a file
+    # "path/to/rewards.py:fn" of a function called as TRL calls it: fn(prompts=, completions=,
+    # <column>=, ..., **kwargs) -> list[float | None].
     fn: str = MISSING
     # Weight in the sum over functions.
     weight: float = 1.0
@@ -121,9 +128,9 @@ class DataConfig:
     # Where rows come from (rlnotes.data.settings.SOURCES): task (a built-in task named by `name`), file
     # (`path`) or hub (the dataset `name`); data=file and data=hub set it.
     source: str = "task"
-    # task: the built-in task (see rlnotes.data.tasks.TASKS); "auto" picks the algorithm's default task
-    # (DEFAULT_TASKS below), recorded in the run's config.yaml. hub: the dataset id (org/set) or a
-    # local dataset folder.
+    # The task or dataset. task: the built-in task (see rlnotes.data.tasks.TASKS); "auto" picks the
+    # algorithm's default task (its ALGORITHM.default_task), recorded in the run's config.yaml. hub: the
+    # dataset id (org/set) or a local dataset folder.
     name: str = "auto"
     # file: the training file; the format comes from the extension (.jsonl, .json, .parquet, .csv).
     # Given without data=file, it means data=file.
@@ -132,9 +139,11 @@ class DataConfig:
     subset: Optional[str] = None
     # hub: the split to train on.
     split: str = "train"
-    # file and hub: eval rows from their own file, or (hub) split; null = hold out eval_size rows.
-    # A built-in task: test (= null, its held-out rows) or dev (as many more, for tuning).
+    # An eval file (file and hub): eval rows from a file of their own; null = hold out eval_size rows
+    # (hub: or take eval_split).
     eval_path: Optional[str] = None
+    # The eval split. hub: eval rows from a split of their own; null = hold out eval_size rows. A
+    # built-in task: test (= null, its held-out rows) or dev (as many more, for tuning).
     eval_split: Optional[str] = None
     # Rename the source's columns, ours -> theirs: data.columns.prompt=question (any column rlnotes reads).
     columns: Dict[str, str] = field(default_factory=lambda: OmegaConf.create({}, flags={"struct": False}))
@@ -149,10 +158,10 @@ class DataConfig:
     # What happens to a prompt over max_prompt_len: drop the row, truncate (keep its last tokens,
     # as the question usually ends it) or error. The count is shown at the start of the run.
     overlong: str = "drop"
-    # Number of training prompts generated from the seed (built-in tasks; a file or hub dataset
-    # trains on all of its rows that are not held out).
+    # Training prompts a built-in task generates from the seed. A file or hub dataset trains on all
+    # of its rows that are not held out.
     train_size: int = 1000
-    # Number of eval prompts. arith holds them out of training when the problem space is at
+    # Eval prompts a task holds out. arith holds them out of training when the problem space is at
     # least 4x larger (two or more digits); small spaces (one digit, letters) are in-distribution.
     # file and hub without eval_path/eval_split: rows held out at random (with `seed`).
     # null: 200 for a built-in task; for a file or hub dataset none when the run does not evaluate
@@ -161,16 +170,18 @@ class DataConfig:
     # Seed of the task generator and of the held-out rows (held fixed across run seeds so runs
     # see the same data).
     seed: int = 1234
-    # arith: digits per operand, and operators to draw from; countdown: digits of each number
-    # (at most) and the operators of the hidden expression that makes the target.
+    # Digits per operand. arith: of each operand; countdown: of each number (at most).
     digits: int = 1
-    # arith: operands of every size from `digits` to this, in equal shares (a curriculum of
-    # easy and hard problems); null = `digits` only. Each size holds out its own eval rows.
+    # The most digits per operand; null = data.digits. arith: operands of every size from `digits` to
+    # this, in equal shares (a curriculum of easy and hard problems); each size holds out its own eval
+    # rows.
     max_digits: Optional[int] = None
+    # Operators to draw from. arith: of the question; countdown: of the hidden expression that
+    # makes the target.
     ops: str = "+"
-    # arith and countdown: text appended to each question.
+    # Text appended to each question (arith and countdown).
     instruction: str = "Answer with just the number."
-    # letters: letters the prompts ask for.
+    # The letters the prompts ask for (letters).
     letters: str = "a"
 
 
@@ -182,35 +193,37 @@ class DataConfig:
 class TrainerConfig:
     # Optimizer steps.
     steps: int = 60
-    # Prompts per step (each gives algo.group_size completions).
+    # Prompts, pairs or rows per step. A prompt gives algo.group_size completions.
     batch_size: int = 8
-    # Completions per forward/backward pass; null = micro_batch_tokens decides. Changes memory, not the math.
+    # Completions per forward/backward pass; null = by micro_batch_tokens. Changes memory, not the math.
     micro_batch_size: Optional[int] = None
-    # Without micro_batch_size: the most tokens one forward/backward pass holds (a shared prompt once,
-    # padding included); each step cuts its batch into the fewest even micro-batches within it.
-    # null = from micro_batch_memory. Changes memory, not the math.
+    # Tokens per forward/backward pass at most; null = by micro_batch_memory. Used without
+    # micro_batch_size: a shared prompt counts once, padding counts; each step cuts its batch into the
+    # fewest even micro-batches within it. Changes memory, not the math.
     micro_batch_tokens: Optional[int] = None
-    # Without either: GiB of activations one pass may keep for its backward pass, as a token budget
-    # from the model's shape (SmolLM2-135M keeps ~1.4 MB a token: 1 GiB is ~780 tokens; the tiny
-    # test model ~10 kB). null = the whole batch in one pass.
+    # GiB of activations a forward/backward pass keeps at most; null = no limit (the whole batch in
+    # one pass). Used without micro_batch_size and micro_batch_tokens, as a token budget from the
+    # model's shape (SmolLM2-135M keeps ~1.4 MB a token: 1 GiB is ~780 tokens; the tiny test model
+    # ~10 kB). Changes memory, not the math.
     micro_batch_memory: Optional[float] = 1.0
-    # Rows that share a prompt (a prompt's G completions, a DPO pair) forward it once in the training,
-    # old-policy, reference and value passes: P + G*R tokens instead of G*(P+R), with the same
-    # log-probs, values and gradients (to float rounding); a prefix all the prompts of a pass share (a
-    # system prompt) goes once when it saves enough (policy.MIN_PREFIX_SAVING). false = every row whole.
+    # Forward a prompt once for the rows that share it; false = every row whole. The rows of a prompt
+    # (its G completions, a DPO pair) share it in the training, old-policy, reference and value passes:
+    # P + G*R tokens instead of G*(P+R), with the same log-probs, values and gradients (to float
+    # rounding); a prefix all the prompts of a pass share (a system prompt) goes once when it saves
+    # enough (policy.MIN_PREFIX_SAVING).
     shared_prompt: bool = True
-    # Log a metrics row every N steps (each row averages nothing: it is that step).
+    # Steps per metrics row (each row averages nothing: it is that step).
     log_every: int = 1
-    # Evaluate the policy on the task's eval split (see `eval`) every N optimizer steps, before the
-    # first step and after the last; null = never. Logged as eval/* in metrics.jsonl.
+    # Steps between evaluations; null = never. Each evaluates the policy on the task's eval split
+    # (see `eval`), also before the first step and after the last; logged as eval/* in metrics.jsonl.
     eval_every: Optional[int] = None
-    # Write a checkpoint (RUN_DIR/checkpoints/step_NNNNNN: weights, optimizer, RNG, data position)
-    # every N optimizer steps; null or 0 = only at the end of the run and when it is stopped
-    # (Ctrl-C, SIGTERM). A LoRA checkpoint of the 135M model is a few MB and takes well under a second.
+    # Steps between checkpoints; null or 0 = only at the end of the run and when it is stopped
+    # (Ctrl-C, SIGTERM). A checkpoint is RUN_DIR/checkpoints/step_NNNNNN: weights, optimizer, RNG,
+    # data position. A LoRA checkpoint of the 135M model is a few MB and takes well under a second.
     save_every: Optional[int] = 100
-    # Checkpoints kept: after each save all but the N newest are deleted; null keeps every one.
+    # Checkpoints kept; null keeps every one. After each save all but the N newest are deleted.
     keep_last: Optional[int] = 2
-    # Start from a checkpoint: null = a fresh run; auto = the latest checkpoint in this run's dir
+    # The checkpoint to start from; null = a fresh run. auto = the latest checkpoint in this run's dir
     # (pass the old run's dir: hydra.run.dir=RUN_DIR), or a fresh start when it has none; or a
     # path: a checkpoint dir (RUN_DIR/checkpoints/step_NNNNNN) or a run dir (its latest checkpoint).
     resume: Optional[str] = None
@@ -218,38 +231,48 @@ class TrainerConfig:
 
 @dataclass
 class OptimConfig:
-    # AdamW learning rate.
+    # AdamW's step size, about how far each weight moves per step: above 1 the weights are
+    # overwritten by noise.
     lr: float = 3e-3
+    # AdamW's decoupled weight decay.
     weight_decay: float = 0.0
+    # AdamW's decay rate of the gradient's running mean.
     beta1: float = 0.9
+    # AdamW's decay rate of the squared gradient's running mean.
     beta2: float = 0.999
+    # Added to AdamW's denominator; 0 divides 0 by 0 wherever a gradient is 0, as LoRA's A matrices'
+    # are at the first step.
     eps: float = 1e-8
-    # Clip the global gradient norm to this value; null disables clipping.
+    # The global gradient norm is clipped to it; null = no clipping.
     max_grad_norm: Optional[float] = 1.0
-    # Linear warmup steps, then the schedule.
+    # Steps of linear learning-rate warmup, then the schedule.
     warmup_steps: int = 0
-    # constant, linear (to 0 at the last step) or cosine.
+    # The learning-rate schedule: constant, linear (to 0 at the last step) or cosine.
     schedule: str = "constant"
 
 
 @dataclass
 class HardwareConfig:
-    # cpu, cuda, or auto (cuda when available). With several processes each uses cuda:LOCAL_RANK.
+    # The device: cpu, cuda, or auto (cuda when available). With several processes each uses
+    # cuda:LOCAL_RANK.
     device: str = "cpu"
-    # torch intra-op threads per process: a number; null = torch's default (all cores; under torchrun
-    # the launcher's OMP_NUM_THREADS, which `rlnotes train` sets to cores / processes); or auto = one
-    # thread for a small model, where more only cost (rlnotes.engine.threads), else torch's default.
+    # Torch threads per process; null = torch's default, auto = chosen from the model's size. A number
+    # of intra-op threads; null: all cores (under torchrun the launcher's OMP_NUM_THREADS, which
+    # `rlnotes train` sets to cores / processes); auto: one thread for a small model, where more only
+    # cost (rlnotes.engine.threads), else torch's default.
     threads: Any = "auto"
     # How several processes share a run: ddp (each holds the whole model and trains on 1/N of every
     # batch; gradients summed across processes) or fsdp (FSDP2: parameters, gradients and optimizer
     # state sharded across processes). Ignored with one process.
     strategy: str = "ddp"
-    # Processes `rlnotes train` starts on this machine through torchrun (one per GPU); null or 1 =
-    # this process alone. Ignored in processes torchrun started: there its --nproc_per_node counts.
+    # Processes on this machine; null = this one alone. `rlnotes train` starts them through torchrun
+    # (one per GPU); 1 = this process alone too. Ignored in processes torchrun started: there its
+    # --nproc_per_node counts.
     nproc: Optional[int] = None
-    # fp32, or bf16: forward passes (sampling, log-probs, the reference, evaluation) under bfloat16
-    # autocast, while weights, gradients, optimizer state, log-softmax and losses stay float32.
-    # For GPUs with bf16 units (hardware=cuda sets it); on CPUs without them it is far slower.
+    # The precision of forward passes: fp32 or bf16. bf16: forward passes (sampling, log-probs, the
+    # reference, evaluation) under bfloat16 autocast, while weights, gradients, optimizer state,
+    # log-softmax and losses stay float32. For GPUs with bf16 units (hardware=cuda sets it); on CPUs
+    # without them it is far slower.
     precision: str = "fp32"
     # Let CUDA run float32 matmuls on TF32 tensor cores (about 10 bits of mantissa, the PyTorch
     # default for convolutions); ignored on CPU.
@@ -261,23 +284,26 @@ class LoggingConfig:
     # Show the live progress bar with the key metrics under it; false (or output that is not a
     # terminal: CI, a log file) prints a plain line every print_every steps instead.
     progress: bool = True
-    # Plain mode: a progress line every N steps; null = about 20 lines a run.
+    # Steps per plain progress line; null = about 20 a run. Plain mode only (progress=false, or output
+    # that is not a terminal).
     print_every: Optional[int] = None
-    # A table of a few sampled prompts, completions and rewards every N steps (also appended to
-    # RUN_DIR/samples.jsonl); 0 = never. Algorithms that sample only.
+    # Steps per samples table; 0 = never. The table shows a few sampled prompts, completions and
+    # rewards (also appended to RUN_DIR/samples.jsonl); algorithms that sample only.
     samples_every: int = 20
-    # Completions the samples table shows (spread over the batch, so from different prompts).
+    # Completions a samples table shows (spread over the batch, so from different prompts).
     samples_shown: int = 4
-    # Trackers that get every metrics row besides metrics.jsonl (always written). Pick them with
+    # The trackers below get every metrics row besides metrics.jsonl (always written). Pick them with
     # the logging group, several at once: `logging=tensorboard`, `logging=[tensorboard,mlflow]`;
     # each option only sets its flag here. A tracker's package comes with the pip extra of its name.
-    # TensorBoard event files in RUN_DIR/tensorboard (`tensorboard --logdir RUN_DIR`).
+
+    # Log to TensorBoard: event files in RUN_DIR/tensorboard (`tensorboard --logdir RUN_DIR`).
     tensorboard: bool = False
-    # Weights & Biases; WANDB_MODE=offline logs to RUN_DIR/wandb without an account.
+    # Log to Weights & Biases; WANDB_MODE=offline logs to RUN_DIR/wandb without an account.
     wandb: bool = False
-    # MLflow: $MLFLOW_TRACKING_URI, else a file store RUN_DIR/mlruns (SWEEP_DIR/mlruns in a multirun).
+    # Log to MLflow: $MLFLOW_TRACKING_URI, else a file store RUN_DIR/mlruns (SWEEP_DIR/mlruns in a
+    # multirun).
     mlflow: bool = False
-    # trackio: a local dashboard (`trackio show --project PROJECT`).
+    # Log to trackio: a local dashboard (`trackio show --project PROJECT`).
     trackio: bool = False
     # Project (wandb, trackio) or experiment (MLflow) the runs are filed under.
     project: str = "rlnotes"
@@ -294,7 +320,7 @@ class EvalConfig:
     # The policy to evaluate with `rlnotes eval`: a run's final/ dir or a checkpoint dir (its
     # run's model and data are used unless model=/data= are given); null = the base model.
     policy: Optional[str] = None
-    # Eval prompts used, the first N of the task's eval split; null = all of it (data.eval_size).
+    # Eval prompts; null = the whole eval split. The first N of the task's eval split (data.eval_size).
     size: Optional[int] = None
     # Whether each evaluation of a training run (trainer.eval_every) generates completions of the
     # eval prompts and scores them (eval/accuracy). null: the algorithms that sample do; dpo, sft and
@@ -304,6 +330,7 @@ class EvalConfig:
     # Greedy decoding (one completion per prompt); false samples `samples_per_prompt` completions
     # at rollout.temperature and reports pass@k.
     greedy: bool = True
+    # Completions per eval prompt (with greedy=false).
     samples_per_prompt: int = 1
     # Completion tokens at most; null = rollout.max_new_tokens.
     max_new_tokens: Optional[int] = None
@@ -312,7 +339,7 @@ class EvalConfig:
     # Data settings that differ for evaluation, merged over `data` (e.g. {digits: 2}: train on
     # one-digit sums, evaluate on held-out two-digit ones); empty = the training data's eval split.
     data: Dict[str, Any] = field(default_factory=lambda: OmegaConf.create({}, flags={"struct": False}))
-    # Scoring function (a built-in reward or an import path); null = the task's own checker
+    # The scoring function (a built-in reward or an import path); null = the task's own checker
     # (e.g. number_match for arith), so shaping terms of the training reward do not count.
     reward: Optional[str] = None
     # Where `rlnotes eval` writes eval.jsonl and samples.jsonl; null = <policy>/../eval/<policy name>,
@@ -322,31 +349,33 @@ class EvalConfig:
 
 @dataclass
 class SweepConfig:
-    # What a member of a sweep (`rlnotes train -m ...`) returns to its sweeper (Optuna's objective)
-    # and what the sweep summary ranks by: a metric name as in metrics.jsonl, or auto = the task's
-    # final held-out score when the run evaluates (eval/accuracy with trainer.eval_every; DPO, RM
-    # and SFT always do: eval/dpo_accuracy, eval/rm_accuracy, eval/sft_loss), else reward/mean
-    # averaged over the last `last_steps` logged steps.
+    # The metric a sweep optimizes: what a member of a sweep (`rlnotes train -m ...`) returns to its
+    # sweeper (Optuna's objective) and what the sweep summary ranks by. A metric name as in
+    # metrics.jsonl, or auto = the task's final held-out score when the run evaluates (eval/accuracy
+    # with trainer.eval_every; DPO, RM and SFT always do: eval/dpo_accuracy, eval/rm_accuracy,
+    # eval/sft_loss), else reward/mean averaged over the last `last_steps` logged steps.
     objective: str = "auto"
-    # maximize or minimize the objective; null = its own sense (minimize losses, maximize the rest).
-    # The Optuna sweeper's hydra.sweeper.direction is set from it.
+    # Whether to maximize or minimize the objective; null = its own sense (minimize losses, maximize
+    # the rest). The Optuna sweeper's hydra.sweeper.direction is set from it.
     direction: Optional[str] = None
-    # Logged steps a training metric (not eval/*) is averaged over: one batch's mean is noisy.
+    # Logged steps a training metric is averaged over for the sweep's objective (not eval/*): one
+    # batch's mean is noisy.
     last_steps: int = 10
-    # Seeds per configuration: N runs every configuration of the sweep with seed, seed+1, ...,
-    # seed+N-1, and the summary reports each configuration's mean and spread over them (needs -m).
+    # Seeds per configuration of a sweep. N runs every configuration of the sweep with seed, seed+1,
+    # ..., seed+N-1, and the summary reports each configuration's mean and spread over them (needs -m).
     seeds: int = 1
 
 
 @dataclass
 class SFTWarmupConfig:
-    # Supervised steps on demonstrations before the algorithm's own (InstructGPT's first stage, in the
-    # same run): the first N of trainer.steps minimise the NLL of each train row's `column` given its
-    # prompt; then the optimizer starts afresh (as a run from the warmed-up weights would). 0 = none.
+    # Supervised steps before the algorithm's, within trainer.steps; 0 = none. InstructGPT's first
+    # stage, in the same run: the first N steps minimise the NLL of each train row's `column` given its
+    # prompt; then the optimizer starts afresh (as a run from the warmed-up weights would).
     steps: int = 0
-    # Rows per warm-up step (its own order over the train rows, seeded by `seed`).
+    # Demonstration rows per warm-up step (its own order over the train rows, seeded by `seed`).
     batch_size: int = 32
-    # Learning rate of the warm-up steps, shaped by optim.schedule over them (optim.lr: the steps after).
+    # AdamW's step size in the warm-up steps, shaped by optim.schedule over them (optim.lr: the steps
+    # after).
     lr: float = 1e-3
     # The train rows' column holding each demonstration, e.g. answer (arith) or completion.
     column: str = "completion"
@@ -354,17 +383,29 @@ class SFTWarmupConfig:
 
 @dataclass
 class TrainConfig:
+    # The algorithm and its settings (algo=grpo, ppo, ...: conf/algo/); its keys are its runner's schema.
     algo: Any = MISSING
+    # The policy model and its LoRA adapter (model=tiny, smollm2-135m: conf/model/).
     model: ModelConfig = field(default_factory=ModelConfig)
+    # What scores a completion (reward=auto, arith, custom, model, ...: conf/reward/).
     reward: RewardConfig = field(default_factory=RewardConfig)
+    # The prompts: a built-in task, a file or a hub dataset (data=auto, arith, file, hub, ...: conf/data/).
     data: DataConfig = field(default_factory=DataConfig)
+    # The length of the run, its batch, and when it evaluates and saves.
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    # The optimizer (AdamW) and its learning-rate schedule.
     optim: OptimConfig = field(default_factory=OptimConfig)
+    # How completions and multi-turn episodes are sampled (rollout=multi_turn: conf/rollout/).
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    # Where the run computes: device, threads, processes (hardware=cpu, cuda, ddp, fsdp: conf/hardware/).
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
+    # The console output and the trackers (logging=tensorboard, wandb, mlflow, trackio: conf/logging/).
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    # Evaluation: `rlnotes eval`, and the evaluations of a run (trainer.eval_every).
     eval: EvalConfig = field(default_factory=EvalConfig)
+    # What a sweep (`rlnotes train -m ...`) optimizes and how it repeats seeds.
     sweep: SweepConfig = field(default_factory=SweepConfig)
+    # Supervised steps on demonstrations at the start of the run.
     sft_warmup: SFTWarmupConfig = field(default_factory=SFTWarmupConfig)
     # Seed of sampling, dropout and data order.
     seed: int = 0

@@ -36,12 +36,12 @@ from rlnotes.training.sampling import next_rows
 @dataclass
 class DPOConfig(AlgoConfig):
     name: str = "dpo"
-    # beta: strength of the implicit KL to the reference; the implicit reward is
-    # beta log pi/pi_ref (Rafailov et al. 2023 use 0.1 and 0.5).
+    # The strength of DPO's implicit KL; its loss is flat at 0 and IPO's divides by it. The implicit
+    # reward is beta log pi/pi_ref (Rafailov et al. 2023 use 0.1 and 0.5).
     beta: float = 0.1
     # sigmoid (the paper's -log sigma(beta h)) or ipo (Azar et al. 2023: (h - 1/(2 beta))^2).
     loss_type: str = "sigmoid"
-    # Probability that a pair's label is flipped (conservative DPO); 0 is the paper's loss.
+    # The probability that a pair's label is flipped (conservative DPO); 0 is the paper's loss.
     label_smoothing: float = 0.0
     # Compute the reference log-probs of the whole train set once at the start instead of one
     # reference pass per step: same loss, one forward per step saved once rows repeat.

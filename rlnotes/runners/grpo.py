@@ -54,14 +54,14 @@ from rlnotes.training.sampling import (
 @dataclass
 class GRPOConfig(AlgoConfig):
     name: str = "grpo"
-    # G: completions sampled per prompt (DeepSeekMath uses 64; small runs use 4-16).
+    # Completions sampled per prompt, G. DeepSeekMath uses 64; small runs use 4-16.
     group_size: int = 4
-    # Weight of the KL(pi || pi_ref) term inside the loss (DeepSeekMath: 0.04). 0 skips the
-    # reference forward pass entirely.
+    # The weight of the KL penalty; 0 turns it off. GRPO's is a KL(pi || pi_ref) term inside the loss
+    # (DeepSeekMath: 0.04); at 0 the reference forward pass is skipped entirely.
     beta: float = 0.04
-    # PPO clip range epsilon for the ratio pi/pi_old (DeepSeekMath: 0.2).
+    # The clip range of the ratio pi / pi_old, to [1 - eps, 1 + eps]. DeepSeekMath uses 0.2.
     clip_eps: float = 0.2
-    # Upper clip range (DAPO "clip-higher", 0.28); null means the same as clip_eps.
+    # The upper clip range of the ratio, to 1 + eps_high; null = clip_eps. DAPO's "clip-higher" uses 0.28.
     clip_eps_high: Optional[float] = None
     # Per-token KL estimator: k1, k2 or k3 (DeepSeekMath uses k3).
     kl_estimator: str = "k3"
@@ -70,7 +70,7 @@ class GRPOConfig(AlgoConfig):
     aggregation: str = "seq-mean-token-mean"
     # Divide group-centred rewards by the group's std (false = Dr. GRPO).
     scale_by_std: bool = True
-    # mu: policy updates (passes) per sampled batch (DeepSeekMath: 1).
+    # Passes over each sampled batch, mu (policy updates per batch). DeepSeekMath uses 1.
     epochs: int = 1
     # DAPO dynamic sampling (Yu et al. 2025, Sec. 3.2): drop groups whose rewards are all equal
     # (A = 0, no signal) and sample more prompts until trainer.batch_size groups carry signal.

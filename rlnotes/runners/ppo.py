@@ -60,29 +60,30 @@ from rlnotes.training.sampling import (
 @dataclass
 class PPOConfig(AlgoConfig):
     name: str = "ppo"
-    # Completions per prompt (InstructGPT: 1; any G works). 4 keeps the batch shape of the
-    # other runners: 32 completions per batch by default.
+    # Completions sampled per prompt, G. InstructGPT samples 1; any G works, and 4 keeps the batch
+    # shape of the other runners: 32 completions per batch by default.
     group_size: int = 4
-    # Weight of the per-token KL(pi || pi_ref) penalty in the reward (InstructGPT: 0.02; 0 skips
-    # the reference pass).
+    # The weight of the KL penalty; 0 turns it off. PPO's is a per-token KL(pi || pi_ref) penalty in
+    # the reward (InstructGPT: 0.02); at 0 the reference pass is skipped.
     beta: float = 0.05
     # Per-token KL estimator of that penalty. InstructGPT uses k1 = log pi - log pi_ref; k3 is
     # never negative and has far less variance, which a small model's reward cannot absorb
     # (k1's noise at this beta can drown a 0/1 reward's signal).
     kl_estimator: str = "k3"
-    # Discount gamma and GAE lambda (Schulman et al. 2015; RLHF PPO uses 1.0 and 0.95).
+    # The discount of future rewards, gamma. RLHF PPO uses 1.0.
     gamma: float = 1.0
+    # GAE's lambda. Schulman et al. 2015; RLHF PPO uses 0.95.
     lam: float = 0.95
-    # Clip range epsilon of the ratio pi/pi_old (PPO paper: 0.2).
+    # The clip range of the ratio pi / pi_old, to [1 - eps, 1 + eps]. The PPO paper uses 0.2.
     clip_eps: float = 0.2
-    # Clip range of V around V_old in the value loss (OpenAI baselines: 0.2); null = plain MSE.
+    # The clip range of V around V_old in the value loss; null = plain MSE. OpenAI baselines use 0.2.
     value_clip_eps: Optional[float] = 0.2
-    # Weight of the value loss c1 (PPO paper: 0.5 or 1).
+    # The weight of the value loss, c1. The PPO paper uses 0.5 or 1.
     vf_coef: float = 0.5
-    # Weight c2 of the entropy bonus, the exact entropy from full logits (PPO paper: 0.01);
-    # 0 skips computing it.
+    # The weight of the entropy bonus, c2; 0 skips computing it. The bonus is the exact entropy from
+    # full logits; the PPO paper uses 0.01.
     entropy_coef: float = 0.0
-    # K: passes over each sampled batch (PPO paper: 3-10). 2 x 2 minibatches = 4 optimizer
+    # Passes over each sampled batch, K. The PPO paper uses 3-10; 2 x 2 minibatches = 4 optimizer
     # steps per batch, so a default 60-step run samples 15 batches: more epochs or minibatches
     # per batch leave a short run too few fresh samples to learn from.
     epochs: int = 2
@@ -90,8 +91,8 @@ class PPOConfig(AlgoConfig):
     minibatch_size: int = 16
     # Normalise advantages over the batch's real tokens (mean 0, std 1).
     whiten_advantages: bool = True
-    # Stop a batch's epochs early when the mean k3 KL(pi_old || pi) of an epoch exceeds this;
-    # null = never (Spinning Up uses 0.01-0.05).
+    # The KL(pi_old || pi) that stops a batch's epochs early; null = never. An epoch's mean k3
+    # estimate is compared with it; Spinning Up uses 0.01-0.05.
     target_kl: Optional[float] = None
     # How per-token losses become one number (see rlnotes.notes.AGGREGATIONS).
     aggregation: str = "token-mean"

@@ -54,21 +54,23 @@ REINFORCE_BASELINES = ("none", "mean", "group", "value")
 @dataclass
 class ReinforceConfig(AlgoConfig):
     name: str = "reinforce"
-    # G: completions sampled per prompt (RLOO, Ahmadian et al. 2024, uses 2-4).
+    # Completions sampled per prompt, G. RLOO (Ahmadian et al. 2024) uses 2-4.
     group_size: int = 4
-    # Weight of the per-token KL(pi || pi_ref) penalty subtracted from the reward. 0 by default:
-    # the notes' REINFORCE has none, and 0 skips the reference pass (RLOO's paper uses ~0.05).
+    # The weight of the KL penalty; 0 turns it off. Here a per-token KL(pi || pi_ref) penalty
+    # subtracted from the reward; 0 by default: the notes' REINFORCE has none, and 0 skips the
+    # reference pass (RLOO's paper uses ~0.05).
     beta: float = 0.0
     # Per-token KL estimator of the penalty: k1 = log pi - log pi_ref, the InstructGPT reward term.
     kl_estimator: str = "k1"
-    # Discount gamma of the returns-to-go (1.0: the whole completion is one episode).
+    # The discount of future rewards, gamma, in the returns-to-go. 1.0: the whole completion is one
+    # episode.
     gamma: float = 1.0
-    # b: none (b = 0), mean (running mean of sequence returns), group (mean of the other G-1
-    # completions of the prompt: RLOO), value (a learned V(s_t), trained toward G_t).
+    # The baseline b: none (b = 0), mean (running mean of sequence returns), group (mean of the other
+    # G-1 completions of the prompt: RLOO), value (a learned V(s_t), trained toward G_t).
     baseline: str = "mean"
-    # Weight of the previous running mean in baseline=mean: b <- m b + (1 - m) mean(G_0).
+    # The weight of the previous running mean in baseline=mean: b <- m b + (1 - m) mean(G_0).
     baseline_momentum: float = 0.9
-    # Weight of the value loss when baseline=value.
+    # The weight of the value loss (baseline=value).
     vf_coef: float = 0.5
     # How per-token losses become one number (see rlnotes.notes.AGGREGATIONS); token-mean weighs
     # every token alike, like the notes' E[sum_t ...] up to a constant.
