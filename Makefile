@@ -40,6 +40,12 @@ test-slow: $(STAMP)
 bench: $(STAMP)
 	OMP_WAIT_POLICY=PASSIVE $(VENV_PYTHON) scripts/bench.py
 
+# rlnotes as a user installs it, which the editable .venv hides: the wheel (built from an sdist of the
+# working tree) in a fresh venv, then the CLI and two 3-step runs from empty dirs outside the repository.
+# Minutes, mostly pip fetching the dependencies; CI runs it after `make test`. See scripts/wheel_check.sh.
+wheel-check:
+	PYTHON="$(PYTHON)" TORCH="$(TORCH)" bash scripts/wheel_check.sh
+
 # rlnotes against TRL 1.16 side by side (the bench extra, installed here when trl is missing); the
 # full default takes hours on 2 cores, most of it SmolLM2 at grpo-long. Shorter: BENCH_TRL_ARGS="--models tiny --rounds 1"
 bench-trl: $(STAMP)

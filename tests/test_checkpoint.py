@@ -10,12 +10,14 @@ import signal
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 from rich.console import Console
 
+import rlnotes
 from rlnotes.commands.cli import UsageError
 from rlnotes.commands.train import train
 from rlnotes.core.errors import ConfigError
-from rlnotes.run import checkpoint, restore
+from rlnotes.run import checkpoint, config_file, restore
 from rlnotes.runners import REGISTRY
 from tests.conftest import compose
 
@@ -212,6 +214,38 @@ def test_a_checkpoint_is_a_loadable_adapter_with_its_state(tmp_path):
     assert saved.keys() == final.keys() and all(torch.equal(saved[k], final[k]) for k in saved)
     state = torch.load(path / checkpoint.STATE, weights_only=True)
     assert state["scheduler"]["last_epoch"] == 2 and set(state["rng"]) == {"python", "torch", "generator"}
+
+
+def saved_by(path, version):
+    """Make the checkpoint at `path` look saved by rlnotes `version` (None: one that did not record
+    its version in config.yaml), its manifest's file table to match."""
+    saved = OmegaConf.to_container(OmegaConf.load(path / "config.yaml"))
+    saved.pop(config_file.VERSION_KEY)
+    recorded = {config_file.VERSION_KEY: version, **saved} if version else saved
+    (path / "config.yaml").write_text(OmegaConf.to_yaml(recorded))
+    manifest = checkpoint.read_manifest(path)
+    (path / checkpoint.MANIFEST).write_text(json.dumps({**manifest, "files": checkpoint.file_table(path)}))
+
+
+def test_config_yaml_records_the_rlnotes_that_made_it_and_older_runs_resume(tmp_path):
+    """The run dir's and each checkpoint's config.yaml begin with the version of the rlnotes that
+    wrote them; the command line cannot set it. A checkpoint whose config.yaml has no version (saved
+    before rlnotes recorded it) resumes, and one saved by another version says so on resume."""
+    run(tmp_path, "trainer.steps=2", "+rlnotes_version=9.9")
+    first_line = f"{config_file.VERSION_KEY}: {rlnotes.__version__}\n"
+    step_2 = tmp_path / "checkpoints" / "step_000002"
+    for path in (tmp_path, step_2):
+        assert (path / "config.yaml").read_text().startswith(first_line)
+        assert "9.9" not in (path / "config.yaml").read_text()
+    with pytest.raises(UsageError, match="rlnotes_version"):
+        compose("rlnotes_version=9.9")
+    saved_by(step_2, "0.0.1")
+    same = compose("logging.progress=false", "trainer.batch_size=4", "trainer.steps=2")
+    assert restore.check_config(step_2, same) == [f"rlnotes_version 0.0.1 -> {rlnotes.__version__}"]
+    saved_by(step_2, None)
+    assert restore.check_config(step_2, same) == []
+    assert [r["step"] for r in run(tmp_path, "trainer.steps=3", "trainer.resume=auto")] == [1, 2, 3]
+    assert (tmp_path / "config.yaml").read_text().startswith(first_line)
 
 
 def test_keep_last_prunes_old_checkpoints(tmp_path):

@@ -1,6 +1,6 @@
 """`make train` and `make test` from a fresh clone: .venv is made and installed into once, then reused
-until pyproject.toml changes; `.ci/run` runs the README's test command. Driven with a stand-in
-Python that records what it is asked to do (the real install is minutes)."""
+until pyproject.toml changes; `.ci/run` runs the README's test command, then `make wheel-check`.
+Driven with a stand-in Python that records what it is asked to do (the real install is minutes)."""
 
 import os
 import shutil
@@ -85,4 +85,13 @@ def test_ci_runs_the_readme_test_command():
     assert "make test" in commands and "make train" in commands
     ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()
           if line.strip() and not line.startswith("#") and not line.startswith(("set ", "cd "))]
-    assert ci == ["make test"]
+    assert ci[:1] == ["make test"]  # first the README's test command, as written
+    assert ci[1:] == ["make wheel-check"]  # then the package as a user installs it
+
+
+def test_wheel_check_runs_its_script_without_the_venv(clone):
+    """`make wheel-check` makes its own venv (scripts/wheel_check.sh): it neither needs nor touches .venv."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHON", "TORCH", "MAKEFLAGS")}  # the defaults
+    out = subprocess.run(["make", "-n", "-s", "-C", str(clone), "wheel-check"], capture_output=True, text=True,
+                         check=True, timeout=60, env=env).stdout
+    assert out.splitlines() == ['PYTHON="python3" TORCH="torch==2.13.0" bash scripts/wheel_check.sh']

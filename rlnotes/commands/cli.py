@@ -14,11 +14,12 @@ import signal
 import sys
 from typing import List, Optional
 
+from rlnotes import __version__
 from rlnotes.commands.usage import UsageError
 from rlnotes.core.errors import Interrupted
 from rlnotes.run.logger import quiet_libraries
 
-USAGE = """usage: rlnotes COMMAND [OVERRIDES...]
+USAGE = """usage: rlnotes COMMAND [OVERRIDES...]   |   rlnotes --version (-V)
 
 commands:
   train    fine-tune a model: rlnotes train algo=grpo model=tiny trainer.steps=40
@@ -54,6 +55,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(USAGE)
+        return 0
+    if argv[0] in ("-V", "--version"):
+        print(f"rlnotes {__version__}")
         return 0
     command, rest = argv[0], argv[1:]
     if command not in COMMANDS:

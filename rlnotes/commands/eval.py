@@ -32,6 +32,7 @@ from rlnotes.engine.models import (
 from rlnotes.engine.policy import Policy
 from rlnotes.engine.threads import set_threads
 from rlnotes.rewards.scoring import RewardFailure, Rewards, TrainerState
+from rlnotes.run import config_file
 from rlnotes.training.evaluation import (
     Evaluation,
     checker_config,
@@ -132,7 +133,7 @@ def run(cfg, console) -> Tuple[Evaluation, Path]:
     if (out / "eval.jsonl").exists():
         (out / "eval.jsonl").unlink()
     write(evaluation, out, 0, samples_name="samples.jsonl")
-    (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    config_file.write(out / "config.yaml", cfg)
     return evaluation, out
 
 

@@ -10,7 +10,7 @@ A checkpoint is the state at the end of a step, after its metrics row was writte
                                  (Context.cache); plain tensors and numbers, read with weights_only.
                                  Under FSDP the optimizer state is a list of every rank's shards,
                                  so such a checkpoint resumes on as many FSDP processes
-  config.yaml                    the run's resolved config
+  config.yaml                    the run's resolved config and rlnotes version (rlnotes.run.config_file)
   manifest.json                  step, skipped-update count, data position, heads, the step of the
                                  last metrics.jsonl row, and the size and sha256 of every other
                                  file; written last
@@ -45,6 +45,7 @@ from safetensors.torch import save_file
 
 from rlnotes.core.errors import ConfigError
 from rlnotes.engine.models import usual_modes
+from rlnotes.run import config_file
 from rlnotes.run.steplogs import last_logged
 
 CHECKPOINTS = "checkpoints"
@@ -175,7 +176,7 @@ def write(ctx, boundary: Boundary, out: Path, shards: Optional[Shards] = None) -
     optimizer = shards.optimizer if shards.optimizer is not None else ctx.optimizer.state_dict()
     torch.save({"optimizer": optimizer, "scheduler": ctx.scheduler.state_dict(),
                 "rng": boundary.rng, "cache": boundary.cache}, out / STATE)
-    (out / "config.yaml").write_text(OmegaConf.to_yaml(ctx.cfg, resolve=True))
+    config_file.write(out / "config.yaml", ctx.cfg)
     manifest = {"format": FORMAT, "step": boundary.step, "bad_steps": boundary.bad_steps, "algo": ctx.cfg.algo.name,
                 "policy": "lora" if ctx.policy.uses_lora else "full", "heads": list(ctx.heads),
                 "sampler": boundary.sampler, "device": ctx.device.type,

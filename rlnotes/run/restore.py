@@ -16,8 +16,10 @@ from omegaconf import OmegaConf
 from peft import set_peft_model_state_dict
 from safetensors.torch import load_file
 
+from rlnotes import __version__
 from rlnotes.core.errors import ConfigError
 from rlnotes.engine import distributed
+from rlnotes.run import config_file
 from rlnotes.run.checkpoint import (
     CHECKPOINTS,
     MANIFEST,
@@ -120,11 +122,16 @@ def config_changes(old, new) -> Tuple[List[str], List[str]]:
 
 def check_config(path: Path, cfg) -> List[str]:
     """Raise if the checkpoint's model does not match this run's; return the other settings that
-    differ (a resumed run with changed settings is not the same run)."""
-    fatal, changed = config_changes(OmegaConf.load(path / "config.yaml"), cfg)
+    differ (a resumed run with changed settings is not the same run), and the rlnotes version when
+    another one saved the checkpoint."""
+    saved = OmegaConf.load(path / "config.yaml")
+    made_by = saved.pop(config_file.VERSION_KEY, None)  # None: saved before config.yaml recorded the version
+    fatal, changed = config_changes(saved, cfg)
     if fatal:
         raise ConfigError(f"trainer.resume: {path} was trained with other model settings ({'; '.join(fatal)}); "
                           "resume with the checkpoint's algo and model settings")
+    if made_by not in (None, __version__):
+        changed.append(f"{config_file.VERSION_KEY} {made_by} -> {__version__}")
     return changed
 
 

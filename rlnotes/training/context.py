@@ -28,7 +28,7 @@ from rlnotes.engine.models import configure_backends, mixed_precision, resolve_d
 from rlnotes.engine.policy import Policy
 from rlnotes.engine.threads import set_threads
 from rlnotes.rewards.scoring import Rewards
-from rlnotes.run import restore
+from rlnotes.run import config_file, restore
 from rlnotes.run.diagnostics import (
     Settings,
     Watcher,
@@ -147,7 +147,7 @@ def setup(cfg, algo: Algorithm, run_dir: Path, console: Console, resume_from: Op
     run_dir.mkdir(parents=True, exist_ok=True)
     main = distributed.is_main()  # rank 0 writes the run's files; with one process, this process
     if main:
-        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+        config_file.write(run_dir / "config.yaml", cfg)
     n_params = sum(p.numel() for p in params)
     console.print(f"[bold]rlnotes[/] {preset_name(cfg.algo)} on {cfg.model.name_or_path} "
                   f"({n_params:,} trainable parameters, {'LoRA' if policy.uses_lora else 'full'}"
