@@ -27,18 +27,22 @@ from rlnotes.engine.sequences import Sequences, encode
 HEAD = "reward_head"   # its name in Context.heads and its file name in final/
 
 
-def make_head(model: torch.nn.Module) -> torch.nn.Linear:
+def make_head(model: torch.nn.Module, bias: bool = False) -> torch.nn.Linear:
     """hidden -> 1, weights ~ N(0, 1/hidden) so initial rewards are O(1) and differ between
-    sequences (a zero head would also zero LoRA's first gradient)."""
+    sequences (a zero head would also zero LoRA's first gradient). No bias: the Bradley-Terry loss
+    sees only r_w - r_l, so a bias gets a gradient of exactly 0 up to rounding, which Adam's
+    normalised step turns into lr-sized moves in a direction the CPU's rounding picks. `bias`: a
+    head saved with one (earlier versions) loads into its own shape."""
     d = model.config.hidden_size
-    head = torch.nn.Linear(d, 1)
+    head = torch.nn.Linear(d, 1, bias=bias)
     torch.nn.init.normal_(head.weight, std=1 / math.sqrt(d))
-    torch.nn.init.zeros_(head.bias)
+    if bias:
+        torch.nn.init.zeros_(head.bias)
     return head
 
 
 def sequence_rewards(model: torch.nn.Module, head: torch.nn.Module, seqs: Sequences) -> torch.Tensor:
-    """r(x, y) = w . h_last + b for each row of `seqs`: [N] float32."""
+    """r(x, y) = w . h_last for each row of `seqs`: [N] float32."""
     out = forward(model, seqs.input_ids, seqs.attention_mask, 1, hidden_states=True)
     last = out.hidden_states[-1][torch.arange(seqs.input_ids.shape[0], device=seqs.input_ids.device),
                                  seqs.last_index]
@@ -59,8 +63,9 @@ def load(path: Path, device: torch.device):
     model_cfg = run_cfg.model
     base, tokenizer = load_base(model_cfg)
     model = PeftModel.from_pretrained(base.to(device), path).eval().requires_grad_(False)
-    head = make_head(base)
-    head.load_state_dict(load_file(str(weights)))
+    state = load_file(str(weights))
+    head = make_head(base, bias="bias" in state)
+    head.load_state_dict(state)
     return model, head.to(device).eval().requires_grad_(False), tokenizer, model_cfg
 
 

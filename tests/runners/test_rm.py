@@ -79,3 +79,32 @@ def test_rm_smollm2_two_steps(tmp_path):
     _, rows = run(tmp_path, "model=smollm2-135m", "trainer.steps=2", "trainer.batch_size=4", "eval.size=4")
     assert all(math.isfinite(r["loss"]) and r["optim/grad_norm"] > 0 for r in rows[1:])
     assert (tmp_path / "final" / "reward_head.safetensors").exists()
+
+
+def test_the_head_has_only_parameters_the_loss_determines(trained):
+    """r = w . h_last: no bias, which the Bradley-Terry loss (a function of r_w - r_l) cannot determine
+    and whose rounding-noise gradient Adam would turn into lr-sized drifts of every reward."""
+    from safetensors.torch import load_file
+
+    path, _, _ = trained
+    assert sorted(load_file(str(path / "final" / "reward_head.safetensors"))) == ["weight"]
+
+
+def test_a_head_saved_with_a_bias_still_loads(trained, tmp_path):
+    """Heads of earlier versions carry a bias: loaded into their own shape, it shifts every reward."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from rlnotes.rewards.model import HEAD, load
+
+    path, _, _ = trained
+    old = tmp_path / "final"
+    shutil.copytree(path / "final", old)
+    shutil.copy(path / "config.yaml", tmp_path / "config.yaml")
+    state = load_file(str(old / f"{HEAD}.safetensors"))
+    save_file({**state, "bias": torch.tensor([0.5])}, str(old / f"{HEAD}.safetensors"))
+    _, head, _, _ = load(old, torch.device("cpu"))
+    x = torch.randn(3, head.in_features)
+    torch.testing.assert_close(head(x).squeeze(-1), x @ state["weight"][0] + 0.5)
