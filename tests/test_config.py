@@ -1,6 +1,7 @@
 """Values, not only keys, are checked before anything loads: every numeric setting has a range
-(config.RANGES), NaN and infinity are refused everywhere, and each mistake is one line naming the
-key, the value and the valid range."""
+(core.checks.RANGES, and each algorithm's own `ranges` for its section), NaN and infinity are
+refused everywhere, and each mistake is one line naming the key, the value, the valid range and
+what the setting is (the first sentence of its schema comment)."""
 
 import dataclasses
 import typing
@@ -11,7 +12,7 @@ from omegaconf import OmegaConf
 from rlnotes.commands.check import check
 from rlnotes.commands.cli import UsageError, main
 from rlnotes.commands.validate import validate
-from rlnotes.core.checks import CHECKED_ELSEWHERE, RANGES
+from rlnotes.core.checks import CHECKED_ELSEWHERE, RANGES, meaning_of
 from rlnotes.core.errors import ConfigError
 from rlnotes.core.schema import TrainConfig
 from rlnotes.runners import REGISTRY
@@ -74,16 +75,17 @@ def numeric_fields(schema, prefix):
 
 FIELDS = numeric_fields(TrainConfig, "")
 ALGO_FIELDS = {name: numeric_fields(algo.schema, "algo.") for name, algo in REGISTRY.items()}
-ALGO_RANGES = {name: algo.ranges for name, algo in REGISTRY.items() if algo.ranges}
 SEEDS = ("seed", "data.seed", "model.tiny.init_seed")
 
 
 def test_every_numeric_setting_has_a_range_and_every_range_a_setting():
-    keys = set(FIELDS) | {k for fields in ALGO_FIELDS.values() for k in fields}
-    unchecked = {k for k in keys if not k.startswith("reward.")} - set(RANGES) - set(CHECKED_ELSEWHERE) - set(SEEDS)
+    unchecked = {k for k in FIELDS if not k.startswith("reward.")} - set(RANGES) - set(CHECKED_ELSEWHERE) - set(SEEDS)
+    unchecked |= {f"algo={name}: {key}" for name, fields in ALGO_FIELDS.items() for key in fields
+                  if key not in REGISTRY[name].ranges and key not in CHECKED_ELSEWHERE}
     assert not unchecked, f"numeric settings without a range: {sorted(unchecked)}"
-    assert not set(RANGES) - keys, "ranges of keys no schema has"
-    assert all(set(ranges) <= set(ALGO_FIELDS[name]) for name, ranges in ALGO_RANGES.items())
+    assert not set(RANGES) - set(FIELDS), "ranges of keys no schema has"
+    assert all(set(algo.ranges) <= set(ALGO_FIELDS[name]) for name, algo in REGISTRY.items()), \
+        "an algorithm's ranges of keys its schema lacks"
 
 
 def bad_values(spec, kind):
@@ -100,13 +102,13 @@ def bad_values(spec, kind):
 
 def cases():
     for name, fields in ALGO_FIELDS.items():
-        ranges = {**RANGES, **ALGO_RANGES.get(name, {})}
+        ranges = REGISTRY[name].ranges
         for key, kind in fields.items():
-            if key in ranges and (name == "grpo" or key not in ALGO_FIELDS["grpo"] or key in ALGO_RANGES.get(name, {})):
-                yield from ((name, key, kind, ranges[key][0], v) for v in bad_values(ranges[key][0], kind))
+            if key in ranges:
+                yield from ((name, key, kind, ranges[key], v) for v in bad_values(ranges[key], kind))
     for key, kind in FIELDS.items():
         if key in RANGES:
-            yield from (("grpo", key, kind, RANGES[key][0], v) for v in bad_values(RANGES[key][0], kind))
+            yield from (("grpo", key, kind, RANGES[key], v) for v in bad_values(RANGES[key], kind))
 
 
 CASES = list(cases())
@@ -121,7 +123,9 @@ def configs():
 
 
 def test_every_range_is_tested():
-    assert {key for _, key, *_ in CASES} == set(RANGES) and len(CASES) > 2 * len(RANGES)
+    ranges = {*RANGES, *(f"{name}:{key}" for name, algo in REGISTRY.items() for key in algo.ranges)}
+    tested = {key if key in RANGES else f"{name}:{key}" for name, key, *_ in CASES}
+    assert tested == ranges and len(CASES) > 2 * len(ranges)
 
 
 @pytest.mark.parametrize("algo, key, kind, spec, value", CASES, ids=[f"{c[0]}-{c[1]}={c[4]}" for c in CASES])
@@ -133,6 +137,7 @@ def test_a_value_outside_its_range_is_refused(configs, algo, key, kind, spec, va
     shown = format(value, "g") if kind is float else str(value)
     text = str(err.value)
     assert text.startswith(f"{key}={shown} ") and spec.strip("<>= ") in text and "\n" not in text, text
+    assert text.endswith(f" ({meaning_of(key, REGISTRY[algo].schema)})"), text  # what the schema says it is
 
 
 @pytest.mark.parametrize("overrides", [

@@ -175,7 +175,7 @@ def validate(cfg) -> Algorithm:
     for key, valid in choices.items():
         if OmegaConf.select(cfg, key, default=None) is not None:
             check_choice(key, OmegaConf.select(cfg, key), valid)
-    check_ranges(cfg, algo.ranges)
+    check_ranges(cfg, algo)
     check_threads(cfg.hardware.threads)
     if algo.samples and cfg.eval.generate is False:
         raise ConfigError(f"eval.generate=false: algo={cfg.algo.name} evaluates by generating completions; drop it, "

@@ -38,7 +38,9 @@ class Algorithm:
     columns:     the dataset columns it reads.
     shape:       cfg -> Shape, its batch arithmetic.
     check:       cfg -> None, its settings beyond their types (raises ConfigError).
-    ranges:      numeric ranges of its keys where they differ from core.checks.RANGES.
+    ranges:      the valid range of each numeric key of its schema ("algo.beta": ">= 0"; the
+                 notation of core.checks.RANGES, which holds the other sections'), or the key is
+                 in core.checks.CHECKED_ELSEWHERE; its meaning is the schema comment's.
     choices:     its keys that name an option, and the options.
     evaluate:    ctx -> metrics, its held-out evaluation (trainer.eval_every).
     objective:   the metric sweep.objective=auto optimises when the run evaluates ...
@@ -57,6 +59,6 @@ class Algorithm:
     train_objective: str
     columns: Tuple[str, ...] = ("prompt",)
     check: Callable[[Any], None] = _no_check
-    ranges: Dict[str, tuple] = field(default_factory=dict)
+    ranges: Dict[str, str] = field(default_factory=dict)
     choices: Dict[str, tuple] = field(default_factory=dict)
     group_relative: Callable[[Any], bool] = lambda algo: False

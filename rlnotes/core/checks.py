@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any, Dict, Mapping
+from typing import Any, Dict, Optional
 
 from omegaconf import OmegaConf
 
+from rlnotes.core.algorithm import Algorithm
+from rlnotes.core.comments import comment, summary
 from rlnotes.core.errors import ConfigError
+from rlnotes.core.schema import TrainConfig
 
 SCHEDULES = ("constant", "linear", "cosine")
 PRECISIONS = ("fp32", "bf16")
@@ -38,74 +41,30 @@ def check_choice(key: str, value: Any, choices) -> None:
 # ---------------------------------------------------------------------------------------------
 # The valid range of every numeric setting, checked in one place (check_ranges) before anything
 # loads. ">= a" and "> a" bound one side; "[a, b)" and the like both; every bound is finite, and
-# so must the value be. null (where a setting allows it) is never checked. Settings without a
-# range here: the seeds (any integer), the reward section (rlnotes.rewards.scoring checks it), and
-# CHECKED_ELSEWHERE, whose checks need other settings too.
-RANGES: Dict[str, tuple] = {
-    "trainer.steps": (">= 1", "optimizer steps"),
-    "trainer.batch_size": (">= 1", "prompts, pairs or rows per step"),
-    "trainer.micro_batch_size": (">= 1", "completions per forward/backward pass; null = by micro_batch_tokens"),
-    "trainer.micro_batch_tokens": (">= 1", "tokens per forward/backward pass at most; null = by micro_batch_memory"),
-    "trainer.micro_batch_memory": ("> 0", "GiB of activations a forward/backward pass keeps at most; null = no limit"),
-    "trainer.log_every": (">= 1", "steps per metrics row"),
-    "trainer.eval_every": (">= 1", "steps between evaluations; null = never"),
-    "optim.lr": ("(0, 1]", "AdamW's step size, about how far each weight moves per step: above 1 the "
-                           "weights are overwritten by noise"),
-    "optim.weight_decay": (">= 0", "AdamW's decoupled weight decay"),
-    "sft_warmup.steps": (">= 0", "supervised steps before the algorithm's, within trainer.steps; 0 = none"),
-    "sft_warmup.batch_size": (">= 1", "demonstration rows per warm-up step"),
-    "sft_warmup.lr": ("(0, 1]", "AdamW's step size in the warm-up steps"),
-    "optim.beta1": ("[0, 1)", "AdamW's decay rate of the gradient's running mean"),
-    "optim.beta2": ("[0, 1)", "AdamW's decay rate of the squared gradient's running mean"),
-    "optim.eps": ("> 0", "added to AdamW's denominator; 0 divides 0 by 0 wherever a gradient is 0, as LoRA's A "
-                         "matrices' are at the first step"),
-    "optim.max_grad_norm": ("> 0", "the global gradient norm is clipped to it; null = no clipping"),
-    "optim.warmup_steps": (">= 0", "steps of linear learning-rate warmup"),
-    "rollout.max_new_tokens": (">= 1", "completion tokens at most"),
-    "rollout.temperature": ("> 0", "the sampling temperature; log-probs divide by it"),
-    "rollout.top_p": ("(0, 1]", "the nucleus sampling mass; 1 samples from the full distribution"),
-    "rollout.vllm_gpu_memory": ("(0, 1)", "the share of the GPU's memory vLLM may take"),
-    "rollout.tis_cap": (">= 1", "the cap C of min(pi_trainer / pi_vllm, C)"),
-    "rollout.max_turns": (">= 1", "model turns per episode; 1 = one completion per prompt"),
-    "rollout.max_tool_calls": (">= 0", "tool calls an episode may make"),
-    "rollout.max_episode_tokens": (">= 1", "tokens of an episode after its prompt; null = only the turns bound it"),
-    "rollout.tool_timeout": ("> 0", "seconds a tool call may take; null = no limit"),
-    "hardware.nproc": (">= 1", "processes on this machine; null = this one alone"),
-    "logging.print_every": (">= 1", "steps per plain progress line; null = about 20 a run"),
-    "logging.samples_every": (">= 0", "steps per samples table; 0 = never"),
-    "logging.samples_shown": (">= 1", "completions a samples table shows"),
-    "sweep.last_steps": (">= 1", "logged steps a training metric is averaged over for the sweep's objective"),
-    "sweep.seeds": (">= 1", "seeds per configuration of a sweep"),
-    "eval.size": (">= 1", "eval prompts; null = the whole eval split"),
-    "eval.samples_per_prompt": (">= 1", "completions per eval prompt"),
-    "eval.max_new_tokens": (">= 1", "completion tokens at most; null = rollout.max_new_tokens"),
-    "eval.batch_size": (">= 1", "prompts per generation batch"),
-    "data.train_size": (">= 1", "training prompts a built-in task generates"),
-    "data.digits": (">= 1", "digits per operand"),
-    "data.max_digits": (">= 1", "the most digits per operand; null = data.digits"),
-    "model.lora.r": (">= 1", "the rank of LoRA's update B A; null model.lora trains all weights instead"),
-    "model.lora.alpha": ("> 0", "LoRA's scale: the update is multiplied by alpha / r"),
-    "model.lora.dropout": ("[0, 1)", "the dropout probability on LoRA's input"),
-    "model.tiny.hidden_size": (">= 1", "the tiny model's width"),
-    "model.tiny.num_layers": (">= 1", "the tiny model's layers"),
-    "model.tiny.num_heads": (">= 1", "the tiny model's attention heads"),
-    "model.tiny.intermediate_size": (">= 1", "the tiny model's MLP width"),
-    "model.tiny.init_std": ("> 0", "the std of the tiny model's initial weights"),
-    # algo.*: each applies to the algorithms whose schema has the key (an algorithm's declared `ranges` override).
-    "algo.group_size": (">= 1", "completions sampled per prompt"),
-    "algo.beta": (">= 0", "the weight of the KL penalty; 0 turns it off"),
-    "algo.clip_eps": ("(0, 1)", "the clip range of the ratio pi / pi_old, to [1 - eps, 1 + eps]"),
-    "algo.clip_eps_high": ("> 0", "the upper clip range of the ratio, to 1 + eps_high; null = clip_eps"),
-    "algo.value_clip_eps": ("> 0", "the clip range of V around V_old; null = plain MSE"),
-    "algo.epochs": (">= 1", "passes over each sampled batch"),
-    "algo.minibatch_size": (">= 1", "completions per optimizer step"),
-    "algo.gamma": ("[0, 1]", "the discount of future rewards"),
-    "algo.lam": ("[0, 1]", "GAE's lambda"),
-    "algo.vf_coef": (">= 0", "the weight of the value loss"),
-    "algo.entropy_coef": (">= 0", "the weight of the entropy bonus"),
-    "algo.target_kl": ("> 0", "the KL(pi_old || pi) that stops a batch's epochs early; null = never"),
-    "algo.baseline_momentum": ("[0, 1)", "the weight of the previous running mean in baseline=mean"),
-    "algo.label_smoothing": ("[0, 0.5)", "the probability that a pair's label is flipped"),
+# so must the value be. null (where a setting allows it) is never checked. What a setting means is
+# its schema comment's (rlnotes.core.comments), quoted by the error. The algo section's ranges are
+# each algorithm's own (its declaration's `ranges`). Settings without a range here: the seeds (any
+# integer), the reward section (rlnotes.rewards.scoring checks it), and CHECKED_ELSEWHERE, whose
+# checks need other settings too.
+RANGES: Dict[str, str] = {
+    "trainer.steps": ">= 1", "trainer.batch_size": ">= 1", "trainer.micro_batch_size": ">= 1",
+    "trainer.micro_batch_tokens": ">= 1", "trainer.micro_batch_memory": "> 0", "trainer.log_every": ">= 1",
+    "trainer.eval_every": ">= 1",
+    "optim.lr": "(0, 1]", "optim.weight_decay": ">= 0", "optim.beta1": "[0, 1)", "optim.beta2": "[0, 1)",
+    "optim.eps": "> 0", "optim.max_grad_norm": "> 0", "optim.warmup_steps": ">= 0",
+    "sft_warmup.steps": ">= 0", "sft_warmup.batch_size": ">= 1", "sft_warmup.lr": "(0, 1]",
+    "rollout.max_new_tokens": ">= 1", "rollout.temperature": "> 0", "rollout.top_p": "(0, 1]",
+    "rollout.vllm_gpu_memory": "(0, 1)", "rollout.tis_cap": ">= 1", "rollout.max_turns": ">= 1",
+    "rollout.max_tool_calls": ">= 0", "rollout.max_episode_tokens": ">= 1", "rollout.tool_timeout": "> 0",
+    "hardware.nproc": ">= 1",
+    "logging.print_every": ">= 1", "logging.samples_every": ">= 0", "logging.samples_shown": ">= 1",
+    "sweep.last_steps": ">= 1", "sweep.seeds": ">= 1",
+    "eval.size": ">= 1", "eval.samples_per_prompt": ">= 1", "eval.max_new_tokens": ">= 1",
+    "eval.batch_size": ">= 1",
+    "data.train_size": ">= 1", "data.digits": ">= 1", "data.max_digits": ">= 1",
+    "model.lora.r": ">= 1", "model.lora.alpha": "> 0", "model.lora.dropout": "[0, 1)",
+    "model.tiny.hidden_size": ">= 1", "model.tiny.num_layers": ">= 1", "model.tiny.num_heads": ">= 1",
+    "model.tiny.intermediate_size": ">= 1", "model.tiny.init_std": "> 0",
 }
 # hardware.threads, a number or a word, has its own check (check_threads).
 # Numeric settings whose valid values depend on other settings: checked beside those.
@@ -117,7 +76,7 @@ def check_threads(value) -> None:
     """hardware.threads: auto, null or an integer of at least 1, else one line saying so."""
     if value is None or value == "auto" or (type(value) is int and value >= 1):
         return
-    meaning = "torch threads per process; null = torch's default, auto = chosen from the model's size"
+    meaning = meaning_of("hardware.threads")
     if type(value) is int:
         raise ConfigError(f"hardware.threads={value} must be at least 1 ({meaning})")
     raise ConfigError(f"hardware.threads={value!r} is not valid; give auto, null or an integer of at least 1 "
@@ -132,7 +91,8 @@ def _in_range(value: float, spec: str) -> bool:
     return (low <= value if spec[0] == "[" else low < value) and (value <= high if spec[-1] == "]" else value < high)
 
 
-def _range_text(spec: str) -> str:
+def range_text(spec: str) -> str:
+    """A range as words: ">= 1" -> "at least 1", "> 0" -> "greater than 0", "(0, 1]" -> "in (0, 1]"."""
     if spec.startswith(">="):
         return f"at least {spec[2:].strip()}"
     if spec.startswith(">"):
@@ -150,18 +110,24 @@ def _nonfinite(node, path: str):
     return (path, node) if isinstance(node, float) and not math.isfinite(node) else None
 
 
-def check_ranges(cfg, own: Mapping[str, tuple] = {}) -> None:
-    """Every numeric setting against its range (RANGES), and no NaN or infinity anywhere: one line
-    naming the key, the value and the valid range. `own`: the ranges an algorithm gives its keys
-    where they differ from RANGES (its declaration's `ranges`)."""
-    ranges = {**RANGES, **own}
-    for key, (spec, meaning) in ranges.items():
+def meaning_of(key: str, algo_schema: Optional[type] = None) -> str:
+    """The short form of a setting's schema comment (`algo.*`: of the algorithm's schema)."""
+    section, _, rest = key.partition(".")
+    text = comment(algo_schema, rest) if section == "algo" and algo_schema else comment(TrainConfig, key)
+    return summary(text) if text else key
+
+
+def check_ranges(cfg, algo: Algorithm) -> None:
+    """Every numeric setting against its range (RANGES, and the algorithm's own for the algo
+    section), and no NaN or infinity anywhere: one line naming the key, the value, the valid range
+    and what the setting is."""
+    for key, spec in {**RANGES, **algo.ranges}.items():
         value = OmegaConf.select(cfg, key, default=None)
         if value is None or isinstance(value, bool) or (math.isfinite(value) and _in_range(value, spec)):
             continue
         shown = format(value, "g") if isinstance(value, float) else value
         why = " is not a number; it" if math.isnan(value) else " is not finite; it" if math.isinf(value) else ""
-        raise ConfigError(f"{key}={shown}{why} must be {_range_text(spec)} ({meaning})")
+        raise ConfigError(f"{key}={shown}{why} must be {range_text(spec)} ({meaning_of(key, algo.schema)})")
     plain = OmegaConf.to_container(cfg, resolve=False, throw_on_missing=False)
     found = _nonfinite({k: v for k, v in plain.items() if k != "hydra"}, "")
     if found:

@@ -157,5 +157,4 @@ ALGORITHM = Algorithm(name="dpo", schema=DPOConfig, train_step=train_step, sampl
                       default_task="arith_pairs", columns=("prompt", "chosen", "rejected"), shape=shape, check=check,
                       evaluate=evaluate, objective="eval/dpo_accuracy", train_objective="dpo/accuracy",
                       choices={"algo.loss_type": DPO_LOSS_TYPES},
-                      ranges={"algo.beta": ("> 0", "the strength of DPO's implicit KL; its loss is flat at 0 and "
-                                                   "IPO's divides by it")})
+                      ranges={"algo.beta": "> 0", "algo.label_smoothing": "[0, 0.5)"})

@@ -198,4 +198,6 @@ def shape(cfg) -> Shape:
 ALGORITHM = Algorithm(name="grpo", schema=GRPOConfig, train_step=train_step, samples=True, default_task="letters",
                       shape=shape, check=check, evaluate=eval_metrics, objective="eval/accuracy",
                       train_objective="reward/mean", group_relative=lambda algo: True,
-                      choices={"algo.aggregation": AGGREGATIONS, "algo.kl_estimator": KL_ESTIMATORS})
+                      choices={"algo.aggregation": AGGREGATIONS, "algo.kl_estimator": KL_ESTIMATORS},
+                      ranges={"algo.group_size": ">= 1", "algo.beta": ">= 0", "algo.clip_eps": "(0, 1)",
+                              "algo.clip_eps_high": "> 0", "algo.epochs": ">= 1"})

@@ -220,4 +220,8 @@ def shape(cfg) -> Shape:
 ALGORITHM = Algorithm(name="ppo", schema=PPOConfig, train_step=train_step, samples=True, default_task="letters",
                       shape=shape, check=check, evaluate=eval_metrics, objective="eval/accuracy",
                       train_objective="reward/mean",
-                      choices={"algo.aggregation": AGGREGATIONS, "algo.kl_estimator": KL_ESTIMATORS})
+                      choices={"algo.aggregation": AGGREGATIONS, "algo.kl_estimator": KL_ESTIMATORS},
+                      ranges={"algo.group_size": ">= 1", "algo.beta": ">= 0", "algo.gamma": "[0, 1]",
+                              "algo.lam": "[0, 1]", "algo.clip_eps": "(0, 1)", "algo.value_clip_eps": "> 0",
+                              "algo.vf_coef": ">= 0", "algo.entropy_coef": ">= 0", "algo.epochs": ">= 1",
+                              "algo.minibatch_size": ">= 1", "algo.target_kl": "> 0"})

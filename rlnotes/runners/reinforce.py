@@ -171,4 +171,6 @@ ALGORITHM = Algorithm(name="reinforce", schema=ReinforceConfig, train_step=train
                       objective="eval/accuracy", train_objective="reward/mean",
                       group_relative=lambda algo: algo.baseline == "group",
                       choices={"algo.aggregation": AGGREGATIONS, "algo.kl_estimator": KL_ESTIMATORS,
-                               "algo.baseline": REINFORCE_BASELINES})
+                               "algo.baseline": REINFORCE_BASELINES},
+                      ranges={"algo.group_size": ">= 1", "algo.beta": ">= 0", "algo.gamma": "[0, 1]",
+                              "algo.baseline_momentum": "[0, 1)", "algo.vf_coef": ">= 0"})
