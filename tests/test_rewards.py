@@ -974,6 +974,32 @@ def test_a_module_that_fails_to_load_says_so(in_project_dir):
     sys.modules.pop("broken_rewards", None)
 
 
+@pytest.mark.parametrize("code, says", [
+    ("import sys\nsys.exit(0)\n", "(SystemExit: 0); its module exits_on_import exits while it is imported (sys.exit(), "
+                                  "or argparse reading the command line): move that code under `if __name__ == "
+                                  "'__main__':`"),
+    ("import argparse\nargparse.ArgumentParser().parse_args(['train'])\n", "(SystemExit: 2); its module "
+                                                                          "exits_on_import exits while it is imported"),
+    ("class Stop(BaseException):\n    pass\n\n\nraise Stop('no config')\n", "(Stop: no config); its module failed to "
+                                                                             "load"),
+])
+def test_a_module_that_exits_or_raises_a_base_exception_on_import_is_named(in_project_dir, capsys, code, says):
+    """`rlnotes train` used to exit 0 with nothing trained: the check before training imports the
+    module, and its SystemExit went through."""
+    from rlnotes.commands.cli import main
+
+    (in_project_dir / "exits_on_import.py").write_text(code + "\n\ndef f(completions, **kwargs):\n    return []\n")
+    try:
+        with pytest.raises(ConfigError) as err:
+            resolve("exits_on_import:f")
+        assert str(err.value).startswith(f"reward function 'exits_on_import:f' could not be imported {says}")
+        assert main(["train", "reward=custom", "reward.target=exits_on_import:f", "logging.progress=false"]) == 2
+        stderr = capsys.readouterr().err
+        assert f"rlnotes: error: reward function 'exits_on_import:f' could not be imported {says}" in stderr
+    finally:
+        sys.modules.pop("exits_on_import", None)
+
+
 def test_a_missing_file_names_it(in_project_dir):
     with pytest.raises(ConfigError, match=r"reward function 'nope/r.py:fn': no file nope/r.py \(paths are relative"):
         resolve("nope/r.py:fn")

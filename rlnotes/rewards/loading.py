@@ -94,16 +94,28 @@ def resolve_callable(name: str, builtins: Dict[str, Callable], noun: str, exampl
         fn = _import_file(where, name, noun) if _is_file(where) else _import_module(where)
         for part in attr.split("."):
             fn = getattr(fn, part)
-    except ConfigError:
+    except (ConfigError, KeyboardInterrupt):
         raise
-    except Exception as e:  # noqa: BLE001 - a user's module may raise anything while it loads
-        hint = ("put its module in the directory you run rlnotes from, install it, or name its file: "
-                f"path/to/{module}.py:{attribute}" if isinstance(e, ModuleNotFoundError)
-                else "check the name" if isinstance(e, AttributeError) else "its module failed to load")
+    except BaseException as e:  # noqa: BLE001 - a user's module may raise anything while it loads, sys.exit() too
+        hint = _import_hint(e, where, example)
         raise ConfigError(f"{noun} {name!r} could not be imported ({first_line(e)}); {hint}") from None
     if not callable(fn):
         raise ConfigError(f"{noun} {name!r} is not callable")
     return fn
+
+
+def _import_hint(error: BaseException, where: str, example: tuple[str, str]) -> str:
+    """What to do about an import that raised `error`."""
+    module, attribute = example
+    if isinstance(error, ModuleNotFoundError):
+        return f"put its module in the directory you run rlnotes from, install it, or name its file: " \
+               f"path/to/{module}.py:{attribute}"
+    if isinstance(error, AttributeError):
+        return "check the name"
+    if isinstance(error, SystemExit):
+        return (f"its module {where} exits while it is imported (sys.exit(), or argparse reading the command line): "
+                "move that code under `if __name__ == '__main__':`")
+    return "its module failed to load"
 
 
 # The keyword arguments every reward function is called with besides the dataset's columns and
