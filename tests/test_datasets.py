@@ -112,7 +112,7 @@ def test_an_eval_file_gives_the_eval_rows(tmp_path):
     eval_path = write(tmp_path / "eval.csv", [{"question": "What is 100+1?", "answer": "101"}])
     train, eval_rows = load_task(file_cfg(train_path, **RENAME, eval_path=eval_path))
     assert len(train) == 10
-    assert eval_rows == [{"prompt": "What is 100+1?", "answer": 101}]
+    assert eval_rows == [{"prompt": "What is 100+1?", "answer": "101"}]  # a CSV cell is text
 
 
 def test_a_local_dataset_folder_loads_as_a_hub_dataset_with_its_eval_split(tmp_path):
@@ -350,6 +350,138 @@ def test_a_bad_json_line_is_reported_once_by_the_command(tmp_path, capfd):
     err = capfd.readouterr().err
     assert f"rlnotes: error: {path} line 2, column 15: not valid JSON" in err
     assert err.count("line 2") == 1 and "Failed to load JSON" not in err, err
+
+
+# --------------------------------------------------------------------------------------------- as written
+
+
+def rows_of(path):
+    return read(file_cfg(str(path), eval_size=0)).train.rows
+
+
+def test_csv_cells_are_read_as_the_text_they_hold(tmp_path):
+    """A reader that guesses types turns 007 into 7.0 and NA into null, and exact_match then scores the
+    exactly right answer 0."""
+    from rlnotes.rewards.builtin import exact_match
+
+    path = tmp_path / "qa.csv"
+    path.write_text('prompt,answer,flag,when\nq1,007,True,2024-01-02\nq2,NA,,1.10\n"q3, quoted",12345678901234567890,nan,\n')
+    rows = rows_of(path)
+    assert rows == [{"prompt": "q1", "answer": "007", "flag": "True", "when": "2024-01-02"},
+                    {"prompt": "q2", "answer": "NA", "flag": None, "when": "1.10"},  # an empty cell is null
+                    {"prompt": "q3, quoted", "answer": "12345678901234567890", "flag": "nan", "when": None}]
+    assert exact_match(None, ["007", "NA"], [r["answer"] for r in rows[:2]]) == [1.0, 1.0]
+
+
+def test_json_values_keep_their_json_types(tmp_path):
+    """A string that looks like a date or a number stays a string; numbers stay as written (an int
+    beside a float is not made a float, a long int keeps its digits)."""
+    rows = [{"prompt": "a", "answer": "007", "when": "2024-01-02", "n": 7, "big": 2 ** 70},
+            {"prompt": "b", "answer": "NA", "when": "2024-01-02T10:00:00", "n": 7.5, "big": 1}]
+    for ext in (".jsonl", ".json"):
+        assert rows_of(write(tmp_path / f"t{ext}", rows)) == rows
+
+
+def test_json_rows_missing_a_column_get_it_as_null(tmp_path):
+    path = write(tmp_path / "t.jsonl", [{"prompt": "a", "answer": "1"}, {"prompt": "b"}])
+    assert rows_of(path) == [{"prompt": "a", "answer": "1"}, {"prompt": "b", "answer": None}]
+
+
+@pytest.mark.parametrize("name, data, where", [
+    ("latin.jsonl", '{"prompt": "a"}\n{"prompt": "caf\xe9"}\n'.encode("latin-1"), "line 2, byte 16: not UTF-8 text"),
+    ("latin.csv", "prompt,answer\na,1\ncaf\xe9,2\n".encode("latin-1"), "line 3, byte 4: not UTF-8 text"),
+    ("cp1252.json", '[{"prompt": "\u201cquoted\u201d"}]'.encode("cp1252"), "line 1, byte 14: not UTF-8 text"),
+    ("utf16.jsonl", '{"prompt": "a"}\n'.encode("utf-16"), "is not UTF-8 text (its bytes look like UTF-16"),
+    ("utf16-no-bom.csv", "prompt\na\n".encode("utf-16-le"), "is not UTF-8 text (its bytes look like UTF-16"),
+])
+def test_a_file_in_another_encoding_is_named_with_its_line(tmp_path, name, data, where):
+    path = tmp_path / name
+    path.write_bytes(data)
+    message = error(read, file_cfg(str(path)))
+    assert message.startswith(f"{path} {where}") and "UTF-8 encoding" in message, message
+
+
+@pytest.mark.parametrize("ext", [".jsonl", ".json", ".csv"])
+def test_a_utf8_byte_order_mark_is_not_part_of_the_first_column(tmp_path, ext):
+    write(tmp_path / f"t{ext}", ROWS)
+    path = tmp_path / f"t{ext}"
+    path.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())
+    assert [r["question"] for r in rows_of(path)] == [r["question"] for r in ROWS]
+
+
+@pytest.mark.parametrize("name, text", [("blank.jsonl", "\n\n  \n"), ("blank.json", "\n\n"), ("blank.csv", "\n \n")])
+def test_a_file_of_blank_lines_has_no_rows(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_text(text)
+    assert error(read, file_cfg(str(path))) == f"{path} has no rows: it holds only blank lines"
+
+
+def test_a_directory_is_not_a_data_file(tmp_path):
+    (tmp_path / "dir.jsonl").mkdir()
+    assert error(read, file_cfg(str(tmp_path))) == (
+        f"data.path={tmp_path} is a directory; give a data file: .jsonl, .json, .parquet or .csv (a folder of data "
+        f"files, or a dataset saved for the hub: data=hub data.name={tmp_path})")
+    good = write(tmp_path / "t.jsonl", ROWS)
+    assert error(read, file_cfg(good, eval_path=str(tmp_path / "dir.jsonl"))) == (
+        f"data.eval_path={tmp_path / 'dir.jsonl'} is a directory; give a data file: .jsonl, .json, .parquet or .csv")
+
+
+def test_a_json_file_of_columns_is_read_as_rows(tmp_path):
+    """As pandas reads them: {"col": [...]} (json.dump(df.to_dict("list"))), and pandas' own to_json()
+    ({"col": {"0": ..., "1": ...}}) and to_json(orient="index") ({"0": {...}, "1": {...}})."""
+    import pandas as pd
+
+    want = [{"question": r["question"], "answer": r["answer"]} for r in ROWS]
+    frame = pd.DataFrame(want)
+    shapes = {"lists.json": json.dumps(frame.to_dict("list")), "pandas.json": frame.to_json(),
+              "index.json": frame.to_json(orient="index"),
+              "conversations.json": json.dumps({"prompt": [[{"role": "user", "content": "a"}]], "n": [1]})}
+    for name, text in shapes.items():
+        (tmp_path / name).write_text(text)
+    for name in ("lists.json", "pandas.json", "index.json"):
+        assert rows_of(tmp_path / name) == want, name
+    assert rows_of(tmp_path / "conversations.json") == [{"prompt": [{"role": "user", "content": "a"}], "n": 1}]
+
+
+@pytest.mark.parametrize("text, what", [
+    ('{"prompt": ["a", "b"], "answer": ["1"]}', "holds columns of different lengths (prompt: 2, answer: 1)"),
+    ('{"data": [{"prompt": "a"}, {"prompt": "b"}]}', "is one JSON object whose 'data' holds a list of objects; "
+                                                     "if those are the rows, put them at the top level"),
+    ('"hello"', 'holds str "hello"; give a list of rows'),
+    ('[{"prompt": "a"}, "b"]', ': item 2 of the list is str "b"; give a list of rows'),
+])
+def test_a_json_document_of_another_shape_says_which_shapes_are_read(tmp_path, text, what):
+    path = tmp_path / "t.json"
+    path.write_text(text)
+    message = error(read, file_cfg(str(path)))
+    assert message.startswith(f"{path}{'' if what.startswith(':') else ' '}{what}"), message
+
+
+def test_a_jsonl_file_holding_one_json_array_is_read(tmp_path):
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps(ROWS, indent=2))
+    assert rows_of(path) == ROWS
+
+
+@pytest.mark.parametrize("text, where", [
+    ("prompt,answer\na,1\nb,2,3\n", "line 3: 3 cells, but the header names 2 columns (prompt, answer)"),
+    ('prompt,answer\na,1\n"b,2\n', "line 3: not valid CSV (unexpected end of data)"),
+    ('prompt,answer\na,"1"x\n', "line 2: not valid CSV (',' expected after '\"')"),
+    ("prompt,prompt\na,1\n", "line 1: the header names column 'prompt' twice; rename one"),
+])
+def test_a_bad_csv_line_is_named_by_file_and_line(tmp_path, text, where):
+    """pandas reads a line with one cell too many by making its first cell the row index, which
+    shifts every column by one without a word."""
+    path = tmp_path / "t.csv"
+    path.write_text(text)
+    assert error(read, file_cfg(str(path))).startswith(f"{path} {where}")
+
+
+def test_a_csv_quoted_cell_keeps_its_line_breaks_and_pandas_index_gets_its_name(tmp_path):
+    path = tmp_path / "t.csv"
+    path.write_text(',prompt,answer\n0,"two\nlines",1\n\n1,b,2\n')
+    assert rows_of(path) == [{"Unnamed: 0": "0", "prompt": "two\nlines", "answer": "1"},
+                             {"Unnamed: 0": "1", "prompt": "b", "answer": "2"}]
 
 
 def test_reward_columns_come_from_the_signature():
