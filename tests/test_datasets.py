@@ -305,6 +305,27 @@ def test_a_missing_column_says_who_needs_it_and_how_to_rename(tmp_path):
         checked, compose("data=file", f"data.path={renamed}", "algo=sft"))
 
 
+def test_a_column_named_like_a_reward_call_keyword_is_refused_with_the_rename(tmp_path):
+    """The call's own completions, log_metric, ... would take the column's place: no reward could read it."""
+    from rlnotes.rewards.scoring import Rewards
+
+    path = write(tmp_path / "t.jsonl", [{"prompt": f"q{i}", "answer": str(i), "completions": "mine", "log_metric": i}
+                                        for i in range(10)])
+    cfg = compose("data=file", f"data.path={path}", "reward=arith")
+    assert error(checked, cfg, Rewards(cfg.reward).fns) == (
+        f"{path} has a column named like a keyword every reward call passes itself (completions, log_metric), so no "
+        "reward function would see its values; rename: data.columns.data_completions=completions "
+        "data.columns.data_log_metric=log_metric")
+    renamed = compose("data=file", f"data.path={path}", "reward=arith", "data.columns.data_completions=completions",
+                      "data.columns.data_log_metric=log_metric")
+    rows = checked(renamed, Rewards(renamed.reward).fns).train.rows
+    assert rows[0]["data_completions"] == "mine" and "completions" not in rows[0]
+    message = error(load_checked, cfg.data, None, generating="evaluation")  # rlnotes eval scores the rows too
+    assert "(completions, log_metric)" in message
+    pairs = write(tmp_path / "p.jsonl", [{"prompt": "q", "chosen": "a", "rejected": "b", "completions": 1}] * 10)
+    assert checked(compose("algo=dpo", "data=file", f"data.path={pairs}", "trainer.eval_every=null"))  # no reward call
+
+
 def test_a_renamed_column_that_is_not_there_lists_the_columns(tmp_path):
     path = write(tmp_path / "t.jsonl", ROWS)
     assert error(read, file_cfg(path, columns={"prompt": "query"})) == \

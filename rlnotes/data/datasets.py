@@ -117,6 +117,19 @@ def require_prompts(table: Table, who: str) -> None:
                               "prompt column (or messages)")
 
 
+def refuse_call_names(table: Table) -> None:
+    """No column is named like a keyword every reward call passes (CALL_NAMES): the call's own value
+    would take its place, so no reward function could read it. Refused rather than warned of: a
+    reward reading it would score every sample of the run from the call's values instead, a
+    warning scrolls away while it does, and the fix is one setting (data.columns), made before the
+    model loads."""
+    taken = [name for name in CALL_NAMES if name in column_names(table)]
+    if taken:
+        raise ConfigError(f"{table.source} has a column named like a keyword every reward call passes itself "
+                          f"({', '.join(taken)}), so no reward function would see its values; rename: "
+                          + " ".join(f"data.columns.data_{name}={name}" for name in taken))
+
+
 def load_checked(d, algo: Optional[Algorithm], reward_fns: Sequence = (), generating: Optional[str] = None) -> Data:
     """The rows of data config `d`, read and checked for what the algorithm `algo` and the reward
     functions need, and for prompts to sample from when something generates: the algorithm, when it
@@ -130,5 +143,6 @@ def load_checked(d, algo: Optional[Algorithm], reward_fns: Sequence = (), genera
         if table is not None:
             if generating:  # first: a file without prompts is the wrong file, whatever its columns
                 require_prompts(table, generating)
+                refuse_call_names(table)  # its rows go to reward functions
             require(table, needs)
     return data
