@@ -126,3 +126,14 @@ def test_only_the_adapter_uses_hydra_internals():
     users = [str(p.relative_to(ROOT)) for p in (ROOT / "rlnotes").rglob("*.py")
              if re.search(r"hydra\._internal", p.read_text()) and p != ROOT / "rlnotes/commands/hydra.py"]
     assert users == []
+
+
+def test_a_run_in_process_leaves_the_callers_command_line_as_it_was(monkeypatch, tmp_path):
+    """Hydra reads sys.argv; the adapter sets it for the call and puts the caller's back."""
+    import sys
+
+    monkeypatch.setattr(sys, "argv", ["my_script.py", "out.json"])
+    seen = []
+    argv = ["seed=3", f"hydra.run.dir={tmp_path}"]
+    hydra.run(lambda cfg: seen.append(sys.argv[1:]), argv)
+    assert seen == [argv] and sys.argv == ["my_script.py", "out.json"]

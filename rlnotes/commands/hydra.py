@@ -112,9 +112,14 @@ def job_dirs(jobs: List[DictConfig], keys: Sequence[str]) -> List[Optional[Path]
 
 
 def run(task: Callable[[DictConfig], Optional[float]], argv: List[str]) -> None:
-    """Hydra runs `task` for the command line `argv` (once, or for each member of a sweep)."""
-    sys.argv = ["rlnotes train", *argv]
-    hydra.main(version_base="1.3", config_path=f"pkg://{CONFIG_MODULE}", config_name="config")(task)()
+    """Hydra runs `task` for the command line `argv` (once, or for each member of a sweep). Hydra reads
+    its command line from sys.argv; the caller's is put back after, so an in-process call leaves none
+    of it behind."""
+    saved, sys.argv = sys.argv, ["rlnotes train", *argv]
+    try:
+        hydra.main(version_base="1.3", config_path=f"pkg://{CONFIG_MODULE}", config_name="config")(task)()
+    finally:
+        sys.argv = saved
 
 
 def job_dir() -> Path:
