@@ -11,6 +11,7 @@ import types
 from fractions import Fraction
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -546,6 +547,62 @@ def test_wrong_number_of_values_is_a_contract_error_not_retried(user_module):
     assert str(err.value) == ("reward function 'first_only' returned 1 values for 3 completions; it must return one "
                               "value (a number or None) per completion")
     assert console.printed == []  # no "retrying sample by sample"
+
+
+@pytest.fixture
+def own(monkeypatch):
+    """Reward functions a test defines, importable as rlnotes_test_own.<name>: own(fn, ..., **Rewards
+    settings) gives Rewards over them, each of weight 1."""
+    module = types.ModuleType("rlnotes_test_own")
+    monkeypatch.setitem(sys.modules, "rlnotes_test_own", module)
+
+    def rewards_of(*fns, **kw):
+        for fn in fns:
+            setattr(module, fn.__name__, fn)
+        return rewards(*[(f"rlnotes_test_own.{fn.__name__}", 1.0) for fn in fns], **kw)
+    return rewards_of
+
+
+@pytest.mark.parametrize("result, what", [
+    ({"a": 1.0, "b": 0.0}, "dict"),                 # was accepted: its keys became the rewards
+    ({1.0, 2.0}, "set"),                            # was accepted in the set's order, not the samples'
+    ("10", "str"),                                  # was read character by character
+    ((v for v in (1.0, 2.0)), "generator"),
+    (np.ones((2, 1)), "a 2-D ndarray"),
+    (torch.tensor(1.0), "a 0-D Tensor"),
+])
+def test_a_result_that_is_not_one_value_per_completion_is_the_contract_error(own, result, what):
+    def gives(completions, **kwargs):
+        return result
+
+    with pytest.raises(RewardFailure) as err:
+        own(gives)(["p", "p"], ["a", "b"], {})
+    assert str(err.value) == (f"reward function 'gives' returned {what}, not a list of one value (a number or None) "
+                              "per completion (a list, a tuple, or a 1-D numpy array or tensor)")
+
+
+@pytest.mark.parametrize("result", [[1.0, 2.0], (1, 2.0), np.array([1.0, 2.0]), np.array([1, 2]),
+                                    torch.tensor([1.0, 2.0]), [np.float32(1.0), torch.tensor(2.0)]])
+def test_lists_tuples_and_1d_arrays_and_tensors_are_one_value_per_completion(own, result):
+    def gives(completions, **kwargs):
+        return result
+
+    total, metrics = own(gives)(["p", "p"], ["a", "b"], {})
+    assert total.tolist() == [1.0, 2.0] and metrics["reward/failures"] == 0
+
+
+def test_a_value_too_large_for_a_float_gets_the_fallback_in_one_line(own):
+    """10**400 overflows float(); 10**5000 cannot even be printed (Python's limit on int digits)."""
+    def huge(completions, **kwargs):
+        return [{"big": 10 ** 400, "bigger": 10 ** 5000}.get(c, 1.0) for c in completions]
+
+    console = FakeConsole()
+    total, metrics = own(huge, fallback=-1.0, console=console)(["p"] * 3, ["big", "ok", "bigger"], {})
+    assert total.tolist() == [-1.0, 1.0, -1.0] and metrics["reward/failures"] == 2
+    (line,) = console.printed
+    assert line.startswith("[yellow]reward function 'huge' returned 1000") and "…" in line and len(line) < 200
+    with pytest.raises(RewardFailure, match=r"^reward function 'huge' gave no finite number .*\(it returned <int>\)"):
+        own(huge)(["p"], ["bigger"], {})
 
 
 def test_columns_args_and_completion_ids_reach_the_function_as_keywords(user_module):

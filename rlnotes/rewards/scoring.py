@@ -37,6 +37,7 @@ import traceback
 from collections import deque
 from typing import Dict, List, Optional, Sequence
 
+import numpy as np
 import torch
 from rich.markup import escape
 
@@ -65,14 +66,26 @@ TIMEOUTS_IN_A_ROW = 3
 
 
 def _number(value) -> Optional[float]:
-    """`value` as a finite float; None for NaN, inf, a string, a list or anything else."""
+    """`value` as a finite float; None for NaN, inf, a number too large for a float, a string, a
+    list or anything else."""
     if isinstance(value, (str, bytes)):
         return None
     try:
         number = float(value)
-    except (TypeError, ValueError, RuntimeError):
+    except Exception:  # noqa: BLE001 - TypeError, OverflowError, or whatever a user's __float__ raises
         return None
     return number if math.isfinite(number) else None
+
+
+def _as_list(result) -> Optional[list]:
+    """The values of what a function returned when it is a list, a tuple, or a 1-D numpy array or
+    tensor; None for anything else (a dict's keys, a set's order or a string's characters are no
+    values per completion)."""
+    if isinstance(result, (list, tuple)):
+        return list(result)
+    if isinstance(result, (torch.Tensor, np.ndarray)) and result.ndim == 1:
+        return result.tolist()
+    return None
 
 
 def _add_weighted(totals: List[float], scored: List[int], weight: float, values: List[Optional[float]]) -> float:
@@ -87,7 +100,10 @@ def _add_weighted(totals: List[float], scored: List[int], weight: float, values:
 
 
 def _brief(value, width: int = 80) -> str:
-    text = repr(value)
+    try:
+        text = repr(value)
+    except Exception:  # noqa: BLE001 - a user's __repr__, or an int too long to print
+        text = f"<{type(value).__name__}>"
     return text if len(text) <= width else text[:width - 1] + "…"
 
 
@@ -134,11 +150,12 @@ class Rewards:
     @staticmethod
     def _values(rf: RewardFn, result, n: int) -> list:
         """The list a call returned; anything but one value per completion breaks the contract."""
-        try:
-            values = list(result)
-        except TypeError:
-            raise RewardFailure(f"reward function {rf.name!r} returned {type(result).__name__}, not a list of one "
-                                f"value (a number or None) per completion") from None
+        values = _as_list(result)
+        if values is None:
+            what = (f"a {result.ndim}-D {type(result).__name__}" if isinstance(result, (torch.Tensor, np.ndarray))
+                    else type(result).__name__)
+            raise RewardFailure(f"reward function {rf.name!r} returned {what}, not a list of one value (a number or "
+                                f"None) per completion (a list, a tuple, or a 1-D numpy array or tensor)")
         if len(values) != n:
             raise RewardFailure(f"reward function {rf.name!r} returned {len(values)} values for {n} completions; "
                                 "it must return one value (a number or None) per completion")
@@ -197,12 +214,13 @@ class Rewards:
         count; a function that gave no finite number at all stops the run (`error`: why, when it raised)."""
         failed = [v for v in values if v is not None and _number(v) is None]
         if failed and len(failed) == sum(v is not None for v in values):
-            why = error or f"it returned {failed[0]!r}"
+            why = error or f"it returned {_brief(failed[0])}"
             raise RewardFailure(f"reward function {rf.name!r} gave no finite number for any sample of the batch "
                                 f"({why}); fix it or remove it from reward.functions")
         if failed and error is None:
-            self._once(f"bad:{rf.name}", f"[yellow]reward function {rf.name!r} returned {failed[0]!r} for "
-                                         f"{len(failed)} samples; they get {self.fallback}[/]")
+            shown = escape(_brief(failed[0]))
+            self._once(f"bad:{rf.name}", f"[yellow]reward function {rf.name!r} returned {shown} for {len(failed)} "
+                                         f"samples; they get {self.fallback}[/]")
         return [None if v is None else (self.fallback if _number(v) is None else _number(v)) for v in values], \
             len(failed)
 
