@@ -132,6 +132,9 @@ def test_a_run_in_process_leaves_the_callers_command_line_as_it_was(monkeypatch,
     """Hydra reads sys.argv; the adapter sets it for the call and puts the caller's back."""
     import sys
 
+    from rlnotes.commands.validate import register
+
+    register()  # the schemas, as `rlnotes train` registers them before its run
     monkeypatch.setattr(sys, "argv", ["my_script.py", "out.json"])
     seen = []
     argv = ["seed=3", f"hydra.run.dir={tmp_path}"]

@@ -1,6 +1,7 @@
 """Reward functions, their checks and names, the weighted sum that survives a failing function,
 conversational completions, and reward models (a Hugging Face dir and an algo=rm run)."""
 
+import asyncio
 import importlib
 import json
 import math
@@ -775,6 +776,10 @@ def interrupts(completions, **kwargs):
     raise KeyboardInterrupt
 
 
+async def interrupts_async(completions, **kwargs):
+    raise KeyboardInterrupt
+
+
 def sleeps(completions, **kwargs):
     time.sleep(float(completions[0]))
     return [1.0] * len(completions)
@@ -911,6 +916,83 @@ def test_keyboard_interrupt_still_stops(trl_module):
         trl("interrupts")(["p"], ["a"], {})
     with pytest.raises(KeyboardInterrupt):
         trl("interrupts", timeout=5.0)(["p"], ["a"], {})
+    for timeout in (None, 5.0):  # raised on the event loop's thread, it still reaches the run's
+        with pytest.raises(KeyboardInterrupt):
+            trl("interrupts_async", timeout=timeout)(["p"], ["a"], {})
+
+
+class GaveUp(BaseException):
+    """A user's own BaseException, as a library's abort signal might be."""
+
+
+@pytest.mark.parametrize("error", [asyncio.CancelledError(), GaveUp("server closed"), SystemExit(2), GeneratorExit()],
+                         ids=["CancelledError", "user BaseException", "SystemExit", "GeneratorExit"])
+@pytest.mark.parametrize("awaited", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("timeout", [None, 5.0])
+def test_a_reward_raising_any_base_exception_is_a_failure_of_that_sample(own, error, awaited, timeout):
+    def fails(completions, **kwargs):
+        if "bad" in completions:
+            raise error
+        return [1.0] * len(completions)
+
+    async def fails_async(completions, **kwargs):
+        return fails(completions)
+
+    fn = fails_async if awaited else fails
+    console = FakeConsole()
+    total, metrics = own(fn, fallback=-1.0, console=console, timeout=timeout)(["p"] * 2, ["ok", "bad"], {})
+    assert total.tolist() == [1.0, -1.0] and metrics["reward/failures"] == 1
+    assert type(error).__name__ in console.printed[0]
+    with pytest.raises(RewardFailure, match=f"'{fn.__name__}' gave no finite number .*{type(error).__name__}"):
+        own(fn, timeout=timeout)(["p"], ["bad"], {})
+
+
+def test_an_async_function_that_blocks_the_loop_is_timed_out(own):
+    """time.sleep in an async function never reaches an await: the loop runs in its own thread, so
+    the run stops waiting for it at reward.timeout_s anyway."""
+    async def blocks(completions, **kwargs):
+        time.sleep(float(completions[0]))
+        return [1.0] * len(completions)
+
+    r = own(blocks, fallback=-5.0, timeout=0.2)
+    start = time.perf_counter()
+    total, metrics = r(["p"], ["1.0"], {})
+    assert time.perf_counter() - start < 0.8
+    assert total.tolist() == [-5.0] and metrics["reward/failures"] == 1
+
+
+def test_a_call_that_does_not_return_is_named_while_it_runs(own, monkeypatch):
+    """No reward.timeout_s: the run waits, and the watchdog says for what, once per call, after
+    HANG_FACTOR times the function's usual time (HANG_MIN_S before it has one)."""
+    from rlnotes.rewards import watchdog
+
+    monkeypatch.setattr(watchdog, "HANG_MIN_S", 0.3)
+    console = FakeConsole()
+
+    def waits(completions, **kwargs):  # returns at once, or when the watchdog has spoken (at most 5 s)
+        for _ in range(500 if completions[0] == "wait" else 0):
+            if console.printed:
+                break
+            time.sleep(0.01)
+        return [1.0] * len(completions)
+
+    async def waits_async(completions, **kwargs):
+        await asyncio.sleep(0)
+        return waits(completions)
+
+    r = own(waits, console=console)
+    r(["p"], ["wait"], {})
+    (line,) = console.printed
+    assert line.startswith("[yellow]reward function 'waits' has been running for 0.3 s; the run is waiting for it "
+                           "(reward.timeout_s=SECONDS bounds a call; Ctrl-C stops the run and says how to resume)")
+    for _ in range(3):
+        r(["p"], ["now"], {})
+    console.printed.clear()
+    r(["p"], ["wait"], {})
+    assert "x its usual" in console.printed[0]
+    console.printed.clear()
+    own(waits_async, console=console, timeout=30.0)(["p"], ["wait"], {})
+    assert console.printed[0].startswith("[yellow]reward function 'waits_async' has been running for 0.3 s")
 
 
 @pytest.mark.parametrize("fn", ["sleeps", "sleeps_async"])

@@ -1,14 +1,15 @@
 """Calling reward functions as TRL (1.16) calls them: by keyword, each call with its own deep copies
 of the inputs (so a function that edits them changes nothing another function or the samples table
 sees), a `trainer_state`, and `log_extra`/`log_metric` that collect what it logs. Sync functions
-run one after another, then the async ones are awaited together (asyncio.gather) on one event
-loop kept for the run. A time-out bounds each call (rlnotes.rewards.scoring.Rewards says what
-becomes of a call past it).
+run one after another, then the async ones are awaited side by side on one event loop kept for the
+run in its own thread. A time-out bounds each call (rlnotes.rewards.scoring.Rewards says what
+becomes of a call past it), and a watchdog names a call still running long after its usual time
+(rlnotes.rewards.watchdog).
 """
-
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import copy
 import threading
 import time
@@ -16,6 +17,7 @@ from dataclasses import dataclass, replace
 from typing import Callable, Dict, List, Optional, Sequence
 
 from rlnotes.rewards.loading import RewardFn
+from rlnotes.rewards.watchdog import Watchdog, in_thread
 
 
 @dataclass
@@ -78,59 +80,53 @@ def _own_copy(value):
     return copy.deepcopy(value)
 
 
+def _failed(error: BaseException) -> BaseException:
+    """`error` as a reward function's failure; KeyboardInterrupt (Ctrl-C, or a function that raises
+    it) stops the run instead, as it would anywhere else."""
+    if isinstance(error, KeyboardInterrupt):
+        raise error
+    return error
+
+
 def call_sync(rf: RewardFn, kwargs: dict, timeout: Optional[float]) -> Outcome:
-    """One call of a sync function: in this thread, or with a time-out in a worker thread (_in_thread)."""
+    """One call of a sync function: in this thread, or with a time-out in a worker thread that is
+    abandoned (still running) when `timeout` seconds pass."""
     start = time.perf_counter()
     if timeout is None:
         try:
             return Outcome(rf.fn(**kwargs), seconds=time.perf_counter() - start)
-        except (Exception, SystemExit) as e:  # noqa: BLE001 - a user's function may raise anything
-            return Outcome(error=e, seconds=time.perf_counter() - start)
-    return _in_thread(rf, kwargs, timeout, start)
-
-
-def _in_thread(rf: RewardFn, kwargs: dict, timeout: float, start: float) -> Outcome:
-    """The call in a worker thread, abandoned (still running) when `timeout` seconds pass."""
-    box: Dict[str, object] = {}
-
-    def work() -> None:
-        try:
-            box["result"] = rf.fn(**kwargs)
-        except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
-            box["error"] = e
-
-    worker = threading.Thread(target=work, name=f"reward {rf.name}", daemon=True)
-    worker.start()
-    worker.join(timeout)
+        except BaseException as e:  # noqa: BLE001 - a user's function may raise anything (SystemExit, CancelledError)
+            return Outcome(error=_failed(e), seconds=time.perf_counter() - start)
+    finished = in_thread(lambda: rf.fn(**kwargs), timeout, f"reward {rf.name}")
     seconds = time.perf_counter() - start
-    if worker.is_alive():
+    if not finished.done:
         return Outcome(seconds=seconds, timed_out=True)
-    if isinstance(box.get("error"), KeyboardInterrupt):
-        raise box["error"]
-    return Outcome(box.get("result"), box.get("error"), seconds)
+    return Outcome(finished.result, None if finished.error is None else _failed(finished.error), seconds)
 
 
-async def call_async(rf: RewardFn, kwargs: dict, timeout: Optional[float]) -> Outcome:
-    """One awaited call of an async function, cancelled at its next await past `timeout` seconds."""
+async def _guarded(rf: RewardFn, kwargs: dict) -> Outcome:
+    """One awaited call of an async function, on the functions' event loop: whatever it raises
+    (SystemExit and KeyboardInterrupt, which would stop the loop, included) comes back in the Outcome."""
     start = time.perf_counter()
-    task = asyncio.ensure_future(rf.fn(**kwargs))
-    done, _ = await asyncio.wait({task}, timeout=timeout)
-    seconds = time.perf_counter() - start
-    if not done:
-        task.cancel()
-        return Outcome(seconds=seconds, timed_out=True)
     try:
-        return Outcome(task.result(), seconds=seconds)
-    except (Exception, SystemExit) as e:  # noqa: BLE001 - a user's function may raise anything
-        return Outcome(error=e, seconds=seconds)
+        return Outcome(await rf.fn(**kwargs), seconds=time.perf_counter() - start)
+    except BaseException as e:  # noqa: BLE001 - handed to the calling thread
+        return Outcome(error=e, seconds=time.perf_counter() - start)
+
+
+# How the watchdog's line says to bound a reward function's calls.
+HANG_HINT = "reward.timeout_s=SECONDS bounds a call; Ctrl-C stops the run and says how to resume"
 
 
 class Calls:
     """Calls of the configured functions on a batch, each bounded by `timeout` seconds (None: no
-    limit), the async ones on one event loop for the whole run."""
+    limit) and watched by `watchdog`; the async ones run on one event loop for the whole run, in
+    its own thread (as TRL runs them), so that this thread can stop waiting for a call that
+    blocks the loop."""
 
-    def __init__(self, timeout: Optional[float]):
+    def __init__(self, timeout: Optional[float], watchdog: Watchdog):
         self.timeout = timeout
+        self.watchdog = watchdog
         self._loop: Optional[asyncio.AbstractEventLoop] = None   # runs the async functions
 
     def kwargs(self, rf: RewardFn, inputs: dict, log: CallLog, state: TrainerState, offset: int) -> dict:
@@ -147,14 +143,41 @@ class Calls:
         out: Dict[int, Outcome] = {}
         for i, rf in enumerate(fns):
             if not rf.awaited:
-                out[i] = call_sync(rf, self.kwargs(rf, inputs, log, state, offset), self.timeout)
+                kwargs = self.kwargs(rf, inputs, log, state, offset)
+                with self.watchdog.watching(rf.name, f"reward function {rf.name!r}", HANG_HINT):
+                    out[i] = call_sync(rf, kwargs, self.timeout)
         awaited = [i for i, rf in enumerate(fns) if rf.awaited]
         if awaited:
-            async def together():
-                return await asyncio.gather(*[call_async(fns[i], self.kwargs(fns[i], inputs, log, state, offset),
-                                                         self.timeout) for i in awaited])
-            # One loop for the whole run, as TRL keeps: an async client a function made on its first
-            # call (an HTTP session, a rate limiter) stays bound to a loop that is still open.
-            self._loop = self._loop or asyncio.new_event_loop()
-            out.update(zip(awaited, self._loop.run_until_complete(together())))
+            out.update(zip(awaited, self._awaited([fns[i] for i in awaited],
+                                                  [self.kwargs(fns[i], inputs, log, state, offset) for i in awaited])))
         return [out[i] for i in range(len(fns))]
+
+    def _awaited(self, fns: List[RewardFn], kwargs: List[dict]) -> List[Outcome]:
+        """The async functions' calls side by side on the event loop, waited for at most `timeout`
+        seconds in all: a call still running then is cancelled (at its next await) and timed out."""
+        loop = self._event_loop()
+        start = time.perf_counter()
+        futures = []
+        for rf, kw in zip(fns, kwargs):
+            key = self.watchdog.start(rf.name, f"reward function {rf.name!r}", HANG_HINT)
+            future = asyncio.run_coroutine_threadsafe(_guarded(rf, kw), loop)
+            future.add_done_callback(lambda _, key=key: self.watchdog.stop(key))
+            futures.append(future)
+        done, _ = concurrent.futures.wait(futures, timeout=self.timeout)
+        out = []
+        for future in futures:
+            if future in done:
+                outcome = future.result()
+                out.append(replace(outcome, error=None if outcome.error is None else _failed(outcome.error)))
+            else:
+                future.cancel()
+                out.append(Outcome(seconds=time.perf_counter() - start, timed_out=True))
+        return out
+
+    def _event_loop(self) -> asyncio.AbstractEventLoop:
+        # One loop for the whole run, as TRL keeps: an async client a function made on its first
+        # call (an HTTP session, a rate limiter) stays bound to a loop that is still open.
+        if self._loop is None:
+            self._loop = asyncio.new_event_loop()
+            threading.Thread(target=self._loop.run_forever, name="reward functions' event loop", daemon=True).start()
+        return self._loop

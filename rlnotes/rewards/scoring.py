@@ -32,9 +32,7 @@ Rewards).
 from __future__ import annotations
 
 import math
-import statistics
 import traceback
-from collections import deque
 from typing import Dict, List, Optional, Sequence
 
 import numpy as np
@@ -43,6 +41,7 @@ from rich.markup import escape
 
 from rlnotes.rewards.calling import CallLog, Calls, Outcome, TrainerState
 from rlnotes.rewards.loading import RewardFn, build, first_line
+from rlnotes.rewards.watchdog import Watchdog, say_on_stderr
 
 
 def in_prompt_format(prompt, completion):
@@ -58,9 +57,9 @@ class RewardFailure(RuntimeError):
     any sample of a batch, or timed out on several calls in a row: the run cannot learn."""
 
 
-# Calls of a function whose times make its usual time (the median) for the slow-call warning;
-# a call warns when it takes SLOW_FACTOR times that and at least SLOW_MIN_S seconds.
-SLOW_WINDOW, SLOW_FACTOR, SLOW_MIN_S = 20, 10.0, 1.0
+# A call warns, once it has returned, when it took SLOW_FACTOR times the function's usual time
+# (the median of its recent calls: rlnotes.rewards.watchdog) and at least SLOW_MIN_S seconds.
+SLOW_FACTOR, SLOW_MIN_S = 10.0, 1.0
 # A function that times out on this many calls in a row stops the run.
 TIMEOUTS_IN_A_ROW = 3
 
@@ -135,9 +134,16 @@ class Rewards:
         # The samples-table columns the functions logged with log_extra in the last call.
         self.extra: Dict[str, list] = {}
         self._said: set = set()
-        self._times: Dict[str, deque] = {rf.name: deque(maxlen=SLOW_WINDOW) for rf in self.fns}
         self._timeouts: Dict[str, int] = {rf.name: 0 for rf in self.fns}
-        self._calls = Calls(self.timeout)
+        self.watchdog = Watchdog(self._say)
+        self._calls = Calls(self.timeout, self.watchdog)
+
+    def _say(self, line: str) -> None:
+        """A warning line on the console (stderr without one): the watchdog's, from its thread."""
+        if self.console is None:
+            say_on_stderr(line)
+        else:
+            self.console.print(f"[yellow]{escape(line)}[/]")
 
     def _once(self, key: str, message: str) -> None:
         """Print `message` the first time `key` comes up in this run."""
@@ -171,14 +177,13 @@ class Rewards:
 
     def _watch_time(self, rf: RewardFn, seconds: float) -> None:
         """Warn (once per function) about a call far slower than the function's usual calls."""
-        times = self._times[rf.name]
-        if len(times) >= 3:
-            usual = statistics.median(times)
+        usual = self.watchdog.usual(rf.name)
+        if usual is not None:
             if seconds > SLOW_FACTOR * usual and seconds > SLOW_MIN_S:
                 self._once(f"slow:{rf.name}", f"[yellow]reward function {rf.name!r} took {seconds:.1f} s on this "
                                               f"batch, {seconds / max(usual, 1e-9):.0f}x its usual {usual:.2g} s; "
                                               "reward.timeout_s=SECONDS bounds a call[/]")
-        times.append(seconds)
+        self.watchdog.record(rf.name, seconds)
 
     def _settle(self, rf: RewardFn, outcome: Outcome, inputs: dict, log: CallLog) -> tuple[List[Optional[float]], int]:
         """One number or None per sample, failing samples replaced by the fallback, and their count."""

@@ -1,0 +1,136 @@
+"""Calls of a user's code that may hang (reward functions, environments, tools): run in a worker
+thread when a time-out bounds them, and watched either way, so that a call still running long
+after its usual time is named in one line while it runs.
+
+The watchdog does not stop a call (Python cannot stop a thread, and only the user knows whether a
+slow judge is worth waiting for): it says which call the run is waiting for and how to bound it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+import sys
+import threading
+import time
+from collections import deque
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable, Dict, Iterator, Optional
+
+from rlnotes.engine import distributed
+
+# The usual time of a call is the median of the last HANG_WINDOW calls of the same code (known
+# from its third call on). A call still running after HANG_FACTOR times that, and at least
+# HANG_MIN_S seconds (HANG_MIN_S alone while no usual time is known), is named, once.
+HANG_WINDOW, HANG_FACTOR, HANG_MIN_S = 20, 10.0, 60.0
+
+
+def say_on_stderr(line: str) -> None:
+    """A warning line on stderr, from the main process only (every rank runs the same calls)."""
+    if distributed.is_main():
+        print(f"rlnotes: warning: {line}", file=sys.stderr, flush=True)
+
+
+@dataclass
+class _Running:
+    label: str        # what the line calls it: "reward function 'judge'", "environment Guess.step"
+    hint: str         # how to bound it
+    start: float
+    usual: Optional[float]
+    due: float        # when it is named (time.monotonic())
+
+
+class Watchdog:
+    """Names calls still running long after their usual time (module docstring) through `say`,
+    from a daemon thread that sleeps until the next call is due. `usual` and `record` keep each
+    name's recent times; `watching(name, label, hint)` watches one call."""
+
+    def __init__(self, say: Callable[[str], None] = say_on_stderr):
+        self.say = say
+        self._times: Dict[str, deque] = {}
+        self._running: Dict[int, _Running] = {}
+        self._keys = itertools.count()
+        self._changed = threading.Condition()
+        self._thread: Optional[threading.Thread] = None
+
+    def usual(self, name: str) -> Optional[float]:
+        """The median time of `name`'s recent calls; None before its third."""
+        times = self._times.get(name, ())
+        return statistics.median(times) if len(times) >= 3 else None
+
+    def record(self, name: str, seconds: float) -> None:
+        self._times.setdefault(name, deque(maxlen=HANG_WINDOW)).append(seconds)
+
+    def start(self, name: str, label: str, hint: str) -> int:
+        """Watch a call of `name` from now on; returns the key that `stop` takes."""
+        now, usual = time.monotonic(), self.usual(name)
+        wait = max(HANG_FACTOR * usual, HANG_MIN_S) if usual is not None else HANG_MIN_S
+        key = next(self._keys)
+        with self._changed:
+            self._running[key] = _Running(label, hint, now, usual, now + wait)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._watch, name="rlnotes watchdog", daemon=True)
+                self._thread.start()
+            self._changed.notify()
+        return key
+
+    def stop(self, key: int) -> None:
+        with self._changed:
+            self._running.pop(key, None)
+
+    @contextmanager
+    def watching(self, name: str, label: str, hint: str) -> Iterator[None]:
+        key = self.start(name, label, hint)
+        try:
+            yield
+        finally:
+            self.stop(key)
+
+    def _watch(self) -> None:
+        while True:
+            with self._changed:
+                now = time.monotonic()
+                due = [self._running.pop(k) for k, r in list(self._running.items()) if r.due <= now]
+                if not due:
+                    soonest = min((r.due for r in self._running.values()), default=None)
+                    self._changed.wait(None if soonest is None else soonest - now)
+                    continue
+            for call in due:
+                self.say(message(call, time.monotonic()))
+
+
+def message(call: _Running, now: float) -> str:
+    elapsed = now - call.start
+    usual = f", {elapsed / max(call.usual, 1e-9):.0f}x its usual {call.usual:.2g} s" if call.usual is not None else ""
+    shown = f"{elapsed:.0f}" if elapsed >= 10 else f"{elapsed:.1f}"
+    return f"{call.label} has been running for {shown} s{usual}; the run is waiting for it ({call.hint})"
+
+
+@dataclass
+class Finished:
+    """What a call in a worker thread gave: its result or the exception it raised, or done=False
+    when it was still running at the time-out."""
+    result: object = None
+    error: Optional[BaseException] = None
+    done: bool = True
+
+
+def in_thread(fn: Callable[[], object], timeout: Optional[float], name: str) -> Finished:
+    """fn() in a daemon thread, waited for at most `timeout` seconds (None: until it returns). A
+    call past the time-out is left running in the background until it returns (its result is
+    dropped). Whatever fn raises, KeyboardInterrupt and SystemExit included, comes back as `error`."""
+    box: Dict[str, object] = {}
+
+    def work() -> None:
+        try:
+            box["result"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+            box["error"] = e
+
+    worker = threading.Thread(target=work, name=name, daemon=True)
+    worker.start()
+    worker.join(timeout)
+    if worker.is_alive():
+        return Finished(done=False)
+    return Finished(box.get("result"), box.get("error"))
