@@ -21,12 +21,12 @@ from the working directory as `python -m` would) or file ('path/to/rewards.py:fn
 The reward of a sample is the weighted sum sum_k w_k r_k over the functions k that gave it a
 number. None means "no opinion" and leaves that function out of the sum; a sample on which every
 function says None gets 0, the empty sum (a warning names the first such row, once: it usually
-means a column is missing). A function that raises (SystemExit included), or gives NaN, inf or a
-non-number, does not stop the run: a batched call that raises is retried sample by sample, every
-failing sample gets `reward.fallback` and is counted in reward/failures, and the first traceback
-is shown once. A function that fails on every sample it scores in a batch, or returns other than
+means a column is missing). A function that raises (any BaseException but KeyboardInterrupt), or
+gives NaN, inf or a non-number, does not stop the run: a batched call that raises is retried
+sample by sample, every failing sample gets `reward.fallback` and is counted in reward/failures,
+and the first traceback is shown once. A function that fails on every sample it scores in a batch, or returns other than
 one value per completion, stops the run (RewardFailure). `reward.timeout_s` bounds a call (see
-Rewards).
+Rewards); a call still running long after its usual time is named while it runs (its watchdog).
 """
 
 from __future__ import annotations
@@ -114,14 +114,14 @@ class Rewards:
     log_extra=, log_metric=, then its configured args (a function without **kwargs gets only
     the names it takes). Each call gets its own deep copies of these inputs, so a function that
     edits them changes nothing another function or the samples table sees. Sync functions run one
-    after another, then the async ones are awaited together (asyncio.gather) on one event loop
-    kept for the run, in the calling thread (rlnotes.rewards.calling).
+    after another, then the async ones are awaited side by side on one event loop kept for the
+    run in its own thread (rlnotes.rewards.calling).
 
     `reward.timeout_s` bounds each call. A sync function then runs in a worker thread that is
     abandoned at the time-out: Python cannot stop a thread, so it runs on in the background until
     it returns (its result dropped), and may overlap with the next call of the same function. An
-    async function is cancelled at its next await; one that blocks without awaiting holds up the
-    others until it returns. A call past the time-out gives every one of its samples the fallback
+    async function is cancelled at its next await; one that blocks without awaiting is timed out
+    too, but holds up the loop (and the async calls after it) until it returns. A call past the time-out gives every one of its samples the fallback
     and is not retried; TIMEOUTS_IN_A_ROW such calls in a row stop the run.
     """
 
