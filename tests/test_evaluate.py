@@ -182,3 +182,29 @@ def test_eval_command_on_a_file_smaller_than_a_training_batch(tmp_path, capsys):
     assert main(["eval", f"data.path={path}", f"data.eval_path={path}", "reward=letters",
                  f"eval.out={out}"]) == 0, capsys.readouterr().err
     assert len((out / "samples.jsonl").read_text().splitlines()) == 5
+
+
+def test_a_run_writes_rows_whose_columns_json_cannot_hold_and_keeps_its_own_sample_fields(tmp_path):
+    """A parquet file's timestamps (in a column and inside a prompt's messages) are written as their text
+    in every file of rows (the eval samples, samples.jsonl), not a TypeError at the first evaluation; a
+    column named like a sample's own field (an SFT row's reference completion, a `correct` column) is
+    kept as row.<name> and never stands for the sampled completion or its score."""
+    import pandas as pd
+
+    when = pd.Timestamp("2024-01-02 03:04:05")
+    rows = [{"prompt": [{"role": "user", "content": f"Write the letter a: {i}", "sent": when}], "letter": "a",
+             "when": when, "completion": "REFERENCE", "correct": "no"} for i in range(12)]
+    path = tmp_path / "rows.parquet"
+    pd.DataFrame(rows).to_parquet(path)
+    cfg = compose("logging.progress=false", "trainer.steps=1", "trainer.eval_every=1", f"data.path={path}",
+                  "reward=letters", "data.eval_size=4", "logging.samples_every=1")
+    train(cfg, tmp_path / "run", Console(quiet=True))
+    samples = [json.loads(line) for line in (tmp_path / "run" / "eval" / "step_000001.jsonl").read_text().splitlines()]
+    assert len(samples) == 4
+    for s in samples:
+        assert s["when"] == "2024-01-02 03:04:05" and s["prompt"][0]["sent"] == "2024-01-02 03:04:05"
+        assert s["row.completion"] == "REFERENCE" and s["completion"] != "REFERENCE"
+        assert s["row.correct"] == "no" and s["correct"] is (s["reward"] >= 1.0)
+    accuracy = json.loads((tmp_path / "run" / "eval.jsonl").read_text().splitlines()[-1])["eval/accuracy"]
+    assert accuracy == sum(s["correct"] for s in samples) / 4
+    assert (tmp_path / "run" / "samples.jsonl").read_text()

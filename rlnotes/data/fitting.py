@@ -63,7 +63,7 @@ def default_held_out(n: int) -> int:
 
 
 def _key(prompt: Prompt) -> str:
-    return prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True)
+    return prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True, default=str)  # a date in a message
 
 
 class PromptLengths:

@@ -99,9 +99,7 @@ def evaluate(policy, cfg, rows: List[dict], scorer, step: int = 0) -> Evaluation
             lengths += rollout.completion_mask.sum(-1).tolist()
             truncated += rollout.truncated.tolist()
             for i, (text, reward) in enumerate(zip(rollout.texts, rewards.tolist())):
-                row = batch[i // n]
-                samples.append({"prompt": row["prompt"], "completion": text, "reward": reward,
-                                "correct": reward >= 1.0, **{k: v for k, v in row.items() if k != "prompt"}})
+                samples.append(_sample(batch[i // n], text, reward))
     if was_training:
         policy.train()
     correct = [s["correct"] for s in samples]
@@ -114,6 +112,17 @@ def evaluate(policy, cfg, rows: List[dict], scorer, step: int = 0) -> Evaluation
         for k in sorted({1, n}):
             metrics[f"eval/pass@{k}"] = sum(pass_at_k(n, c, k) for c in per_prompt) / len(per_prompt)
     return Evaluation(metrics, samples)
+
+
+def _sample(row: dict, completion: str, reward: float) -> dict:
+    """One sample of an evaluation: its prompt, completion, reward and correctness, then the row's other
+    columns; a column named like one of the sample's own fields (an SFT row's reference `completion`)
+    is kept as row.<name>, so it never stands for the sampled completion or its score."""
+    sample = {"prompt": row["prompt"], "completion": completion, "reward": reward, "correct": reward >= 1.0}
+    for column, value in row.items():
+        if column != "prompt":
+            sample[f"row.{column}" if column in sample else column] = value
+    return sample
 
 
 def _sample_and_score(model, tokenizer, cfg, agents, batch: List[dict], n: int, max_new: int, generator,
@@ -141,4 +150,4 @@ def write(evaluation: Evaluation, out_dir: Path, step: int, samples_name: Option
     samples.parent.mkdir(parents=True, exist_ok=True)
     with samples.open("w") as f:
         for s in evaluation.samples:
-            f.write(json.dumps(s) + "\n")
+            f.write(json.dumps(s, default=str) + "\n")  # a column JSON cannot hold (a date) as its text
