@@ -27,7 +27,7 @@ finish() {
 }
 trap finish EXIT
 
-step() { printf '\n==> %s\n' "$*"; }
+step() { printf '\n==> %s (at %s s)\n' "$*" "$SECONDS"; }
 run() { echo "+ $*" >&2; "$@"; }
 fail() { echo "wheel-check: $*" >&2; exit 1; }
 
