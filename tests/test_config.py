@@ -43,6 +43,9 @@ def one_line(overrides):
     (["rollout.temperature=0"], "rollout.temperature=0 must be greater than 0"),
     (["algo=ppo", "algo.lam=1.5"], "algo.lam=1.5 must be in [0, 1] (GAE's lambda)"),
     (["reward.fallback=nan"], "reward.fallback=nan is not a finite number"),
+    (["seed=1180591620717411303424"], "seed=1180591620717411303424 must be in [-9223372036854775808, "
+                                      "18446744073709551616) (seed of sampling"),  # torch.manual_seed's range
+    (["model.tiny.init_seed=-9223372036854775809"], "model.tiny.init_seed=-9223372036854775809 must be in ["),
 ])
 def test_a_bad_value_fails_in_one_line_naming_key_value_and_range(overrides, expected):
     assert expected in one_line(overrides)

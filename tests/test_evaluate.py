@@ -208,3 +208,15 @@ def test_a_run_writes_rows_whose_columns_json_cannot_hold_and_keeps_its_own_samp
     accuracy = json.loads((tmp_path / "run" / "eval.jsonl").read_text().splitlines()[-1])["eval/accuracy"]
     assert accuracy == sum(s["correct"] for s in samples) / 4
     assert (tmp_path / "run" / "samples.jsonl").read_text()
+
+
+def test_sampled_eval_takes_any_seed_torch_takes(starts_with_a):
+    """The eval generator's seed (seed, step) stays within torch's range for the largest and smallest seeds."""
+    from rlnotes.training.evaluation import checker_config
+
+    for seed in (2 ** 64 - 1, -2 ** 63):
+        cfg = compose("eval.reward=evalcheck.always", "eval.greedy=false", "eval.samples_per_prompt=2", f"seed={seed}")
+        model, tokenizer = load_base(cfg.model)
+        result = evaluate(Policy(model, tokenizer, reference=model), cfg, [{"prompt": "Write the letter a:"}],
+                          Rewards(checker_config(cfg)), step=7)
+        assert len(result.samples) == 2

@@ -43,9 +43,10 @@ def check_choice(key: str, value: Any, choices) -> None:
 # loads. ">= a" and "> a" bound one side; "[a, b)" and the like both; every bound is finite, and
 # so must the value be. null (where a setting allows it) is never checked. What a setting means is
 # its schema comment's (rlnotes.core.comments), quoted by the error. The algo section's ranges are
-# each algorithm's own (its declaration's `ranges`). Settings without a range here: the seeds (any
-# integer), the reward section (rlnotes.rewards.scoring checks it), and CHECKED_ELSEWHERE, whose
-# checks need other settings too.
+# each algorithm's own (its declaration's `ranges`). The seeds torch takes have torch's range
+# (data.seed seeds Python's random alone: any integer). Settings without a range here: the reward
+# section (rlnotes.rewards.scoring checks it), and CHECKED_ELSEWHERE, whose checks need other
+# settings too.
 RANGES: Dict[str, str] = {
     "trainer.steps": ">= 1", "trainer.batch_size": ">= 1", "trainer.micro_batch_size": ">= 1",
     "trainer.micro_batch_tokens": ">= 1", "trainer.micro_batch_memory": "> 0", "trainer.log_every": ">= 1",
@@ -65,6 +66,8 @@ RANGES: Dict[str, str] = {
     "model.lora.r": ">= 1", "model.lora.alpha": "> 0", "model.lora.dropout": "[0, 1)",
     "model.tiny.hidden_size": ">= 1", "model.tiny.num_layers": ">= 1", "model.tiny.num_heads": ">= 1",
     "model.tiny.intermediate_size": ">= 1", "model.tiny.init_std": "> 0",
+    "seed": "[-9223372036854775808, 18446744073709551616)", "model.tiny.init_seed": "[-9223372036854775808, "
+    "18446744073709551616)",  # torch.manual_seed's: -2^63 to 2^64 - 1
 }
 # hardware.threads, a number or a word, has its own check (check_threads).
 # Numeric settings whose valid values depend on other settings: checked beside those.

@@ -85,7 +85,9 @@ def evaluate(policy, cfg, rows: List[dict], scorer, step: int = 0) -> Evaluation
     rows = rows[:e.size] if e.size else rows
     n = 1 if e.greedy else e.samples_per_prompt
     max_new = e.max_new_tokens or cfg.rollout.max_new_tokens
-    generator = torch.Generator(next(policy.model.parameters()).device).manual_seed(cfg.seed * 1_000_003 + step)
+    # Modulo torch's seed range (2^64; a negative seed is taken modulo 2^64 by torch too): any valid seed.
+    seed = (cfg.seed * 1_000_003 + step) % 2 ** 64
+    generator = torch.Generator(next(policy.model.parameters()).device).manual_seed(seed)
     was_training = policy.model.training
     policy.eval()
     samples: List[dict] = []
