@@ -364,3 +364,46 @@ def test_grouped_attention_on_cpu_gives_the_same_log_probs_and_gradients(monkeyp
     torch.testing.assert_close(ours[0], copied[0], rtol=1e-6, atol=1e-6)
     for a, b in zip(ours[1], copied[1]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)  # key/value gradients add over heads in another order
+
+
+def lora_config(**settings):
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.structured(ModelConfig())
+    for key, value in settings.items():
+        OmegaConf.update(cfg, key, value)
+    return cfg
+
+
+def test_a_lora_rank_past_every_adapted_layer_is_one_line_before_the_adapter_is_made():
+    """r = 100000 on a 64-wide model made 102M adapter weights (about 14 billion on SmolLM2, enough to
+    exhaust memory); no layer can take an update of rank above min(inputs, outputs)."""
+    from rlnotes.engine.policy import Policy
+
+    with pytest.raises(ConfigError) as err:
+        Policy.from_config(lora_config(**{"lora.r": 100000}), torch.device("cpu"))
+    assert str(err.value) == (
+        "model.lora.r=100000 is past the width of every layer it adapts: the widest, model.layers.0.self_attn.q_proj "
+        "(64 -> 64), takes an update of rank 64 at most; use model.lora.r=64 or less, or model.lora=null to train "
+        "every weight")
+    policy = Policy.from_config(lora_config(**{"lora.r": 64, "lora.target_modules": ["all-linear"]}), torch.device("cpu"))
+    assert policy.uses_lora
+
+
+def test_lora_target_modules_that_name_no_layer_list_the_models_layers():
+    from rlnotes.engine.policy import Policy
+
+    with pytest.raises(ConfigError) as err:
+        Policy.from_config(lora_config(**{"lora.target_modules": ["qproj"]}), torch.device("cpu"))
+    assert str(err.value) == ("model.lora.target_modules=['qproj'] names no linear layer of the model; its layers: "
+                              "down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj (or all-linear)")
+
+
+def test_adapted_layers_match_as_peft_matches_and_read_gpt2_conv1d_shapes():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from rlnotes.engine.models import adapted_layers
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=50, n_positions=16))
+    assert adapted_layers(gpt2, ["c_attn"]) == {"transformer.h.0.attn.c_attn": (32, 96)}
+    assert "lm_head" not in adapted_layers(gpt2, ["all-linear"]) and len(adapted_layers(gpt2, ["all-linear"])) == 4

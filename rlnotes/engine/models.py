@@ -14,7 +14,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from transformers import (
@@ -24,6 +24,7 @@ from transformers import (
     LlamaForCausalLM,
     PreTrainedTokenizerFast,
 )
+from transformers.pytorch_utils import Conv1D
 
 from rlnotes.core.errors import ConfigError
 from rlnotes.engine.model_files import SMOLLM2, TINY, check_model_source
@@ -186,6 +187,45 @@ def grouped_attention_on_cpu() -> None:
 
     use_gqa.on_cpu = True
     sdpa_attention.use_gqa_in_sdpa = use_gqa
+
+
+def linear_shape(module: torch.nn.Module) -> Optional[Tuple[int, int]]:
+    """(inputs, outputs) of a linear layer (GPT-2's Conv1D holds its weight as [inputs, outputs]), else None."""
+    if isinstance(module, torch.nn.Linear):
+        return module.in_features, module.out_features
+    if isinstance(module, Conv1D):
+        return module.weight.shape[0], module.weight.shape[1]
+    return None
+
+
+def adapted_layers(model: torch.nn.Module, targets: List[str]) -> Dict[str, Tuple[int, int]]:
+    """{name: (inputs, outputs)} of the linear layers LoRA's `targets` adapt, matched as peft
+    matches a list of names (the layer's name or its last parts); ["all-linear"]: every linear
+    layer but the output head."""
+    head = model.get_output_embeddings()
+    layers = {name: (module, linear_shape(module)) for name, module in model.named_modules()}
+    if targets == ["all-linear"]:
+        return {name: shape for name, (module, shape) in layers.items() if shape and module is not head}
+    return {name: shape for name, (module, shape) in layers.items()
+            if shape and any(name == t or name.endswith("." + t) for t in targets)}
+
+
+def check_lora(model: torch.nn.Module, lora) -> None:
+    """model.lora against the layers it adapts, before the adapter is made: target_modules names
+    some layer, and r is not past the widest of them (an update B A of an inputs x outputs layer
+    has rank min(inputs, outputs) at most; a larger r only adds weights, r x (inputs + outputs) a
+    layer, enough to exhaust memory for a far larger one)."""
+    targets = list(lora.target_modules)
+    layers = adapted_layers(model, targets)
+    if not layers:
+        names = sorted({name.rpartition(".")[2] for name, m in model.named_modules() if linear_shape(m)})
+        raise ConfigError(f"model.lora.target_modules={targets} names no linear layer of the model; its layers: "
+                          f"{', '.join(names)} (or all-linear)")
+    widest, (inputs, outputs) = max(layers.items(), key=lambda item: min(item[1]))
+    if lora.r > min(inputs, outputs):
+        raise ConfigError(f"model.lora.r={lora.r} is past the width of every layer it adapts: the widest, {widest} "
+                          f"({inputs} -> {outputs}), takes an update of rank {min(inputs, outputs)} at most; use "
+                          f"model.lora.r={min(inputs, outputs)} or less, or model.lora=null to train every weight")
 
 
 def load_base(cfg, dtype: torch.dtype = torch.float32) -> Tuple[torch.nn.Module, PreTrainedTokenizerFast]:

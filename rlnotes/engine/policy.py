@@ -24,7 +24,7 @@ from rlnotes.engine.fsdp import is_sharded
 from rlnotes.engine.head import head_logprobs
 from rlnotes.engine.kvcache import plain_layers
 from rlnotes.engine.merged import lora_slots, merged_adapters
-from rlnotes.engine.models import load_base, usual_modes
+from rlnotes.engine.models import check_lora, load_base, usual_modes
 from rlnotes.engine.packed import packed_linears
 from rlnotes.engine.padding import forward_real
 
@@ -200,6 +200,7 @@ class Policy:
             return cls(base, tokenizer, reference)
         from peft import LoraConfig, get_peft_model
 
+        check_lora(base, cfg.lora)
         targets = list(cfg.lora.target_modules)
         lora = LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
                           target_modules=targets[0] if targets == ["all-linear"] else targets,
