@@ -220,3 +220,22 @@ def test_sampled_eval_takes_any_seed_torch_takes(starts_with_a):
         result = evaluate(Policy(model, tokenizer, reference=model), cfg, [{"prompt": "Write the letter a:"}],
                           Rewards(checker_config(cfg)), step=7)
         assert len(result.samples) == 2
+
+
+def test_eval_command_names_the_policies_of_a_run_dir_given_as_the_policy(tmp_path, capsys):
+    """eval.policy=RUN_DIR (not RUN_DIR/final) was blamed on model.name_or_path ("not a whole model ...
+    copy the model again")."""
+    run_dir = tmp_path / "run"
+    assert main(["train", "trainer.steps=2", "trainer.save_every=1", "logging.progress=false",
+                 f"hydra.run.dir={run_dir}"]) == 0
+    capsys.readouterr()
+    for given in (run_dir, run_dir / "checkpoints"):
+        assert main(["eval", f"eval.policy={given}", f"eval.out={tmp_path / 'ev'}"]) == 1
+        err = capsys.readouterr().err.strip()
+        assert err == (f"rlnotes: error: eval.policy={given} is a run's {'checkpoints ' * (given != run_dir)}dir, not "
+                       f"a policy it saved; give {run_dir / 'final'} (or {run_dir / 'checkpoints' / 'step_000002'})")
+    assert main(["eval", f"eval.policy={tmp_path}", f"eval.out={tmp_path / 'ev'}"]) == 1
+    assert capsys.readouterr().err.strip() == (
+        f"rlnotes: error: eval.policy={tmp_path} holds neither a LoRA adapter (adapter_config.json) nor a whole model "
+        "(config.json); give a run's final/ dir (RUN_DIR/final) or a checkpoint (RUN_DIR/checkpoints/step_N)")
+    assert not (tmp_path / "ev").exists()

@@ -85,6 +85,23 @@ def custom_code(path: Path) -> List[str]:
     return found
 
 
+def check_policy_dir(path: Path, key: str = "eval.policy") -> None:
+    """A saved policy: a LoRA adapter dir (adapter_config.json) or a whole model dir (config.json).
+    A run dir, or its checkpoints/ dir, is named as such with the policies it holds."""
+    if (path / "adapter_config.json").is_file() or (path / "config.json").is_file():
+        return
+    run = path.parent if path.name == "checkpoints" else path
+    saved = [p for p in (run / "final", run / "interrupted") if p.is_dir()]
+    saved += sorted((run / "checkpoints").glob("step_*"), reverse=True)[:1]  # the newest checkpoint
+    if saved:
+        raise ConfigError(f"{key}={path} is a run's {'checkpoints ' * (run != path)}dir, not a policy it saved; "
+                          f"give {saved[0]}"
+                          + "".join(f" (or {p})" for p in saved[1:2]))
+    raise ConfigError(f"{key}={path} holds neither a LoRA adapter (adapter_config.json) nor a whole model "
+                      "(config.json); give a run's final/ dir (RUN_DIR/final) or a checkpoint "
+                      "(RUN_DIR/checkpoints/step_N)")
+
+
 def check_model_source(name: str) -> None:
     """model.name_or_path: a built-in name, a hub id (org/name), or a local dir that holds a whole
     model. Raise ConfigError with one line naming the dir and what is missing or damaged."""

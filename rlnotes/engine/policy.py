@@ -24,6 +24,7 @@ from rlnotes.engine.fsdp import is_sharded
 from rlnotes.engine.head import head_logprobs
 from rlnotes.engine.kvcache import plain_layers
 from rlnotes.engine.merged import lora_slots, merged_adapters
+from rlnotes.engine.model_files import check_policy_dir
 from rlnotes.engine.models import check_lora, load_base, usual_modes
 from rlnotes.engine.packed import packed_linears
 from rlnotes.engine.padding import forward_real
@@ -212,6 +213,7 @@ class Policy:
         """A saved policy (for evaluation): a LoRA adapter dir on top of `cfg`'s base model, or a full
         model dir (a run with model.lora=null). The reference is not loaded."""
         path = Path(path)
+        check_policy_dir(path)
         if (path / "adapter_config.json").is_file():
             from peft import PeftModel
 
