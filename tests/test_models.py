@@ -447,3 +447,20 @@ def test_a_model_dir_naming_code_for_a_built_in_architecture_loads_the_built_in_
     path = with_custom_code(saved_tiny, tmp_path, model_type="llama")
     model, _ = load_base(ModelConfig(name_or_path=str(path)))
     assert type(model).__name__ == "LlamaForCausalLM" and not (tmp_path / "RAN").exists()
+
+
+def test_a_model_file_is_named_as_a_file_and_a_home_dir_path_loads(saved_tiny, tmp_path, monkeypatch):
+    """A file (models/model.safetensors has one slash, so it passed for a hub id and failed as 'no network
+    here?'); a path under ~ was neither a dir nor a hub id."""
+    import shutil
+
+    shutil.copytree(saved_tiny, tmp_path / "models")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError) as err:
+        load_base(ModelConfig(name_or_path="models/model.safetensors"))
+    assert str(err.value) == ("model.name_or_path=models/model.safetensors is a file; give the dir that holds the "
+                              "model: config.json, the weights and the tokenizer, as save_pretrained writes them "
+                              "(models holds config.json)")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    model, _ = load_base(ModelConfig(name_or_path="~/models"))
+    assert sum(p.numel() for p in model.parameters()) > 0

@@ -107,7 +107,11 @@ def check_model_source(name: str) -> None:
     model. Raise ConfigError with one line naming the dir and what is missing or damaged."""
     if name in (TINY, SMOLLM2):
         return
-    path = Path(name)
+    path = Path(name).expanduser()
+    if path.exists() and not path.is_dir():
+        holder = f" ({path.parent} holds config.json)" if (path.parent / "config.json").is_file() else ""
+        raise ConfigError(f"model.name_or_path={name} is a file; give the dir that holds the model: config.json, the "
+                          f"weights and the tokenizer, as save_pretrained writes them{holder}")
     if not path.is_dir():
         if name.startswith((".", "/", "~")) or name.count("/") != 1:
             raise ConfigError(f"model.name_or_path={name!r} is neither a local model dir nor a hub id (org/name); "

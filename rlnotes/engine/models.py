@@ -237,7 +237,7 @@ def load_base(cfg, dtype: torch.dtype = torch.float32) -> Tuple[torch.nn.Module,
         tokenizer = tiny_tokenizer()
         return tiny_model(cfg.tiny, len(tokenizer)), tokenizer
     check_model_source(name)
-    path = smollm2_dir() if name == SMOLLM2 else name
+    path = smollm2_dir() if name == SMOLLM2 else os.path.expanduser(name)  # a hub id never starts with ~
     local = Path(path).is_dir()
     try:  # never a model's own code: trust_remote_code=False also keeps transformers from asking on a terminal
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=local or None, trust_remote_code=False)
