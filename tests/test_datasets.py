@@ -127,6 +127,22 @@ def test_a_local_dataset_folder_loads_as_a_hub_dataset_with_its_eval_split(tmp_p
     assert message.startswith("data.split=validation") and "validation" in message
 
 
+def test_a_hub_name_that_is_a_local_path_is_read_or_named_before_the_hub_is_asked(tmp_path, monkeypatch):
+    """A file, or a path to no folder, was looked for on the hub and blamed on the network; ~ was not
+    expanded (the hub refused '~/...' as a repo id)."""
+    folder = tmp_path / "set"
+    folder.mkdir()
+    file = write(folder / "train.jsonl", ROWS)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert len(read(data_cfg(source="hub", name="~/set", **RENAME)).train.rows) == 10
+    assert error(load_task, data_cfg(source="hub", name=file)) == (
+        f"data.name={file} is a file, and data=hub reads a hub dataset or a dataset folder; read the file with "
+        f"data=file data.path={file}")
+    for name in (str(tmp_path / "nope"), "./nope", "~/nope", "a/b/c"):
+        assert error(load_task, data_cfg(source="hub", name=name)) == \
+            f"data.name={name}: no such folder, and not a hub id (name or org/name)"
+
+
 def test_a_hub_name_without_network_fails_at_once_and_says_how_to_use_a_file(tmp_path, monkeypatch):
     import datasets.config
     from huggingface_hub import constants

@@ -30,11 +30,13 @@ commands:
            rlnotes plot RUN_DIR [RUN_DIR...] | SWEEP_DIR [--out DIR] [--sort METRIC] [--smooth 0.9]
   export   merge a LoRA adapter into its base and save a Hugging Face model dir:
            rlnotes export RUN_DIR/final OUT_DIR [--dtype bfloat16]
+  config   every setting a run would get, with its value, range and meaning (docs/config.md):
+           rlnotes config [OVERRIDES...] [KEY...]   e.g. rlnotes config algo=ppo algo
 """
 
 # Each command and the module whose main(argv) runs it (loaded when the command runs, see above).
 COMMANDS = {"train": "rlnotes.commands.train", "eval": "rlnotes.commands.eval", "plot": "rlnotes.commands.plot",
-            "export": "rlnotes.commands.export"}
+            "export": "rlnotes.commands.export", "config": "rlnotes.commands.config"}
 
 
 def _environment() -> None:

@@ -69,21 +69,21 @@ RANGES: Dict[str, str] = {
     "seed": "[-9223372036854775808, 18446744073709551616)", "model.tiny.init_seed": "[-9223372036854775808, "
     "18446744073709551616)",  # torch.manual_seed's: -2^63 to 2^64 - 1
 }
-# hardware.threads, a number or a word, has its own check (check_threads).
+# hardware.threads, a number or a word, has its own check (check_threads): these values.
+THREADS = "auto, null or an integer of at least 1"
 # Numeric settings whose valid values depend on other settings: checked beside those.
 CHECKED_ELSEWHERE = ("trainer.save_every", "trainer.keep_last", "algo.max_resample_rounds", "data.max_prompt_len",
                      "data.eval_size")
 
 
 def check_threads(value) -> None:
-    """hardware.threads: auto, null or an integer of at least 1, else one line saying so."""
+    """hardware.threads: one of THREADS, else one line saying so."""
     if value is None or value == "auto" or (type(value) is int and value >= 1):
         return
     meaning = meaning_of("hardware.threads")
     if type(value) is int:
         raise ConfigError(f"hardware.threads={value} must be at least 1 ({meaning})")
-    raise ConfigError(f"hardware.threads={value!r} is not valid; give auto, null or an integer of at least 1 "
-                      f"({meaning})")
+    raise ConfigError(f"hardware.threads={value!r} is not valid; give {THREADS} ({meaning})")
 
 
 def _in_range(value: float, spec: str) -> bool:

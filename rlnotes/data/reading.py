@@ -189,7 +189,8 @@ def _document_rows(file: Path, doc) -> List[Row]:
         lengths = {column: len(v) for column, v in doc.items()}
         if len(set(lengths.values())) > 1:
             shown = ", ".join(f"{column}: {n}" for column, n in lengths.items())
-            raise ConfigError(f"{file} holds columns of different lengths ({shown}); give each column one value per row")
+            raise ConfigError(f"{file} holds columns of different lengths ({shown}); give each column one value "
+                              "per row")
         return [dict(zip(doc, cells)) for cells in zip(*values)]
     if all(k.isdigit() for k in doc) and all(isinstance(v, dict) for v in values):  # pandas' orient="index"
         return values
@@ -264,11 +265,12 @@ def offline() -> Iterator[None]:
 def read_hub(name: str, split: str, subset: Optional[str] = None, key: str = "data.split") -> List[Row]:
     """The rows of split `split` of hub dataset `name` (or of a local dataset folder); without
     network only the local cache is read, and a dataset not in it fails at once."""
+    source = _hub_source(name)
     datasets = _datasets()
-    online = Path(name).expanduser().is_dir() or hub_reachable()
+    online = Path(source).is_dir() or hub_reachable()
     try:
         with nullcontext() if online else offline(), _quiet():
-            return datasets.load_dataset(name, subset, split=split).to_list()
+            return datasets.load_dataset(source, subset, split=split).to_list()
     except ValueError as e:  # an unknown split or subset
         raise ConfigError(f"{key}={split} (data.name={name}, data.subset={subset}): {_first_line(e)}") from None
     except Exception as e:  # noqa: BLE001 - not found, no network, bad files: one line each
@@ -280,6 +282,21 @@ def read_hub(name: str, split: str, subset: Optional[str] = None, key: str = "da
                 f"cache; download it where there is network (datasets.load_dataset({args})"
                 f".to_json('{stem}.jsonl')), then use data=file data.path={stem}.jsonl") from None
         raise ConfigError(f"data.name={name}: could not load it from the hub: {_first_line(e)}") from None
+
+
+def _hub_source(name: str) -> str:
+    """data.name as the `datasets` library takes it: a local dataset folder (~ expanded) or a hub id
+    (name or org/name); a file, or a path to no folder, is one line (the library would look for it
+    on the hub and blame the network)."""
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return str(path)
+    if path.exists():
+        raise ConfigError(f"data.name={name} is a file, and data=hub reads a hub dataset or a dataset folder; read "
+                          f"the file with data=file data.path={name}")
+    if name.startswith((".", "/", "~")) or name.count("/") > 1:
+        raise ConfigError(f"data.name={name}: no such folder, and not a hub id (name or org/name)")
+    return name
 
 
 def _first_line(e: BaseException) -> str:
