@@ -500,6 +500,14 @@ def test_a_jsonl_file_holding_one_json_array_is_read(tmp_path):
     assert rows_of(path) == ROWS
 
 
+def test_a_jsonl_string_may_hold_unicode_line_separators_and_lines_may_end_in_crlf(tmp_path):
+    """json.dumps(..., ensure_ascii=False) writes U+2028 as it is; it ends no JSON Lines line."""
+    path = tmp_path / "t.jsonl"
+    rows = [{"prompt": "a\u2028b\u0085c"}, {"prompt": "d"}]
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\r\n" for r in rows), newline="")
+    assert rows_of(path) == rows
+
+
 @pytest.mark.parametrize("text, where", [
     ("prompt,answer\na,1\nb,2,3\n", "line 3: 3 cells, but the header names 2 columns (prompt, answer)"),
     ('prompt,answer\na,1\n"b,2\n', "line 3: not valid CSV (unexpected end of data)"),

@@ -151,7 +151,7 @@ def _json_rows(file: Path, text: str) -> List[Row]:
 def _json_lines(file: Path, text: str) -> tuple[List[Row], Optional[str]]:
     """(rows, None) of JSON Lines text, or ([], the first bad line's one-line error)."""
     rows = []
-    for number, line in enumerate(text.splitlines(), 1):
+    for number, line in enumerate(text.split("\n"), 1):  # not splitlines(): a JSON string may hold U+2028
         if not line.strip():
             continue
         try:
