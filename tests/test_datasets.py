@@ -522,6 +522,19 @@ def test_a_bad_csv_line_is_named_by_file_and_line(tmp_path, text, where):
     assert error(read, file_cfg(str(path))).startswith(f"{path} {where}")
 
 
+def test_a_parquet_file_of_no_rows_or_not_parquet_says_so(tmp_path):
+    """The library's own line for both was "An error occurred while generating the dataset"."""
+    import pandas as pd
+
+    empty = tmp_path / "empty.parquet"
+    pd.DataFrame({"prompt": pd.Series([], dtype=str)}).to_parquet(empty)
+    assert error(read, file_cfg(str(empty))) == f"{empty} has no rows"
+    bad = tmp_path / "bad.parquet"
+    bad.write_bytes(b"PAR1 not really")
+    assert error(read, file_cfg(str(bad))).startswith(
+        f"data.path={bad} could not be read as parquet: Parquet magic bytes not found")
+
+
 def test_a_csv_quoted_cell_keeps_its_line_breaks_and_pandas_index_gets_its_name(tmp_path):
     path = tmp_path / "t.csv"
     path.write_text(',prompt,answer\n0,"two\nlines",1\n\n1,b,2\n')

@@ -64,12 +64,18 @@ def read_file(path: str, key: str = "data.path") -> List[Row]:
 
 
 def _parquet_rows(file: Path, path: str, key: str) -> List[Row]:
+    import pyarrow.parquet
+
     datasets = _datasets()
     try:
-        with _quiet():
-            return datasets.load_dataset("parquet", data_files=str(file), split="train").to_list()
+        if pyarrow.parquet.ParquetFile(file).metadata.num_rows:  # the library fails on no rows, saying nothing
+            with _quiet():
+                return datasets.load_dataset("parquet", data_files=str(file), split="train").to_list()
     except Exception as e:  # noqa: BLE001 - any parse error of the library becomes one line
+        while e.__cause__ is not None or e.__context__ is not None:  # its "error while generating" hides why
+            e = e.__cause__ or e.__context__
         raise ConfigError(f"{key}={path} could not be read as parquet: {_first_line(e)}") from None
+    raise ConfigError(f"{path} has no rows")
 
 
 def _text(file: Path) -> str:
