@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import textwrap
 import time
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
+import torch
 
 from rlnotes.agents.builtin import ENVIRONMENTS, TOOLS, LettersEnv, calculator
 from rlnotes.agents.environments import EnvironmentFailure, Episode, load_environment
@@ -599,3 +602,249 @@ def test_an_environment_that_cannot_be_created_any_more():
 def test_an_episode_checks_its_tool_format():
     with pytest.raises(ConfigError, match="rollout.tool_format='xml'"):
         Episode([calculator], None, max_tool_calls=1, tool_format="xml")
+
+
+# --------------------------------------------------------------------------------------------- copies, bounds, failures
+
+
+class Remembers:
+    """The usual TRL-style reset: keep the row's prompt as the conversation and add to it."""
+
+    def reset(self, prompt, **row):
+        self.messages = prompt
+        self.messages.append({"role": "user", "content": "Begin."})
+        return None
+
+    def step(self, action):
+        return None, float(len(self.messages)), True
+
+
+def test_an_environment_gets_its_own_copies_of_the_rows_values():
+    """It used to get the row's own list: each episode of the row grew its prompt (1 -> 2 -> 3
+    messages) and the reward climbed with it."""
+    row = {"prompt": [{"role": "user", "content": "Hi"}], "answer": ["a"]}
+    for _ in range(3):
+        episode = Episode([], Remembers, max_tool_calls=0)
+        episode.start(row)
+        episode.step("x")
+        assert episode.reward() == 2.0
+    assert row == {"prompt": [{"role": "user", "content": "Hi"}], "answer": ["a"]}
+
+
+class History:
+    """Returns its own message list and keeps editing it afterwards."""
+
+    def reset(self, **row):
+        self.history = [{"role": "user", "content": "start"}]
+        return self.history
+
+    def step(self, action):
+        self.history[0]["content"] = "edited"
+        self.history.append({"role": "user", "content": f"you said {action}"})
+        return self.history[-1], 0.0, False
+
+
+def test_the_conversation_keeps_its_own_copies_of_an_environments_messages():
+    episode = Episode([], History, max_tool_calls=0)
+    start = episode.start({})
+    observation, _ = episode.step("a")
+    episode.step("b")
+    assert start == [{"role": "user", "content": "start"}]
+    assert observation == [{"role": "user", "content": "you said a"}]
+
+
+class Messages:
+    """reset and step return whatever the row asks for."""
+
+    def reset(self, give=None, **row):
+        self.give = give
+        return give
+
+    def step(self, action):
+        return self.give[0], 0.0, False
+
+
+@pytest.mark.parametrize("give, says", [
+    ([{"content": "no role"}], "returned a message (1 of 1) with no 'role'"),
+    ([{"role": "user", "content": "fine"}, {"role": "user"}], "returned a message (2 of 2) with no 'content'"),
+    ([{"role": "user", "content": 7}], "returned a message (1 of 1) with a int as its 'content'"),
+    ([{"role": None, "content": "x"}], "returned a message (1 of 1) with a NoneType as its 'role'"),
+])
+def test_a_message_without_a_role_or_text_content_is_named(give, says):
+    form = '; return messages like {"role": "user", "content": "..."}'
+    with pytest.raises(EnvironmentFailure) as err:
+        Episode([], Messages, max_tool_calls=0).start({"give": give})
+    assert str(err.value) == f"environment Messages.reset {says}{form}"
+    episode = Episode([], Messages, max_tool_calls=0)
+    episode.start({"give": [{"role": "user", "content": "ok"}]})
+    episode.env.give = give[-1:]
+    with pytest.raises(EnvironmentFailure, match=r"^environment Messages.step returned a message \(1 of 1\) with"):
+        episode.step("x")
+
+
+class Rewarding:
+    """get_reward returns whatever the row asks for."""
+
+    def reset(self, value=None, **row):
+        self.value = value
+
+    def get_reward(self):
+        return self.value
+
+
+@pytest.mark.parametrize("value, reward", [
+    (np.float32(0.5), 0.5), (np.int64(2), 2.0), (torch.tensor(0.25), 0.25), (np.array(1.5), 1.5), (True, 1.0),
+    (10 ** 400, math.inf), (float("nan"), "nan"), (None, None),
+])
+def test_an_environments_reward_is_any_number_and_non_finite_ones_are_kept(value, reward):
+    """A 0-d tensor or numpy scalar is a number; 10**400 (too large for a float) used to raise
+    OverflowError; NaN and inf are kept for the scorer to replace with reward.fallback."""
+    episode = Episode([], Rewarding, max_tool_calls=0)
+    episode.start({"value": value})
+    got = episode.reward()
+    assert (math.isnan(got) if reward == "nan" else got == reward)
+
+
+@pytest.mark.parametrize("value, says", [([1.0, 2.0], "[1.0, 2.0]"), (torch.ones(2), "tensor([1., 1.])"),
+                                         ("1.0", "'1.0'")])
+def test_an_environments_reward_that_is_not_a_number_is_named(value, says):
+    episode = Episode([], Rewarding, max_tool_calls=0)
+    episode.start({"value": value})
+    with pytest.raises(EnvironmentFailure) as err:
+        episode.reward()
+    assert str(err.value) == f"environment Rewarding.get_reward returned {says}, not a number or None"
+
+
+class GaveUp(BaseException):
+    """A user's own BaseException."""
+
+
+class Raises:
+    def __init__(self):
+        if Raises.error_in_init is not None:
+            raise Raises.error_in_init
+
+    error_in_init = None
+
+    def reset(self, error=None, **row):
+        if error is not None:
+            raise error
+
+    def step(self, action):
+        raise GaveUp("the game is over")
+
+
+@pytest.mark.parametrize("error", [SystemExit(0), asyncio.CancelledError(), GaveUp("no server")],
+                         ids=["SystemExit", "CancelledError", "user BaseException"])
+@pytest.mark.parametrize("env_timeout", [None, 5.0])
+def test_an_environment_raising_any_base_exception_is_one_line_and_ctrl_c_still_stops(error, env_timeout,
+                                                                                       monkeypatch):
+    """These used to go past the run's error handling: a traceback, or an exit 0 mid-run."""
+    episode = Episode([], Raises, max_tool_calls=0, env_timeout=env_timeout)
+    with pytest.raises(EnvironmentFailure, match=f"^environment Raises.reset raised {type(error).__name__}"):
+        episode.start({"error": error})
+    with pytest.raises(EnvironmentFailure, match="^environment Raises.step raised GaveUp: the game is over$"):
+        episode.step("x")
+    monkeypatch.setattr(Raises, "error_in_init", error)
+    name = type(error).__name__
+    with pytest.raises(EnvironmentFailure, match=f"^environment 'Raises' could not be created \\({name}"):
+        Episode([], Raises, max_tool_calls=0, env_timeout=env_timeout)
+    monkeypatch.setattr(Raises, "error_in_init", None)
+    with pytest.raises(KeyboardInterrupt):
+        Episode([], Raises, max_tool_calls=0, env_timeout=env_timeout).start({"error": KeyboardInterrupt()})
+
+
+def test_an_environment_that_exits_when_it_is_created_is_a_config_error(tmp_path):
+    (tmp_path / "exiting_env.py").write_text("import sys\n\n\nclass Env:\n    def __init__(self):\n"
+                                             "        sys.exit(0)\n\n    def reset(self, **row):\n        pass\n")
+    with pytest.raises(ConfigError, match=r"could not be created with no arguments \(SystemExit: 0\)"):
+        load_environment(f"{tmp_path}/exiting_env.py:Env")
+
+
+class Stuck:
+    """Its step returns when `release` is set (at most after 5 s)."""
+
+    release = None
+
+    def reset(self, **row):
+        return None
+
+    def step(self, action):
+        for _ in range(500):
+            if Stuck.release is not None and Stuck.release():
+                break
+            time.sleep(0.01)
+        return "go on", 0.0, False
+
+
+def test_env_timeout_bounds_a_step_that_does_not_return(monkeypatch):
+    monkeypatch.setattr(Stuck, "release", None)
+    episode = Episode([], Stuck, max_tool_calls=0, env_timeout=0.2)
+    episode.start({})
+    start = time.monotonic()
+    with pytest.raises(EnvironmentFailure) as err:
+        episode.step("x")
+    assert time.monotonic() - start < 1.0
+    assert str(err.value) == ("environment Stuck.step did not return within rollout.env_timeout=0.2 s; make it faster "
+                              "or raise the limit")
+
+
+def test_the_watchdog_names_an_environment_call_or_a_tool_that_does_not_return(monkeypatch, capsys):
+    """No time-out (rollout.env_timeout null, rollout.tool_timeout null): the run waits, and one
+    line on stderr says what for, while it waits."""
+    from rlnotes.rewards import watchdog
+
+    monkeypatch.setattr(watchdog, "HANG_MIN_S", 0.3)
+    monkeypatch.setattr(Stuck, "release", lambda: "has been running" in capsys.readouterr().err)
+    episode = Episode([], Stuck, max_tool_calls=0)
+    episode.start({})
+    episode.step("x")
+    lines = []
+    monkeypatch.setattr(Stuck, "release", lambda: bool(lines))
+    episode = Episode([], Stuck, max_tool_calls=0, watchdog=watchdog.Watchdog(lines.append))
+    episode.start({})
+    episode.step("x")
+    assert lines == ["environment Stuck.step has been running for 0.3 s; the run is waiting for it "
+                     "(rollout.env_timeout=SECONDS bounds its calls; Ctrl-C stops the run and says how to resume)"]
+
+    def waits() -> str:
+        """Wait for the watchdog."""
+        for _ in range(500):
+            if len(lines) > 1:
+                break
+            time.sleep(0.01)
+        return "done"
+
+    messages, failures = run_tool_calls([{"name": "waits", "arguments": {}}], {"waits": waits}, None,
+                                        watchdog.Watchdog(lines.append))
+    assert failures == 0 and lines[1].startswith("tool 'waits' has been running for 0.3 s; the run is waiting for it "
+                                                 "(rollout.tool_timeout=SECONDS bounds a call")
+
+
+class Unprintable:
+    def __str__(self):
+        raise RuntimeError("no text")
+
+
+def test_a_tool_result_that_cannot_be_shown_as_text_is_the_tools_failure():
+    def odd(kind: str) -> object:
+        """Return something odd.
+
+        Args:
+            kind: Which.
+        """
+        return {"object": Unprintable(), "huge": 10 ** 5000, "bytes": b"ok", "none": None}[kind]
+
+    calls = [{"name": "odd", "arguments": {"kind": k}} for k in ("object", "huge", "bytes", "none")]
+    messages, failures = run_tool_calls(calls, {"odd": odd}, timeout=5)
+    assert failures == 2
+    assert error_of(messages[0]) == "odd returned a Unprintable that cannot be shown as text (RuntimeError: no text)"
+    assert error_of(messages[1]).startswith("odd returned a int that cannot be shown as text (ValueError: Exceeds")
+    assert [m["content"] for m in messages[2:]] == ["b'ok'", "None"]
+
+
+def test_a_parser_that_exits_is_a_malformed_call_not_an_exit(tmp_path, monkeypatch):
+    (tmp_path / "exiting_parser.py").write_text("import sys\n\n\ndef parse(text):\n    sys.exit(3)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert parse_tool_calls("x", fmt="exiting_parser:parse").errors == [
+        "Tool call 1: the tool calls could not be read (SystemExit: 3)."]

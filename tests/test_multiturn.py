@@ -124,6 +124,14 @@ def test_reward_functions_get_whole_episodes_and_the_environments():
                                                          for c in SEEN["completions"]) / 2)
 
 
+def test_env_timeout_reaches_every_episode():
+    episode = agents(env="letters", env_timeout=2.5).episode()
+    assert episode.env_timeout == 2.5
+    with pytest.raises(UsageError, match=r"rollout.env_timeout=0 must be greater than 0 \(seconds a call of the "
+                                         r"environment"):
+        compose("rollout=multi_turn", "rollout.env=letters", "rollout.env_timeout=0")
+
+
 def test_the_loss_has_no_gradient_through_the_environments_tokens():
     tok = tiny_tokenizer()
     torch.manual_seed(0)

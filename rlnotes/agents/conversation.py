@@ -14,7 +14,7 @@ rlnotes.engine.rollout.render_plain writes a prompt, and each model turn ends wi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
@@ -22,6 +22,7 @@ import torch
 from rlnotes.agents.environments import Episode, load_environment
 from rlnotes.agents.tools import load_tools, template_takes_tools, tools_system_prompt
 from rlnotes.engine.rollout import Rollout, as_messages, render_plain
+from rlnotes.rewards.watchdog import Watchdog
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,10 @@ class Agents:
     max_episode_tokens: Optional[int]
     tool_format: str
     tool_timeout: Optional[float]
+    env_timeout: Optional[float] = None
+    # Names the environment's and tools' calls that run far past their usual time; one for the run,
+    # so that its usual times are the run's.
+    watchdog: Watchdog = field(default_factory=Watchdog, compare=False)
 
     @classmethod
     def of(cls, rollout) -> Optional["Agents"]:
@@ -42,10 +47,11 @@ class Agents:
             return None
         return cls(tuple(load_tools(list(rollout.tools))), load_environment(rollout.env) if rollout.env else None,
                    rollout.max_turns, rollout.max_tool_calls, rollout.max_episode_tokens, rollout.tool_format,
-                   rollout.tool_timeout)
+                   rollout.tool_timeout, rollout.env_timeout)
 
     def episode(self) -> Episode:
-        return Episode(list(self.tools), self.env_factory, self.max_tool_calls, self.tool_format, self.tool_timeout)
+        return Episode(list(self.tools), self.env_factory, self.max_tool_calls, self.tool_format, self.tool_timeout,
+                       self.env_timeout, self.watchdog)
 
 
 def _with_start(messages: List[dict], start) -> List[dict]:
@@ -84,7 +90,7 @@ class Conversations:
         self.messages: List[List[dict]] = []
         for i, episode in enumerate(self.episodes):
             row = rows[i // group_size]
-            messages = _with_start(as_messages(row["prompt"], system_prompt), episode.start(dict(row)))
+            messages = _with_start(as_messages(row["prompt"], system_prompt), episode.start(row))
             if schemas and self.template_tools is None:
                 messages = _with_tools(messages, schemas)
             self.messages.append(messages)

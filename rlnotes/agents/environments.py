@@ -11,21 +11,31 @@ are read, close to the libraries users port from:
   the action, the observation comes back as a user message, and the step rewards add up.
 
 `Episode` gives both, and tools without an environment, one face: `start(row)`, `step(text)`,
-`reward()`, with counters of turns, tool calls and their failures.
+`reward()`, with counters of turns, tool calls and their failures. The environment gets its own
+copies of the row's values (as reward functions do), and the conversation its own copies of the
+messages the environment returns. Each call of the environment (its creation, reset, step and
+get_reward) is bounded by `rollout.env_timeout` and watched (rlnotes.rewards.watchdog); whatever
+goes wrong in one (an exception of any kind but KeyboardInterrupt, no answer in time, a result that
+cannot be read) is an EnvironmentFailure naming the method.
 """
 
 from __future__ import annotations
 
-import numbers
+import copy
+import math
+import time
 from typing import Callable, Dict, List, Optional, Tuple, Union
 
 from rlnotes.agents.builtin import ENVIRONMENTS
 from rlnotes.agents.tools import error_message, parse_tool_calls, run_tool_calls, tool_parser, tool_schema
 from rlnotes.core.errors import ConfigError
 from rlnotes.rewards.loading import accepted_names, first_line, resolve_callable
+from rlnotes.rewards.watchdog import Finished, Watchdog, in_thread
 
 # Methods of a TRL-style environment that the model never calls as tools.
 NOT_TOOLS = ("reset", "step", "get_reward")
+# How the watchdog's line says to bound an environment's calls.
+HANG_HINT = "rollout.env_timeout=SECONDS bounds its calls; Ctrl-C stops the run and says how to resume"
 
 
 class EnvironmentFailure(RuntimeError):
@@ -41,7 +51,9 @@ def load_environment(spec: str) -> Callable[[], object]:
     factory = resolve_callable(spec, ENVIRONMENTS, "rollout.env: environment", ("envs", "MyEnv"))
     try:
         env = factory()
-    except Exception as e:  # noqa: BLE001 - the user's constructor may raise anything
+    except KeyboardInterrupt:
+        raise
+    except BaseException as e:  # noqa: BLE001 - the user's constructor may raise anything, sys.exit() too
         raise ConfigError(f"rollout.env: environment {spec!r} could not be created with no arguments "
                           f"({first_line(e)}); give every argument of its __init__ a default") from None
     if not callable(getattr(env, "reset", None)):
@@ -70,24 +82,37 @@ def env_tools(env) -> Dict[str, Callable]:
 Observation = Optional[Union[str, List[dict]]]
 
 
+def _shown(value, width: int = 80) -> str:
+    """`value` for a message: its repr, cut to `width` characters (its type when it has none)."""
+    try:
+        text = repr(value)
+    except Exception:  # noqa: BLE001 - a user's __repr__
+        return f"<{type(value).__name__}>"
+    return text if len(text) <= width else text[:width - 1] + "…"
+
+
 class Episode:
     """One episode: the environment's instance (`env`, None without one), the tools the model may
     call, and the counters `turns`, `tool_calls`, `tool_failures`.
 
     At most `max_tool_calls` calls run in an episode; the calls past it are answered with an error
     and end the episode. `tool_format` is how calls are written (`parse_tool_calls`), and
-    `tool_timeout` the seconds a call may take (None: no limit). Every call the model writes counts
+    `tool_timeout` the seconds a call may take (None: no limit); `env_timeout` the seconds a call of
+    the environment may take (None: no limit), `watchdog` names the calls that run long (shared by
+    the run's episodes, which make the usual times). Every call the model writes counts
     in `tool_calls`, malformed and refused ones too, and each of those in `tool_failures`, so that
     failures / calls is the share of the model's calls that gave no result."""
 
     def __init__(self, tools: List[Callable], env_factory: Optional[Callable], max_tool_calls: int,
-                 tool_format: str = "hermes", tool_timeout: Optional[float] = None):
+                 tool_format: str = "hermes", tool_timeout: Optional[float] = None,
+                 env_timeout: Optional[float] = None, watchdog: Optional[Watchdog] = None):
         tool_parser(tool_format)  # an unknown format fails here, before any turn
-        try:
-            self.env = env_factory() if env_factory is not None else None
-        except Exception as e:  # noqa: BLE001 - it was created once when it loaded; now it fails
-            raise EnvironmentFailure(f"environment {getattr(env_factory, '__name__', env_factory)!r} could not be "
-                                     f"created ({first_line(e)})") from e
+        self.env_timeout = env_timeout
+        self.watchdog = watchdog or Watchdog()
+        self.env = None
+        if env_factory is not None:  # it was created once when it loaded; it may fail now
+            self.env = self._bounded(f"environment {getattr(env_factory, '__name__', env_factory)!r}", env_factory,
+                                     creating=True)
         self.max_tool_calls = max_tool_calls
         self.tool_format = tool_format
         self.tool_timeout = tool_timeout
@@ -114,7 +139,7 @@ class Episode:
         if self.env is None:
             return None
         accepts = accepted_names(self.env.reset)
-        kwargs = {k: v for k, v in row.items() if accepts is None or k in accepts}
+        kwargs = copy.deepcopy({k: v for k, v in row.items() if accepts is None or k in accepts})
         result = self._call_env("reset", **kwargs)
         if result is None or isinstance(result, str):
             return result
@@ -137,22 +162,19 @@ class Episode:
             observation, reward, done = result.observation, result.reward, result.done
         else:
             raise self._failure("step", f"returned {type(result).__name__}, not (observation, reward, done)")
-        if reward is not None and not isinstance(reward, numbers.Real):
-            raise self._failure("step", f"returned the reward {reward!r}, not a number or None")
+        reward = self._number("step", reward, "the reward ")
         if reward is not None:
-            self._step_rewards.append(float(reward))
+            self._step_rewards.append(reward)
         return self._observation(observation), bool(done)
 
     def reward(self) -> Optional[float]:
         """The environment's reward for the episode: its `get_reward()` when it has one, else the
-        sum of its step rewards (None when no step gave one); None without an environment."""
+        sum of its step rewards (None when no step gave one); None without an environment. NaN
+        and inf are kept."""
         if self.env is None:
             return None
         if callable(getattr(self.env, "get_reward", None)):
-            reward = self._call_env("get_reward")
-            if reward is not None and not isinstance(reward, numbers.Real):
-                raise self._failure("get_reward", f"returned {reward!r}, not a number or None")
-            return None if reward is None else float(reward)
+            return self._number("get_reward", self._call_env("get_reward"))
         return sum(self._step_rewards) if self._step_rewards else None
 
     # -----------------------------------------------------------------------------------------
@@ -164,7 +186,8 @@ class Episode:
         entries = [("invalid_tool_call", e) for e in errors] + calls
         kept, over = entries[:allowed], entries[allowed:]
         messages = [error_message(*e) for e in kept if isinstance(e, tuple)]
-        ran, failed = run_tool_calls([c for c in kept if isinstance(c, dict)], self.tools, self.tool_timeout)
+        ran, failed = run_tool_calls([c for c in kept if isinstance(c, dict)], self.tools, self.tool_timeout,
+                                     self.watchdog)
         limit = f"the limit of {self.max_tool_calls} tool calls per episode is reached; this call was not run"
         over_messages = [error_message(e[0] if isinstance(e, tuple) else e["name"], limit) for e in over]
         self.tool_calls += len(entries)
@@ -179,16 +202,65 @@ class Episode:
         return self._messages("step", [observation] if isinstance(observation, dict) else observation)
 
     def _messages(self, method: str, messages) -> List[dict]:
+        """The environment's messages, copied (it may edit its own later), each checked to have a
+        string role and content."""
+        form = 'messages like {"role": "user", "content": "..."}'
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
             raise self._failure(method, f"returned {type(messages).__name__}; return None, a string or a list of "
-                                        'messages like {"role": "user", "content": "..."}')
-        return messages
+                                        f"{form}")
+        for i, m in enumerate(messages):
+            bad = next((k for k in ("role", "content") if not isinstance(m.get(k), str)), None)
+            if bad is not None:
+                what = "no" if bad not in m else f"a {type(m[bad]).__name__} as its"
+                raise self._failure(method, f"returned a message ({i + 1} of {len(messages)}) with {what} {bad!r}; "
+                                            f"return {form}")
+        return copy.deepcopy(messages)
+
+    def _number(self, method: str, value, what: str = "") -> Optional[float]:
+        """None, or `value` as a float (NaN and inf kept; a number too large for a float is inf);
+        anything else is a failure of `method`."""
+        if value is None:
+            return None
+        try:
+            if isinstance(value, (str, bytes)):
+                raise TypeError
+            return float(value)
+        except OverflowError:  # not finite either way: it gets reward.fallback
+            return math.inf
+        except Exception:  # noqa: BLE001 - whatever a user's __float__ raises
+            raise self._failure(method, f"returned {what}{_shown(value)}, not a number or None") from None
 
     def _call_env(self, method: str, *args, **kwargs):
-        try:
-            return getattr(self.env, method)(*args, **kwargs)
-        except Exception as e:  # noqa: BLE001 - a bug in the user's environment, reported as one
-            raise self._failure(method, f"raised {first_line(e)}") from e
+        return self._bounded(f"environment {type(self.env).__name__}.{method}",
+                             lambda: getattr(self.env, method)(*args, **kwargs))
+
+    def _bounded(self, label: str, call: Callable[[], object], creating: bool = False):
+        """call() within rollout.env_timeout, watched: its result, or an EnvironmentFailure that
+        names `label` ("environment Guess.step") and what went wrong (`creating`: the call makes
+        the environment). KeyboardInterrupt stops the run as Ctrl-C does."""
+        start = time.perf_counter()
+        with self.watchdog.watching(label, label, HANG_HINT):
+            if self.env_timeout is None:
+                try:
+                    finished = Finished(call())
+                except KeyboardInterrupt:
+                    raise
+                except BaseException as e:  # noqa: BLE001 - a bug in the user's environment, reported as one
+                    finished = Finished(error=e)
+            else:
+                finished = in_thread(call, self.env_timeout, label)
+        if isinstance(finished.error, KeyboardInterrupt):
+            raise finished.error
+        if finished.error is not None:
+            why = first_line(finished.error)
+            raise EnvironmentFailure(f"{label} could not be created ({why})" if creating else f"{label} raised {why}") \
+                from finished.error
+        if not finished.done:
+            late = f"did not return within rollout.env_timeout={self.env_timeout:g} s"
+            raise EnvironmentFailure(f"{label} could not be created (it {late})" if creating else
+                                     f"{label} {late}; make it faster or raise the limit")
+        self.watchdog.record(label, time.perf_counter() - start)
+        return finished.result
 
     def _failure(self, method: str, what: str) -> EnvironmentFailure:
         return EnvironmentFailure(f"environment {type(self.env).__name__}.{method} {what}")

@@ -4,8 +4,9 @@ their calls parsed from the model's text (`rollout.tool_format`) and run, each r
 becoming a tool message.
 
 Whatever the model writes or a tool does (bad JSON, an unknown tool, wrong arguments, an
-exception, a call that never returns) becomes an error message the model reads and a counted
-failure, never an exception of the run.
+exception, a result that cannot be shown as text, a call past rollout.tool_timeout) becomes an
+error message the model reads and a counted failure, never an exception of the run. A call still
+running long after the tool's usual time is named while it runs (rlnotes.rewards.watchdog).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import asyncio
 import inspect
 import json
 import re
-import threading
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence
 
@@ -25,6 +26,7 @@ from transformers.utils import get_json_schema
 from rlnotes.agents.builtin import TOOLS
 from rlnotes.core.errors import ConfigError
 from rlnotes.rewards.loading import first_line, is_async, resolve_callable
+from rlnotes.rewards.watchdog import Watchdog, in_thread
 
 # ---------------------------------------------------------------------------------------------
 # loading and describing tools
@@ -135,7 +137,9 @@ def parse_tool_calls(text: str, fmt: str = "hermes") -> ToolCalls:
     else:
         try:
             items = [(item, None) for item in parser(text)]
-        except Exception as e:  # noqa: BLE001 - the user's parser failed on the model's text
+        except KeyboardInterrupt:
+            raise
+        except BaseException as e:  # noqa: BLE001 - the user's parser failed on the model's text, sys.exit() too
             items = [(None, f"the tool calls could not be read ({first_line(e)})")]
     out = ToolCalls()
     for i, (item, error) in enumerate(items, 1):
@@ -182,12 +186,19 @@ def error_message(name: str, error: str) -> dict:
     return {"role": "tool", "name": name, "content": json.dumps({"error": error})}
 
 
-def run_tool_calls(calls: List[dict], tools: Dict[str, Callable],
-                   timeout: Optional[float]) -> tuple[List[dict], int]:
+# How the watchdog's line says to bound a tool's calls.
+HANG_HINT = "rollout.tool_timeout=SECONDS bounds a call; Ctrl-C stops the run and says how to resume"
+
+
+def run_tool_calls(calls: List[dict], tools: Dict[str, Callable], timeout: Optional[float],
+                   watchdog: Optional[Watchdog] = None) -> tuple[List[dict], int]:
     """(one tool message per call, in order; how many failed). A result is the message's content
-    (a dict or list as JSON); a failure is `{"error": "..."}`: an unknown tool, arguments that do not
-    fit its signature, an exception in the tool, or no result within `timeout` seconds (None: no
-    limit; the call runs in a daemon thread that is left behind)."""
+    (text as it is, a dict or list as JSON, anything else as str() gives it); a failure is
+    `{"error": "..."}`: an unknown tool, arguments that do not fit its signature, an exception in
+    the tool, a result that cannot be shown as text, or no result within `timeout` seconds (None:
+    no limit; the call runs in a daemon thread that is left behind). `watchdog` names a call still
+    running far past the tool's usual time."""
+    watchdog = watchdog or Watchdog()
     messages, failures = [], 0
     for call in calls:
         name, arguments = call["name"], call["arguments"]
@@ -197,12 +208,17 @@ def run_tool_calls(calls: List[dict], tools: Dict[str, Callable],
         else:
             error = _misfit(name, fn, arguments)
         if error is None:
-            result, error = _call(name, fn, arguments, timeout)
+            with watchdog.watching(f"tool {name}", f"tool {name!r}", HANG_HINT):
+                start = time.perf_counter()
+                result, error = _call(name, fn, arguments, timeout)
+            watchdog.record(f"tool {name}", time.perf_counter() - start)
+        if error is None:
+            result, error = _as_text(name, result)
         if error is not None:
             failures += 1
             messages.append(error_message(name, error))
         else:
-            messages.append({"role": "tool", "name": name, "content": _as_text(result)})
+            messages.append({"role": "tool", "name": name, "content": result})
     return messages, failures
 
 
@@ -224,30 +240,31 @@ def _misfit(name: str, fn: Callable, arguments: dict) -> Optional[str]:
 
 def _call(name: str, fn: Callable, arguments: dict, timeout: Optional[float]) -> tuple[object, Optional[str]]:
     """(result, None), or (None, what went wrong): fn(**arguments) in a daemon thread, an async
-    tool run to completion there."""
-    outcome: dict = {}
+    tool run to completion there. Whatever the tool raises, SystemExit and KeyboardInterrupt
+    included, is the tool's failure."""
+    def work():
+        result = asyncio.run(fn(**arguments)) if is_async(fn) else fn(**arguments)
+        return asyncio.run(result) if inspect.iscoroutine(result) else result
 
-    def work() -> None:
-        try:
-            result = asyncio.run(fn(**arguments)) if is_async(fn) else fn(**arguments)
-            outcome["result"] = asyncio.run(result) if inspect.iscoroutine(result) else result
-        except BaseException as e:  # noqa: BLE001 - even SystemExit in a tool is the tool's failure
-            outcome["error"] = e
-
-    worker = threading.Thread(target=work, name=f"tool-{name}", daemon=True)
-    worker.start()
-    worker.join(timeout)
-    if worker.is_alive():
+    finished = in_thread(work, timeout, f"tool-{name}")
+    if not finished.done:
         return None, f"{name} did not finish within {timeout:g} s"
-    if "error" in outcome:
-        return None, f"{name} raised {first_line(outcome['error'])}"
-    return outcome["result"], None
+    if finished.error is not None:
+        return None, f"{name} raised {first_line(finished.error)}"
+    return finished.result, None
 
 
-def _as_text(result) -> str:
-    if isinstance(result, (dict, list)):
-        try:
-            return json.dumps(result)
-        except (TypeError, ValueError):
-            return str(result)
-    return str(result)
+def _as_text(name: str, result) -> tuple[Optional[str], Optional[str]]:
+    """(the tool message's content, None), or (None, why the result cannot be shown as text): text
+    as it is, a dict or list as JSON (str() where it is not JSON), anything else as str() gives it."""
+    if isinstance(result, str):
+        return result, None
+    try:
+        if isinstance(result, (dict, list)):
+            try:
+                return json.dumps(result), None
+            except (TypeError, ValueError):
+                pass
+        return str(result), None
+    except Exception as e:  # noqa: BLE001 - a user's __str__, or an int too long to print
+        return None, f"{name} returned a {type(result).__name__} that cannot be shown as text ({first_line(e)})"

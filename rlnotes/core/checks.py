@@ -57,6 +57,7 @@ RANGES: Dict[str, str] = {
     "rollout.max_new_tokens": ">= 1", "rollout.temperature": "> 0", "rollout.top_p": "(0, 1]",
     "rollout.vllm_gpu_memory": "(0, 1)", "rollout.tis_cap": ">= 1", "rollout.max_turns": ">= 1",
     "rollout.max_tool_calls": ">= 0", "rollout.max_episode_tokens": ">= 1", "rollout.tool_timeout": "> 0",
+    "rollout.env_timeout": "> 0",
     "hardware.nproc": ">= 1",
     "logging.print_every": ">= 1", "logging.samples_every": ">= 0", "logging.samples_shown": ">= 1",
     "sweep.last_steps": ">= 1", "sweep.seeds": ">= 1",

@@ -66,3 +66,7 @@ class RolloutConfig:
     tool_format: str = "hermes"
     # Seconds a tool call may take; null = no limit. Past it the model gets an error message.
     tool_timeout: Optional[float] = 10.0
+    # Seconds a call of the environment (its creation, reset, step or get_reward) may take; null =
+    # no limit. Past it the run stops with one line naming the call (a call still running long
+    # after its usual time is named either way).
+    env_timeout: Optional[float] = None
