@@ -149,3 +149,22 @@ def test_keyed_episodes_do_not_depend_on_the_rest_of_the_batch():
             a = together.completion_ids[2 * i + j][together.completion_attn[2 * i + j].bool()]
             b = alone.completion_ids[j][alone.completion_attn[j].bool()]
             assert a.tolist() == b.tolist()
+
+
+def test_an_observation_past_the_models_context_ends_the_episode_truncated():
+    """An observation that would take the episode past the model's positions (512 for the tiny
+    model) is not prefilled: the episode ends, truncated, as at rollout.max_episode_tokens. A
+    long enough one used to ask a real model's attention for terabytes."""
+    model, tok, prompts = setup()
+    long = tok(" and" * 600, add_special_tokens=False)["input_ids"]
+    short = tok("\nuser: ok\nassistant:", add_special_tokens=False)["input_ids"]
+
+    def respond(rows, turns, last):
+        return [long if r % 2 else short for r in rows]
+
+    r = run(model, tok, prompts, respond, max_turns=3, max_new_tokens=8)
+    lengths = r.prompt_mask.sum(-1) + r.completion_attn.sum(-1)
+    assert int(lengths.max()) <= 512
+    odd = torch.arange(len(r)) % 2 == 1
+    assert r.truncated[odd].all() and (r.completion_attn[odd].sum(-1) <= 8).all()   # one turn, then no room
+    assert (r.completion_attn[~odd].sum(-1) > r.completion_mask[~odd].sum(-1)).any()  # the others go on

@@ -3,6 +3,7 @@ rendering of the conversation, reward functions see whole episodes and their env
 passes them, every on-policy algorithm trains on episodes, and the toy environment is learned."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ from omegaconf import OmegaConf
 from rich.console import Console
 
 from rlnotes.agents.conversation import Agents, Conversations
+from rlnotes.agents.environments import EnvironmentFailure
 from rlnotes.agents.rollouts import run_episodes, score_episodes
 from rlnotes.commands.train import train
 from rlnotes.commands.usage import UsageError
@@ -122,6 +124,32 @@ def test_reward_functions_get_whole_episodes_and_the_environments():
     assert metrics["reward/env"] == pytest.approx(float(env.mean()))
     assert metrics["episode/turns"] == pytest.approx(sum(len(c) > 0 and sum(m["role"] == "assistant" for m in c)
                                                          for c in SEEN["completions"]) / 2)
+
+
+class LongStart:
+    """reset adds a text longer than the model's context to the prompt."""
+
+    def reset(self, **row):
+        return " and" * 600
+
+    def step(self, action):
+        return None, 0.0, True
+
+
+def test_a_reset_text_past_the_models_context_is_one_line_before_any_pass(monkeypatch):
+    """It went to the prefill (a real model's attention over a long enough text asked for 4 TB)."""
+    from rlnotes.agents import builtin
+
+    monkeypatch.setitem(builtin.ENVIRONMENTS, "long_start", LongStart)
+    tok = tiny_tokenizer()
+    model = tiny_model(OmegaConf.structured(TinyModelConfig()), len(tok)).eval()
+    monkeypatch.setattr(model, "forward", None)   # no pass may run
+    with pytest.raises(EnvironmentFailure) as err:
+        run_episodes(agents(env="long_start"), model, tok, [{"prompt": "Hi"}], 2,
+                     OmegaConf.structured(RolloutConfig(max_new_tokens=16)), False, None)
+    assert re.fullmatch(r"environment LongStart.reset made episode 0's prompt \d+ tokens; with "
+                        r"rollout.max_new_tokens=16 it exceeds the model's 512 positions; make what reset returns "
+                        r"shorter", str(err.value))
 
 
 def test_env_timeout_reaches_every_episode():

@@ -19,8 +19,9 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from rlnotes.agents.environments import Episode, load_environment
+from rlnotes.agents.environments import EnvironmentFailure, Episode, load_environment
 from rlnotes.agents.tools import load_tools, template_takes_tools, tools_system_prompt
+from rlnotes.core.errors import ConfigError
 from rlnotes.engine.rollout import Rollout, as_messages, render_plain
 from rlnotes.rewards.watchdog import Watchdog
 
@@ -88,12 +89,15 @@ class Conversations:
         schemas = self.episodes[0].schemas if self.episodes else []
         self.template_tools = schemas if (schemas and self.templated and template_takes_tools(tokenizer)) else None
         self.messages: List[List[dict]] = []
+        self.reset_added: List[bool] = []   # whether the environment's reset added to each episode's prompt
         for i, episode in enumerate(self.episodes):
             row = rows[i // group_size]
-            messages = _with_start(as_messages(row["prompt"], system_prompt), episode.start(row))
+            start = episode.start(row)
+            messages = _with_start(as_messages(row["prompt"], system_prompt), start)
             if schemas and self.template_tools is None:
                 messages = _with_tools(messages, schemas)
             self.messages.append(messages)
+            self.reset_added.append(bool(start))
         self.prompt_lengths = [len(m) for m in self.messages]
 
     # -- rendering ---------------------------------------------------------------------------------
@@ -113,6 +117,22 @@ class Conversations:
         if all(ids[i] == ids[i - i % g] for i in range(len(ids))):
             return ids[::g], g
         return ids, 1
+
+    def check_fit(self, prompt_ids: List[List[int]], shared: int, context: Optional[int], max_new_tokens: int) -> None:
+        """Stop, in one line, on an episode whose prompt (`prompt_ids`, one per `shared` episodes)
+        and one whole turn would not fit the model's `context` positions: an environment's reset
+        text, or the tools' descriptions, made it longer than the data's prompt the data checks saw."""
+        for k, ids in enumerate(prompt_ids):
+            if context is None or len(ids) + max_new_tokens <= context:
+                continue
+            i = k * shared
+            over = (f"{len(ids)} tokens; with rollout.max_new_tokens={max_new_tokens} it exceeds the model's {context} "
+                    "positions")
+            if self.reset_added[i]:
+                raise EnvironmentFailure(f"environment {type(self.episodes[i].env).__name__}.reset made episode {i}'s "
+                                         f"prompt {over}; make what reset returns shorter")
+            raise ConfigError(f"episode {i}'s prompt is {over} (the tools' descriptions included); shorten the "
+                              "prompts (data.max_prompt_len) or the tools' docstrings")
 
     def _observation_ids(self, i: int, observation: List[dict]) -> List[int]:
         """The tokens that follow episode i's last model turn (module docstring)."""

@@ -10,7 +10,7 @@ from typing import Dict, Optional, Sequence
 import torch
 
 from rlnotes.agents.conversation import Agents, Conversations
-from rlnotes.engine.episodes import generate_episodes
+from rlnotes.engine.episodes import context_length, generate_episodes
 from rlnotes.engine.rollout import Rollout
 from rlnotes.rewards.scoring import Rewards
 
@@ -26,14 +26,16 @@ def run_episodes(agents: Agents, model, tokenizer, rows: Sequence[dict], group_s
     sampler_logprobs, for the trainer to recompute its own)."""
     conversations = Conversations(agents, tokenizer, rows, group_size, chat_template, system_prompt)
     prompts, shared = conversations.prompt_ids()
+    max_new_tokens = max_new_tokens or rollout_cfg.max_new_tokens
+    conversations.check_fit(prompts, shared, context_length(model), max_new_tokens)
     if engine is not None:
         rollout = engine.generate_episodes(prompts, shared, conversations.respond, agents.max_turns,
                                            agents.max_episode_tokens, keys, next(model.parameters()).device)
     else:
-        rollout = generate_episodes(model, tokenizer, prompts, shared, conversations.respond,
-                                    max_new_tokens or rollout_cfg.max_new_tokens, agents.max_turns,
-                                    agents.max_episode_tokens, rollout_cfg.temperature, rollout_cfg.top_p, generator,
-                                    greedy=greedy, keys=keys, fast_decode=rollout_cfg.fast_decode)
+        rollout = generate_episodes(model, tokenizer, prompts, shared, conversations.respond, max_new_tokens,
+                                    agents.max_turns, agents.max_episode_tokens, rollout_cfg.temperature,
+                                    rollout_cfg.top_p, generator, greedy=greedy, keys=keys,
+                                    fast_decode=rollout_cfg.fast_decode)
     rollout.texts = conversations.texts()
     return conversations, rollout
 

@@ -33,6 +33,13 @@ from rlnotes.engine.decoder import Step, decoding_step
 from rlnotes.engine.kvcache import plain_layers
 from rlnotes.engine.rollout import Rollout, left_pad, next_tokens, prefill
 
+def context_length(model) -> Optional[int]:
+    """The most positions the model takes (its config's max_position_embeddings or n_positions;
+    None when it does not say)."""
+    config = model.config
+    return getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+
+
 # respond(rows, turns, last) -> one observation per row: token ids to prefill, or None (the episode
 # ends). `turns` are the token ids of the turn each row's model just took (EOS included); `last`
 # says the episode ends whatever the answer (its turn was cut, or it took rollout.max_turns), so the
@@ -123,13 +130,14 @@ def generate_episodes(model, tokenizer, prompts: Sequence[Sequence[int]], group_
                       keys: Optional[torch.Tensor] = None, fast_decode: bool = True) -> Rollout:
     """`group_size` episodes per prompt (token id lists), each of at most `max_turns` model turns of
     at most `max_new_tokens` tokens and `max_episode_tokens` tokens after its prompt (the model's
-    and the observations'; None: no bound but the turns). Sampling as rlnotes.engine.rollout.generate
-    (`keys` count each episode's own model tokens, `fast_decode` as there). Returns the compacted
-    episodes (module docstring)."""
+    and the observations'; None: no bound but the turns), and within the model's context
+    (context_length): a turn or an observation that would pass it ends the episode, truncated.
+    Sampling as rlnotes.engine.rollout.generate (`keys` count each episode's own model tokens,
+    `fast_decode` as there). Returns the compacted episodes (module docstring)."""
     device = next(model.parameters()).device
     pad_id = tokenizer.pad_token_id
     eos = torch.tensor(eos_ids if eos_ids is not None else [tokenizer.eos_token_id], device=device)
-    budget = max_episode_tokens if max_episode_tokens is not None else float("inf")
+    budget = budgets(prompts, group_size, max_episode_tokens, context_length(model))
     prompt_ids, prompt_mask, cache, cache_mask, logits, next_pos = prefill(model, prompts, pad_id, group_size,
                                                                            device)
     if not plain_layers(cache):
@@ -152,12 +160,21 @@ def generate_episodes(model, tokenizer, prompts: Sequence[Sequence[int]], group_
     return episode_rollout(tokenizer, prompt_ids, prompt_mask, episodes, device)
 
 
+def budgets(prompts: Sequence[Sequence[int]], group_size: int, max_episode_tokens: Optional[int],
+            context: Optional[int]) -> List[float]:
+    """Tokens each episode (group_size per prompt, next to each other) may have after its prompt:
+    max_episode_tokens, and what the `context` leaves after the prompt (None: no bound)."""
+    most = max_episode_tokens if max_episode_tokens is not None else float("inf")
+    room = [most if context is None else min(most, context - len(p)) for p in prompts]
+    return [r for r in room for _ in range(group_size)]
+
+
 def between_turns(episodes: List[EpisodeTokens], rows: List[int], respond: Respond, max_turns: int,
-                  budget: float) -> Dict[int, List[int]]:
+                  budget: Sequence[float]) -> Dict[int, List[int]]:
     """After `rows` ended a turn: ask `respond` for their observations and add each to its episode
     (no loss, no log-prob). Returns the rows that go on, with their observation's ids; an episode
     ends at its environment's word, at max_turns, after a cut turn, or when the observation and
-    one more token would not fit its budget (then it counts as truncated)."""
+    one more token would not fit its budget (`budget[row]`; then it counts as truncated)."""
     turns = [episodes[r].ids[-_turn_length(episodes[r]):] for r in rows]
     last = [episodes[r].truncated or episodes[r].turns >= max_turns for r in rows]
     going = {}
@@ -165,7 +182,7 @@ def between_turns(episodes: List[EpisodeTokens], rows: List[int], respond: Respo
         ep = episodes[r]
         if stop or obs is None:
             continue
-        if len(ep.ids) + len(obs) + 1 > budget:
+        if len(ep.ids) + len(obs) + 1 > budget[r]:
             ep.truncated = True
             continue
         going[r] = list(obs)
@@ -185,9 +202,9 @@ def _turn_length(ep: EpisodeTokens) -> int:
     return k
 
 
-def _sample_turn(step: Step, batch: _Batch, logits, episodes: List[EpisodeTokens], eos, max_new_tokens: int, budget,
-                 temperature: float, top_p: float, greedy: bool, keys, counts, generator):
-    """One turn of every row in `batch`: tokens until each row's EOS, max_new_tokens or the budget;
+def _sample_turn(step: Step, batch: _Batch, logits, episodes: List[EpisodeTokens], eos, max_new_tokens: int,
+                 budget: Sequence[float], temperature: float, top_p: float, greedy: bool, keys, counts, generator):
+    """One turn of every row in `batch`: tokens until each row's EOS, max_new_tokens or its budget;
     a finished row is parked at once. Returns the parked rows (every row, when the turn ends)."""
     parked: List[_Parked] = []
     for r in batch.rows.tolist():
@@ -204,7 +221,7 @@ def _sample_turn(step: Step, batch: _Batch, logits, episodes: List[EpisodeTokens
             ep.ids.append(token)
             ep.model.append(1.0)
             ep.logps.append(lp)
-            if not end and (t == max_new_tokens - 1 or len(ep.ids) >= budget):
+            if not end and (t == max_new_tokens - 1 or len(ep.ids) >= budget[r]):
                 ep.truncated = True
         cut = torch.tensor([episodes[r].truncated for r in batch.rows.tolist()], device=tok.device)
         done = ended | cut

@@ -22,7 +22,7 @@ from typing import List, Optional, Sequence
 import torch
 
 from rlnotes.engine import distributed
-from rlnotes.engine.episodes import EpisodeTokens, Respond, between_turns, episode_rollout
+from rlnotes.engine.episodes import EpisodeTokens, Respond, between_turns, budgets, episode_rollout
 from rlnotes.engine.models import SMOLLM2, smollm2_dir
 from rlnotes.engine.policy import embeddings_saved
 from rlnotes.engine.rollout import Rollout, left_pad, mix32
@@ -139,13 +139,13 @@ class VLLMEngine:
         episode's whole sequence so far is one request, and vLLM's prefix cache keeps the keys and
         values of what it has seen, so a round computes the new observation and turn. `keys` (one
         per episode, rollout.per_prompt_seed) seed each turn's draw with the turn's number."""
-        budget = max_episode_tokens if max_episode_tokens is not None else float("inf")
+        budget = budgets(prompts, group_size, max_episode_tokens, None)
         per_turn = self.cfg.rollout.max_new_tokens
         starts = [list(p) for p in prompts for _ in range(group_size)]
         episodes = [EpisodeTokens() for _ in starts]
         running = list(range(len(starts)))
         while running:
-            room = [min(per_turn, budget - len(episodes[i].ids)) for i in running]
+            room = [min(per_turn, budget[i] - len(episodes[i].ids)) for i in running]
             seeds = None if keys is None else [int(mix32(keys[i] ^ episodes[i].turns)) for i in running]
             outputs = self._requests([starts[i] + episodes[i].ids for i in running], 1, room, seeds)
             for i, out in zip(running, (o.outputs[0] for o in outputs)):
