@@ -3,6 +3,7 @@ rendering of the conversation, reward functions see whole episodes and their env
 passes them, every on-policy algorithm trains on episodes, and the toy environment is learned."""
 
 import json
+import math
 import re
 
 import pytest
@@ -20,8 +21,9 @@ from rlnotes.core.schema import RewardConfig, RolloutConfig, TinyModelConfig
 from rlnotes.engine.models import tiny_model, tiny_tokenizer
 from rlnotes.engine.policy import sequence_logprobs
 from rlnotes.notes.grpo import grpo_loss
-from rlnotes.rewards.scoring import Rewards
+from rlnotes.rewards.scoring import RewardFailure, Rewards
 from tests.conftest import compose
+from tests.test_rewards import FakeConsole
 
 # SmolLM2's chat template, with the tiny tokenizer's <bos>/<eos> as its <|im_start|>/<|im_end|>.
 CHATML = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
@@ -124,6 +126,41 @@ def test_reward_functions_get_whole_episodes_and_the_environments():
     assert metrics["reward/env"] == pytest.approx(float(env.mean()))
     assert metrics["episode/turns"] == pytest.approx(sum(len(c) > 0 and sum(m["role"] == "assistant" for m in c)
                                                          for c in SEEN["completions"]) / 2)
+
+
+class Scores:
+    """A step-style environment whose one step scores the episode as its row says (NaN, inf)."""
+
+    def reset(self, score: float = 1.0, **row):
+        self.score = score
+
+    def step(self, action):
+        return None, self.score, True
+
+
+def test_a_nan_or_inf_environment_reward_gets_the_fallback_or_stops_the_run_in_one_line(monkeypatch):
+    """It used to reach the loss, and the run stopped blaming the learning rate."""
+    from rlnotes.agents import builtin
+
+    monkeypatch.setitem(builtin.ENVIRONMENTS, "scores", Scores)
+    tok = tiny_tokenizer()
+    torch.manual_seed(0)
+    model = tiny_model(OmegaConf.structured(TinyModelConfig()), len(tok)).eval()
+    rows = [{"prompt": "a", "score": 2.0}, {"prompt": "b", "score": float("nan")}, {"prompt": "c", "score": -math.inf}]
+    rollout_cfg = OmegaConf.structured(RolloutConfig(max_new_tokens=4))
+    conv, rollout = run_episodes(agents(env="scores"), model, tok, rows, 2, rollout_cfg, False, None,
+                                 torch.Generator().manual_seed(0))
+    console = FakeConsole()
+    rewards = Rewards(OmegaConf.structured(RewardConfig(name="env", fallback=-1.0)), console)
+    totals, metrics = score_episodes(rewards, rows, conv, rollout, 2)
+    assert totals.tolist() == [2.0, 2.0, -1.0, -1.0, -1.0, -1.0]
+    assert metrics["reward/failures"] == 4 and metrics["reward/env"] == pytest.approx(0.0)
+    assert console.printed == ["[yellow]environment Scores gave the reward nan for 4 of 6 episodes; they get -1.0[/]"]
+    conv, rollout = run_episodes(agents(env="scores"), model, tok, rows[1:2], 2, rollout_cfg, False, None)
+    with pytest.raises(RewardFailure) as err:
+        score_episodes(rewards, rows[1:2], conv, rollout, 2)
+    assert str(err.value) == ("environment Scores gave no finite reward for any episode of the batch (nan); fix its "
+                              "reward")
 
 
 class LongStart:

@@ -182,6 +182,10 @@ class Conversations:
         """Each episode's environment instance (None without one): TRL's `environments` keyword."""
         return [e.env for e in self.episodes]
 
+    def env_name(self) -> str:
+        """The environment's class name, for messages."""
+        return type(self.episodes[0].env).__name__ if self.episodes else "?"
+
     def env_rewards(self) -> Optional[torch.Tensor]:
         """The environments' rewards [N] (0 for an episode whose environment gave none), or None
         when there is no environment."""

@@ -44,11 +44,14 @@ def score_episodes(rewards: Rewards, rows: Sequence[dict], conversations: Conver
                    group_size: int) -> tuple[torch.Tensor, Dict[str, float]]:
     """Each episode's reward: the reward functions' weighted sum over its messages after the
     prompt (TRL's `completions` of a multi-turn rollout, with `environments`), plus the environment's
-    reward (weight 1, logged as reward/env). Metrics: the rewards', and the episodes' own."""
+    reward (weight 1, logged as reward/env; a NaN or inf one gets reward.fallback and counts in
+    reward/failures, as a function's does). Metrics: the rewards', and the episodes' own."""
     totals, metrics = rewards.score_groups(rows, conversations.completions(), rollout.token_lists(), group_size,
                                            environments=conversations.environments())
     env = conversations.env_rewards()
     if env is not None:
+        env, failed = rewards.fallback_for(f"environment {conversations.env_name()}", env)
         totals = totals + env
         metrics["reward/env"] = float(env.mean())
+        metrics["reward/failures"] += failed
     return totals, {**metrics, **conversations.metrics(rollout)}

@@ -229,6 +229,20 @@ class Rewards:
         return [None if v is None else (self.fallback if _number(v) is None else _number(v)) for v in values], \
             len(failed)
 
+    def fallback_for(self, source: str, values: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """Rewards [N] from another `source` (an environment's) with each NaN or inf replaced by the
+        fallback, as a function's are, and how many were (warned once). A source that gave no
+        finite reward at all stops the run, naming it (a NaN would otherwise reach the loss)."""
+        bad = ~torch.isfinite(values)
+        failed = int(bad.sum())
+        if failed and failed == len(values):
+            raise RewardFailure(f"{source} gave no finite reward for any episode of the batch ({values[0].item()}); "
+                                "fix its reward")
+        if failed:
+            self._once(f"bad:{source}", f"[yellow]{escape(source)} gave the reward {values[bad][0].item()} for "
+                                        f"{failed} of {len(values)} episodes; they get {self.fallback}[/]")
+        return torch.where(bad, torch.full_like(values, self.fallback), values), failed
+
     # -- scoring -------------------------------------------------------------------------------
 
     def score_groups(self, rows: Sequence[dict], completions: Sequence,
