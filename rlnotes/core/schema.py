@@ -57,7 +57,7 @@ class LoraConfig:
 
 @dataclass
 class TinyModelConfig:
-    # The tiny model's width (its hidden size).
+    # The tiny model's width, its hidden size.
     hidden_size: int = 64
     # The tiny model's layers.
     num_layers: int = 2
@@ -65,7 +65,7 @@ class TinyModelConfig:
     num_heads: int = 4
     # The tiny model's MLP width.
     intermediate_size: int = 128
-    # Seed of the weight initialisation (independent of the run seed, so runs share one model).
+    # Seed of the weight initialisation, independent of the run seed so that runs share one model.
     init_seed: int = 0
     # The std of the tiny model's initial weights. Larger than Llama's 0.02 so that, like a trained
     # model, the random one has peaked next-token distributions that LoRA can move.
@@ -142,8 +142,8 @@ class TrainerConfig:
     # micro_batch_size: a shared prompt counts once, padding counts; each step cuts its batch into the
     # fewest even micro-batches within it. Changes memory, not the math.
     micro_batch_tokens: Optional[int] = None
-    # GiB of activations a forward/backward pass keeps at most; null = no limit (the whole batch in
-    # one pass). Used without micro_batch_size and micro_batch_tokens, as a token budget from the
+    # GiB of activations a forward/backward pass keeps at most; null = no limit, the whole batch in
+    # one pass. Used without micro_batch_size and micro_batch_tokens, as a token budget from the
     # model's shape (SmolLM2-135M keeps ~1.4 MB a token: 1 GiB is ~780 tokens; the tiny test model
     # ~10 kB). Changes memory, not the math.
     micro_batch_memory: Optional[float] = 1.0
@@ -153,7 +153,7 @@ class TrainerConfig:
     # rounding); a prefix all the prompts of a pass share (a system prompt) goes once when it saves
     # enough (policy.MIN_PREFIX_SAVING).
     shared_prompt: bool = True
-    # Steps per metrics row (each row averages nothing: it is that step).
+    # Steps per metrics row. Each row averages nothing: it is that step.
     log_every: int = 1
     # Steps between evaluations; null = never. Each evaluates the policy on the task's eval split
     # (see `eval`), also before the first step and after the last; logged as eval/* in metrics.jsonl.
@@ -231,7 +231,7 @@ class LoggingConfig:
     # Steps per samples table; 0 = never. The table shows a few sampled prompts, completions and
     # rewards (also appended to RUN_DIR/samples.jsonl); algorithms that sample only.
     samples_every: int = 20
-    # Completions a samples table shows (spread over the batch, so from different prompts).
+    # Completions a samples table shows. They are spread over the batch, so from different prompts.
     samples_shown: int = 4
     # The trackers below get every metrics row besides metrics.jsonl (always written). Pick them with
     # the logging group, several at once: `logging=tensorboard`, `logging=[tensorboard,mlflow]`;
@@ -271,7 +271,7 @@ class EvalConfig:
     # Greedy decoding (one completion per prompt); false samples `samples_per_prompt` completions
     # at rollout.temperature and reports pass@k.
     greedy: bool = True
-    # Completions per eval prompt (with greedy=false).
+    # Completions per eval prompt, with greedy=false.
     samples_per_prompt: int = 1
     # Completion tokens at most; null = rollout.max_new_tokens.
     max_new_tokens: Optional[int] = None
@@ -313,10 +313,11 @@ class SFTWarmupConfig:
     # stage, in the same run: the first N steps minimise the NLL of each train row's `column` given its
     # prompt; then the optimizer starts afresh (as a run from the warmed-up weights would).
     steps: int = 0
-    # Demonstration rows per warm-up step (its own order over the train rows, seeded by `seed`).
+    # Demonstration rows per warm-up step. The warm-up has its own order over the train rows, seeded by
+    # `seed`.
     batch_size: int = 32
-    # AdamW's step size in the warm-up steps, shaped by optim.schedule over them (optim.lr: the steps
-    # after).
+    # AdamW's step size in the warm-up steps. optim.schedule shapes it over them; optim.lr is the step
+    # size of the steps after.
     lr: float = 1e-3
     # The train rows' column holding each demonstration, e.g. answer (arith) or completion.
     column: str = "completion"

@@ -70,7 +70,7 @@ class GRPOConfig(AlgoConfig):
     aggregation: str = "seq-mean-token-mean"
     # Divide group-centred rewards by the group's std (false = Dr. GRPO).
     scale_by_std: bool = True
-    # Passes over each sampled batch, mu (policy updates per batch). DeepSeekMath uses 1.
+    # Passes over each sampled batch, mu: policy updates per batch. DeepSeekMath uses 1.
     epochs: int = 1
     # DAPO dynamic sampling (Yu et al. 2025, Sec. 3.2): drop groups whose rewards are all equal
     # (A = 0, no signal) and sample more prompts until trainer.batch_size groups carry signal.

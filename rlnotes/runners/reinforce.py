@@ -70,7 +70,7 @@ class ReinforceConfig(AlgoConfig):
     baseline: str = "mean"
     # The weight of the previous running mean in baseline=mean: b <- m b + (1 - m) mean(G_0).
     baseline_momentum: float = 0.9
-    # The weight of the value loss (baseline=value).
+    # The weight of the value loss, with baseline=value.
     vf_coef: float = 0.5
     # How per-token losses become one number (see rlnotes.notes.AGGREGATIONS); token-mean weighs
     # every token alike, like the notes' E[sum_t ...] up to a constant.
