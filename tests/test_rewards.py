@@ -5,6 +5,7 @@ import asyncio
 import importlib
 import json
 import math
+import re
 import sys
 import textwrap
 import time
@@ -1259,6 +1260,72 @@ def test_hf_model_with_several_labels_is_refused(tmp_path):
     tiny_classifier(tmp_path, num_labels=2)
     with pytest.raises(ConfigError, match="has 2 labels"):
         load_scorer(tmp_path, torch.device("cpu"), 4)
+
+
+def without(path, name):
+    """The saved model in `path` with tensor `name` removed from its weights."""
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(str(path / "model.safetensors"))
+    del weights[name]
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+
+
+def test_a_reward_model_without_its_score_head_is_refused_before_any_model_loads(tmp_path, monkeypatch):
+    """transformers initializes a missing head at random (with a warning, muted here): the run
+    trained on a random reward."""
+    from rlnotes.commands.cli import UsageError
+    from rlnotes.rewards import model as reward_models
+    from tests.conftest import compose
+
+    tiny_classifier(tmp_path)
+    without(tmp_path, "score.weight")
+    says = (f"reward model '{tmp_path}' has no saved weights for score.weight: it would score with weights "
+            "initialized at random")
+    with pytest.raises(UsageError, match=re.escape(says)):
+        compose("reward=model", f"reward.path={tmp_path}")
+    monkeypatch.setattr(reward_models, "_saved_names", lambda path: None)   # a .bin checkpoint: found as it loads
+    reward_models.check(tmp_path)
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        reward_models.load_scorer(tmp_path, torch.device("cpu"), 4)
+
+
+def test_a_reward_model_with_several_labels_is_refused_before_any_model_loads(tmp_path):
+    """It used to be found at the first reward call, after the first batch was sampled."""
+    from rlnotes.commands.cli import UsageError
+    from tests.conftest import compose
+
+    tiny_classifier(tmp_path, num_labels=2)
+    with pytest.raises(UsageError, match="has 2 labels; a reward model gives one score per sequence"):
+        compose("reward=model", f"reward.path={tmp_path}")
+
+
+def test_an_rm_head_file_without_its_weight_is_refused(tmp_path):
+    from safetensors.torch import save_file
+
+    from rlnotes.rewards.model import check
+
+    save_file({"bias": torch.zeros(1)}, str(tmp_path / "reward_head.safetensors"))
+    with pytest.raises(ConfigError, match="reward_head.safetensors has no weight; it is not the head an algo=rm run"):
+        check(tmp_path)
+
+
+def test_a_reward_model_that_fails_to_load_is_loaded_once(tmp_path, monkeypatch):
+    """The failed call is retried sample by sample; each retry used to load the model again."""
+    from rlnotes.rewards import builtin
+
+    loads = []
+
+    def broken(path, device, batch_size):
+        loads.append(path)
+        raise OSError("weights damaged")
+
+    monkeypatch.setattr(builtin, "load_scorer", broken)
+    monkeypatch.setattr(builtin, "check_reward_model", lambda path: None)
+    r = rewards(("reward_model", 1.0, {"path": str(tmp_path / "rm")}))
+    with pytest.raises(RewardFailure, match=r"gave no finite number .*\(OSError: weights damaged\)"):
+        r(["p"] * 3, ["a", "b", "c"], {})
+    assert len(loads) == 1
 
 
 def test_reward_model_path_must_be_a_model_dir(tmp_path):

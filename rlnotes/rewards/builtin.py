@@ -23,7 +23,8 @@ from rlnotes.core.checks import check_choice
 from rlnotes.core.errors import ConfigError
 from rlnotes.engine.models import resolve_device
 from rlnotes.engine.sequences import completion_text
-from rlnotes.rewards.model import kind, load_scorer
+from rlnotes.rewards.model import check as check_reward_model
+from rlnotes.rewards.model import load_scorer
 
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)
 
@@ -228,7 +229,8 @@ def countdown(prompts, completions, numbers, target, **_) -> List[float]:
     return out
 
 
-_SCORERS: Dict[tuple, Callable] = {}   # (path, device, batch size) -> loaded reward model, once per process
+# (path, device, batch size) -> the reward model loaded once per process, or why it failed to load
+_SCORERS: Dict[tuple, object] = {}
 
 
 def reward_model(prompts, completions, path, device="cpu", batch_size=16, **_) -> List[float]:
@@ -239,7 +241,13 @@ def reward_model(prompts, completions, path, device="cpu", batch_size=16, **_) -
     dev = resolve_device(device)
     key = (str(path), str(dev), int(batch_size))
     if key not in _SCORERS:
-        _SCORERS[key] = load_scorer(path, dev, int(batch_size))
+        try:
+            _SCORERS[key] = load_scorer(path, dev, int(batch_size))
+        except Exception as e:
+            _SCORERS[key] = e  # each per-sample retry of the failed call would load it again: fail at once
+            raise
+    if isinstance(_SCORERS[key], Exception):
+        raise _SCORERS[key]
     return _SCORERS[key](list(prompts), [reply_text(c) for c in completions]).tolist()
 
 
@@ -273,7 +281,7 @@ def _check_math(args: dict) -> None:
 
 
 def _check_model(args: dict) -> None:
-    kind(args["path"])
+    check_reward_model(args["path"])
 
 
 # Built-in args that must be set (and why), then each built-in's own checks.

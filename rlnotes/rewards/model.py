@@ -5,11 +5,14 @@ there a 6B model with its unembedding replaced by a scalar head).
 `algo=rm` trains the adapter and head together on preference pairs; its run's `final/` holds the
 adapter, the tokenizer and `reward_head.safetensors`, and `reward=model reward.path=RUN/final`
 scores completions with it. `reward.path` may also be any local Hugging Face model dir that
-AutoModelForSequenceClassification loads with one label (a published reward model).
+AutoModelForSequenceClassification loads with one label (a published reward model). Either is
+checked before any model loads (`check`): one label, and every weight of the score head saved, for
+a missing one would be initialized at random (transformers only warns, and its warnings are muted).
 """
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Callable, Sequence
@@ -85,6 +88,69 @@ def kind(path) -> str:
                       f"(with {HEAD}.safetensors) nor a Hugging Face model dir (with config.json)")
 
 
+def check(path) -> None:
+    """Before any model loads: `path` is a reward model dir (`kind`) that gives one score per
+    sequence from saved weights: an algo=rm head file with its weight, or a Hugging Face model with
+    one label whose score head is saved (check_hf). A config mistake, in one line."""
+    if kind(path) == "hf":
+        check_hf(Path(path))
+        return
+    from safetensors import safe_open
+
+    head = Path(path) / f"{HEAD}.safetensors"
+    with safe_open(str(head), "pt") as f:
+        if "weight" not in f.keys():
+            raise ConfigError(f"reward model {str(path)!r}: {head.name} has no weight; it is not the head an algo=rm "
+                              "run saves")
+
+
+def check_hf(path: Path) -> None:
+    """A Hugging Face reward model: built-in code (never the model's own), one label, and every
+    weight of its score head (the parameters outside its base model) in its saved weights, read
+    from the names in a safetensors checkpoint without loading it (a .bin checkpoint is checked
+    when it loads: _hf_scorer)."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    try:
+        config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+        if config.num_labels == 1:
+            with torch.device("meta"):  # the parameters' names, no memory
+                model = AutoModelForSequenceClassification.from_config(config, trust_remote_code=False)
+    except Exception as e:  # noqa: BLE001 - an unreadable config.json, custom code, no classification class
+        why = f"{type(e).__name__}: {str(e).strip().splitlines()[0]}" if str(e).strip() else type(e).__name__
+        raise ConfigError(f"reward model {str(path)!r} cannot be read as a sequence-classification model with "
+                          f"transformers' own code ({why})") from None
+    if config.num_labels != 1:
+        raise ConfigError(f"reward model {str(path)!r} has {config.num_labels} labels; a reward model gives one score "
+                          "per sequence (num_labels=1)")
+    saved = _saved_names(path)
+    prefix = f"{model.base_model_prefix}."
+    missing = [k for k in model.state_dict() if not k.startswith(prefix) and saved is not None and k not in saved]
+    if missing:
+        raise ConfigError(_missing_head(path, missing))
+
+
+def _missing_head(path: Path, missing) -> str:
+    return (f"reward model {str(path)!r} has no saved weights for {', '.join(sorted(missing))}: it would score with "
+            "weights initialized at random. Give the dir of a trained reward model (a sequence-classification "
+            "model saved with its head), or train one with algo=rm")
+
+
+def _saved_names(path: Path):
+    """The tensor names of a safetensors checkpoint in `path` (one file or an index of shards); None
+    for another format."""
+    from safetensors import safe_open
+
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        return set(json.loads(index.read_text())["weight_map"])
+    single = path / "model.safetensors"
+    if single.is_file():
+        with safe_open(str(single), "pt") as f:
+            return set(f.keys())
+    return None
+
+
 def load_scorer(path, device: torch.device, batch_size: int) -> Scorer:
     """The reward model at `path` (either kind), loaded once, scoring `batch_size` sequences a pass."""
     load_kind = {"rm": _rm_scorer, "hf": _hf_scorer}[kind(path)]
@@ -115,11 +181,13 @@ def _hf_scorer(path: Path, device: torch.device, batch_size: int) -> Scorer:
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)  # never its code
-    model = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32, local_files_only=True,
-                                                               trust_remote_code=False)
+    model, info = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32, local_files_only=True,
+                                                                     trust_remote_code=False, output_loading_info=True)
     if model.config.num_labels != 1:
         raise ConfigError(f"reward model {str(path)!r} has {model.config.num_labels} labels; a reward model gives "
                           "one score per sequence (num_labels=1)")
+    if info["missing_keys"]:  # weights initialized at random (a .bin checkpoint check_hf could not read)
+        raise ConfigError(_missing_head(path, info["missing_keys"]))
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     # Right padding keeps each row's positions 0..L-1 without position ids; the model reads the
