@@ -1393,8 +1393,8 @@ def test_grpo_logs_every_function_and_scores_tokens(tmp_path, user_module):
                  f"{{fn: {USER_MODULE}.score, weight: 2.0}}]")
     cfg = compose("algo=grpo", "logging.progress=false", "trainer.steps=2", "rollout.max_new_tokens=6",
                   f"reward.functions={functions}")
-    train(cfg, tmp_path, Console(quiet=True))
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    train(cfg, tmp_path / "run", Console(quiet=True))   # beside the user's module, not in its dir
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     for row in rows:
         assert row["reward/score"] == 0.25 and row["reward/failures"] == 0
         assert row["reward/long"] == pytest.approx(-row["completion/len_mean"], rel=1e-5)
