@@ -155,11 +155,11 @@ def test_a_nan_or_inf_environment_reward_gets_the_fallback_or_stops_the_run_in_o
     totals, metrics = score_episodes(rewards, rows, conv, rollout, 2)
     assert totals.tolist() == [2.0, 2.0, -1.0, -1.0, -1.0, -1.0]
     assert metrics["reward/failures"] == 4 and metrics["reward/env"] == pytest.approx(0.0)
-    assert console.printed == ["[yellow]environment Scores gave the reward nan for 4 of 6 episodes; they get -1.0[/]"]
+    assert console.printed == ["[yellow]environment Scores gave the reward nan for 4 of 6 samples; they get -1.0[/]"]
     conv, rollout = run_episodes(agents(env="scores"), model, tok, rows[1:2], 2, rollout_cfg, False, None)
     with pytest.raises(RewardFailure) as err:
         score_episodes(rewards, rows[1:2], conv, rollout, 2)
-    assert str(err.value) == ("environment Scores gave no finite reward for any episode of the batch (nan); fix its "
+    assert str(err.value) == ("environment Scores gave no finite reward for any sample of the batch (nan); fix its "
                               "reward")
 
 

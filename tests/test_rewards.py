@@ -922,6 +922,24 @@ def test_keyboard_interrupt_still_stops(trl_module):
             trl("interrupts_async", timeout=timeout)(["p"], ["a"], {})
 
 
+def test_a_weighted_sum_past_float32_gets_the_fallback_in_one_line(own):
+    """1e39 is a finite float, but not a float32: the rewards tensor held inf, and the loss NaN."""
+    def large(completions, **kwargs):
+        return [{"big": 1e39, "near": 3e38}.get(c, 1.0) for c in completions]
+
+    console = FakeConsole()
+    own(large)   # now importable as rlnotes_test_own.large; weighed 2 here
+    r = rewards(("rlnotes_test_own.large", 2.0), fallback=-1.0, console=console)
+    total, metrics = r(["p"] * 3, ["big", "near", "ok"], {})
+    assert total.tolist() == [-1.0, -1.0, 2.0] and metrics["reward/failures"] == 2
+    assert console.printed == ["[yellow]the weighted sum of the reward functions gave the reward inf for 2 of 3 "
+                               "samples; they get -1.0[/]"]
+    with pytest.raises(RewardFailure) as err:
+        r(["p"], ["big"], {})
+    assert str(err.value) == ("the weighted sum of the reward functions gave no finite reward for any sample of the "
+                              "batch (inf); scale the rewards or the weights down")
+
+
 class GaveUp(BaseException):
     """A user's own BaseException, as a library's abort signal might be."""
 

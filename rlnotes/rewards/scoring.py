@@ -121,8 +121,9 @@ class Rewards:
     abandoned at the time-out: Python cannot stop a thread, so it runs on in the background until
     it returns (its result dropped), and may overlap with the next call of the same function. An
     async function is cancelled at its next await; one that blocks without awaiting is timed out
-    too, but holds up the loop (and the async calls after it) until it returns. A call past the time-out gives every one of its samples the fallback
-    and is not retried; TIMEOUTS_IN_A_ROW such calls in a row stop the run.
+    too, but holds up the loop (and the async calls after it) until it returns. A call past the
+    time-out gives every one of its samples the fallback and is not retried; TIMEOUTS_IN_A_ROW such
+    calls in a row stop the run.
     """
 
     def __init__(self, cfg, console=None):
@@ -229,18 +230,19 @@ class Rewards:
         return [None if v is None else (self.fallback if _number(v) is None else _number(v)) for v in values], \
             len(failed)
 
-    def fallback_for(self, source: str, values: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """Rewards [N] from another `source` (an environment's) with each NaN or inf replaced by the
-        fallback, as a function's are, and how many were (warned once). A source that gave no
-        finite reward at all stops the run, naming it (a NaN would otherwise reach the loss)."""
+    def fallback_for(self, source: str, values: torch.Tensor, fix: str = "fix its reward") -> tuple[torch.Tensor, int]:
+        """Rewards [N] (float32) from `source` (an environment, or the weighted sum) with each NaN or
+        inf replaced by the fallback, as a function's values are, and how many were (warned once).
+        A source that gave no finite reward at all stops the run, naming it and what to `fix` (a
+        NaN would otherwise reach the loss, which blames the learning rate)."""
         bad = ~torch.isfinite(values)
         failed = int(bad.sum())
         if failed and failed == len(values):
-            raise RewardFailure(f"{source} gave no finite reward for any episode of the batch ({values[0].item()}); "
-                                "fix its reward")
+            raise RewardFailure(f"{source} gave no finite reward for any sample of the batch ({values[0].item()}); "
+                                f"{fix}")
         if failed:
             self._once(f"bad:{source}", f"[yellow]{escape(source)} gave the reward {values[bad][0].item()} for "
-                                        f"{failed} of {len(values)} episodes; they get {self.fallback}[/]")
+                                        f"{failed} of {len(values)} samples; they get {self.fallback}[/]")
         return torch.where(bad, torch.full_like(values, self.fallback), values), failed
 
     # -- scoring -------------------------------------------------------------------------------
@@ -277,10 +279,13 @@ class Rewards:
             metrics[f"reward/{rf.name}"] = _add_weighted(totals, scored, rf.weight, values)
         if 0 in scored and self.fns:
             self._warn_unscored(scored, prompts, shaped, columns)
-        metrics["reward/failures"] = failures
+        # Finite values can sum, or weigh, past float32's largest (3.4e38): those samples fail too.
+        total, overflowed = self.fallback_for("the weighted sum of the reward functions", torch.tensor(totals),
+                                              "scale the rewards or the weights down")
+        metrics["reward/failures"] = failures + overflowed
         metrics.update({name: sum(v) / len(v) for name, v in log.metrics.items()})
         self.extra = log.columns
-        return torch.tensor(totals), metrics
+        return total, metrics
 
     def _warn_unscored(self, scored: List[int], prompts: list, completions: list, columns: Dict[str, list]) -> None:
         """Once a run: the samples no function scored, and the first of them with its row."""
