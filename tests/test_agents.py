@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import sys
 import textwrap
 import time
 from types import SimpleNamespace
@@ -848,3 +849,23 @@ def test_a_parser_that_exits_is_a_malformed_call_not_an_exit(tmp_path, monkeypat
     monkeypatch.syspath_prepend(str(tmp_path))
     assert parse_tool_calls("x", fmt="exiting_parser:parse").errors == [
         "Tool call 1: the tool calls could not be read (SystemExit: 3)."]
+
+
+def test_the_watchdog_names_a_parser_that_does_not_return(tmp_path, monkeypatch):
+    from rlnotes.rewards import watchdog
+
+    monkeypatch.setattr(watchdog, "HANG_MIN_S", 0.3)
+    (tmp_path / "slow_parser.py").write_text("import time\n\nLINES = []\n\n\ndef parse(text):\n"
+                                             "    for _ in range(500):\n        if LINES:\n            break\n"
+                                             "        time.sleep(0.01)\n    return []\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import slow_parser
+
+    try:
+        episode = Episode([add], None, max_tool_calls=1, tool_format="slow_parser:parse",
+                          watchdog=watchdog.Watchdog(slow_parser.LINES.append))
+        assert episode.step("no calls") == ([], True)
+        assert slow_parser.LINES == ["rollout.tool_format parser 'slow_parser:parse' has been running for 0.3 s; "
+                                     "the run is waiting for it (Ctrl-C stops the run and says how to resume)"]
+    finally:
+        sys.modules.pop("slow_parser", None)

@@ -150,7 +150,7 @@ class Episode:
         done). Tool calls in `text` run (then env.step is not called); without a call, a step-style
         environment steps, and any other episode is done."""
         self.turns += 1
-        parsed = parse_tool_calls(text, self.tool_format) if self.tools or self._env_step is None else None
+        parsed = self._parsed(text) if self.tools or self._env_step is None else None
         if parsed is not None and (parsed.calls or parsed.errors):
             return self._run_calls(parsed.calls, parsed.errors)
         if self._env_step is None:
@@ -166,6 +166,15 @@ class Episode:
         if reward is not None:
             self._step_rewards.append(reward)
         return self._observation(observation), bool(done)
+
+    def _parsed(self, text: str):
+        """The tool calls in `text`; a user's parser (rollout.tool_format) is watched, as it runs on
+        every turn."""
+        if tool_parser(self.tool_format) is None:
+            return parse_tool_calls(text, self.tool_format)
+        label = f"rollout.tool_format parser {self.tool_format!r}"
+        with self.watchdog.watching(label, label, "Ctrl-C stops the run and says how to resume"):
+            return parse_tool_calls(text, self.tool_format)
 
     def reward(self) -> Optional[float]:
         """The environment's reward for the episode: its `get_reward()` when it has one, else the
