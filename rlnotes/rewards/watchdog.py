@@ -9,6 +9,7 @@ slow judge is worth waiting for): it says which call the run is waiting for and 
 from __future__ import annotations
 
 import itertools
+import math
 import statistics
 import sys
 import threading
@@ -39,20 +40,59 @@ class _Running:
     start: float
     usual: Optional[float]
     due: float        # when it is named (time.monotonic())
+    say: Callable[[str], None]
+
+
+class _Watcher:
+    """The calls being watched in this process and the one daemon thread that names them: it
+    sleeps until the soonest is due (woken only when a call due sooner comes in)."""
+
+    def __init__(self):
+        self.running: Dict[int, _Running] = {}
+        self.keys = itertools.count()
+        self.changed = threading.Condition()
+        self.thread: Optional[threading.Thread] = None
+        self.wakes_at = math.inf
+
+    def add(self, call: _Running) -> int:
+        with self.changed:
+            key = next(self.keys)
+            self.running[key] = call
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._watch, name="rlnotes watchdog", daemon=True)
+                self.thread.start()
+            if call.due < self.wakes_at:
+                self.changed.notify()
+        return key
+
+    def remove(self, key: int) -> None:
+        with self.changed:
+            self.running.pop(key, None)
+
+    def _watch(self) -> None:
+        while True:
+            with self.changed:
+                now = time.monotonic()
+                due = [self.running.pop(k) for k, r in list(self.running.items()) if r.due <= now]
+                if not due:
+                    self.wakes_at = min((r.due for r in self.running.values()), default=math.inf)
+                    self.changed.wait(None if self.wakes_at == math.inf else self.wakes_at - now)
+                    continue
+            for call in due:
+                call.say(message(call, time.monotonic()))
+
+
+_WATCHER = _Watcher()
 
 
 class Watchdog:
-    """Names calls still running long after their usual time (module docstring) through `say`,
-    from a daemon thread that sleeps until the next call is due. `usual` and `record` keep each
-    name's recent times; `watching(name, label, hint)` watches one call."""
+    """Names calls still running long after their usual time (module docstring) through `say`.
+    `usual` and `record` keep each name's recent times; `watching(name, label, hint)` watches one
+    call (or `start` and `stop`, for a call that ends in another thread)."""
 
     def __init__(self, say: Callable[[str], None] = say_on_stderr):
         self.say = say
         self._times: Dict[str, deque] = {}
-        self._running: Dict[int, _Running] = {}
-        self._keys = itertools.count()
-        self._changed = threading.Condition()
-        self._thread: Optional[threading.Thread] = None
 
     def usual(self, name: str) -> Optional[float]:
         """The median time of `name`'s recent calls; None before its third."""
@@ -66,18 +106,11 @@ class Watchdog:
         """Watch a call of `name` from now on; returns the key that `stop` takes."""
         now, usual = time.monotonic(), self.usual(name)
         wait = max(HANG_FACTOR * usual, HANG_MIN_S) if usual is not None else HANG_MIN_S
-        key = next(self._keys)
-        with self._changed:
-            self._running[key] = _Running(label, hint, now, usual, now + wait)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._watch, name="rlnotes watchdog", daemon=True)
-                self._thread.start()
-            self._changed.notify()
-        return key
+        return _WATCHER.add(_Running(label, hint, now, usual, now + wait, self.say))
 
-    def stop(self, key: int) -> None:
-        with self._changed:
-            self._running.pop(key, None)
+    @staticmethod
+    def stop(key: int) -> None:
+        _WATCHER.remove(key)
 
     @contextmanager
     def watching(self, name: str, label: str, hint: str) -> Iterator[None]:
@@ -86,18 +119,6 @@ class Watchdog:
             yield
         finally:
             self.stop(key)
-
-    def _watch(self) -> None:
-        while True:
-            with self._changed:
-                now = time.monotonic()
-                due = [self._running.pop(k) for k, r in list(self._running.items()) if r.due <= now]
-                if not due:
-                    soonest = min((r.due for r in self._running.values()), default=None)
-                    self._changed.wait(None if soonest is None else soonest - now)
-                    continue
-            for call in due:
-                self.say(message(call, time.monotonic()))
 
 
 def message(call: _Running, now: float) -> str:
