@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from rlnotes.agents.builtin import ENVIRONMENTS, TOOLS, LettersEnv, calculator
-from rlnotes.agents.environments import EnvironmentFailure, Episode, load_environment
+from rlnotes.agents.environments import EnvironmentFailure, Episode, is_step_style, load_environment
 from rlnotes.agents.tools import (
     load_tools,
     parse_tool_calls,
@@ -26,6 +26,7 @@ from rlnotes.agents.tools import (
     tools_system_prompt,
 )
 from rlnotes.core.errors import ConfigError
+from tests.trl_environments import IncrementEnv, MyEchoEnv
 
 
 def add(a: int, b: float = 1.0) -> float:
@@ -530,6 +531,91 @@ def test_step_style_environment_without_tools_steps_on_tool_like_text():
     episode.start({"target": 1})
     assert episode.step(call("add", a=1))[0] == [{"role": "user", "content": "Wrong, try again."}]
     assert episode.tool_calls == 0 and episode.reward() == -0.25
+
+
+class DocumentedGymStep:
+    """A gym-style step written with a tool's type hints and docstring, annotated to return a tuple."""
+
+    def reset(self, **row):
+        return None
+
+    def step(self, action: str) -> tuple[str, float, bool]:
+        """Act.
+
+        Args:
+            action: The model's reply.
+        """
+        return "again", 0.0, False
+
+
+class UntypedTrlLikeStep:
+    """A step whose argument TRL could not describe (no type hint): read step-style."""
+
+    def reset(self, **row):
+        return None
+
+    def step(self, message):
+        """Echo.
+
+        Args:
+            message: The message.
+        """
+        return message
+
+
+@pytest.mark.parametrize("cls, step_style", [
+    (LettersEnv, True),             # step(self, action: str) -> Tuple[...], no docstring
+    (Guess, True),                  # typed, no docstring
+    (DocumentedGymStep, True),      # a tool's docstring, but -> tuple[...]
+    (UntypedTrlLikeStep, True),     # no type hint
+    (MyEchoEnv, False),             # TRL's echo example: step(self, message: str) -> str, Args: section
+    (Counter, False),               # no step
+    (IncrementEnv, False),
+])
+def test_auto_reads_a_class_as_trl_does_unless_its_step_is_gyms(cls, step_style):
+    assert is_step_style(cls(), "auto") is step_style
+    assert is_step_style(cls(), "gym") and not is_step_style(cls(), "tools")
+
+
+def test_trls_echo_example_runs_its_step_tool():
+    """rlnotes called the tool `step` with the model's reply and stopped: 'environment MyEchoEnv.step
+    returned str, not (observation, reward, done)'."""
+    assert load_environment("tests.trl_environments:MyEchoEnv") is MyEchoEnv
+    episode = Episode([], MyEchoEnv, max_tool_calls=4)
+    assert not episode.step_style and list(episode.tools) == ["step"]
+    assert episode.schemas[0]["function"]["parameters"]["properties"]["message"]["type"] == "string"
+    assert episode.start({"prompt": "Echo 'Hello World!'"}) is None
+    observations, done = episode.step(call("step", message="Hello World!"))
+    assert observations == [{"role": "tool", "name": "step", "content": "Hello World!"}] and not done
+    assert episode.step("Done.") == ([], True)
+    assert episode.reward() == pytest.approx(1.2)
+
+
+def test_env_style_says_how_a_class_is_read():
+    gym = Episode([], MyEchoEnv, max_tool_calls=4, env_style="gym")
+    assert gym.step_style and gym.tools == {}
+    gym.start({})
+    with pytest.raises(EnvironmentFailure) as err:
+        gym.step("hi")
+    assert str(err.value) == "environment MyEchoEnv.step returned str, not (observation, reward, done)"
+    auto = Episode([], lambda: Broken(), max_tool_calls=1)
+    auto.start({})
+    with pytest.raises(EnvironmentFailure, match=r"not \(observation, reward, done\); if step is a tool the model "
+                                                 r"calls, as in TRL's environment_factory, set rollout.env_style=tools$"):
+        auto.step("bad return")
+    tools = Episode([], DocumentedGymStep, max_tool_calls=1, env_style="tools")
+    assert not tools.step_style and list(tools.tools) == ["step"]
+
+
+@pytest.mark.parametrize("spec, style, says", [
+    (f"{__name__}:Counter", "gym", f"rollout.env_style=gym: environment '{__name__}:Counter' (Counter) has no step "
+                                   "method; define step(self, action)"),
+    ("letters", "tools", "rollout.env: tool 'LettersEnv.step' cannot be described to the model"),
+])
+def test_an_env_style_the_class_does_not_fit_is_one_line_when_it_loads(spec, style, says):
+    with pytest.raises(ConfigError) as err:
+        load_environment(spec, style)
+    assert str(err.value).startswith(says) and "\n" not in str(err.value)
 
 
 class Broken:

@@ -17,8 +17,8 @@ from rlnotes.agents.rollouts import run_episodes, score_episodes
 from rlnotes.commands.train import train
 from rlnotes.commands.usage import UsageError
 from rlnotes.core.errors import ConfigError
-from rlnotes.core.schema import RewardConfig, RolloutConfig, TinyModelConfig
-from rlnotes.engine.models import tiny_model, tiny_tokenizer
+from rlnotes.core.schema import ModelConfig, RewardConfig, RolloutConfig, TinyModelConfig
+from rlnotes.engine.models import load_base, tiny_model, tiny_tokenizer
 from rlnotes.engine.policy import sequence_logprobs
 from rlnotes.notes.grpo import grpo_loss
 from rlnotes.rewards.scoring import RewardFailure, Rewards
@@ -258,6 +258,45 @@ def test_every_on_policy_algorithm_trains_on_episodes(tmp_path, algo):
     assert all(r["loss"] == r["loss"] for r in rows)  # finite, not NaN
 
 
+def trl_rows(env: str) -> list:
+    """Rows as TRL's examples give them: the echo example's one prompt, the counter's prompt and target."""
+    if env == "MyEchoEnv":
+        return [{"prompt": [{"role": "user", "content": "Try to echo 'Hello World!' in the environment."}]}] * 16
+    return [{"prompt": [{"role": "user", "content": f"Increment the counter to {i}."}], "target": i}
+            for i in list(range(1, 7)) * 3]
+
+
+@pytest.mark.parametrize("env", ["MyEchoEnv", "IncrementEnv"])
+def test_trls_environment_examples_train_on_the_tiny_model(tmp_path, env):
+    """TRL's echo example stopped after the model loaded: 'environment MyEchoEnv.step returned str,
+    not (observation, reward, done)' (its tool is named step)."""
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in trl_rows(env)))
+    # The tools' descriptions in the system prompt are ~900 of the tiny tokenizer's characters: the
+    # tiny model saved with room for more than its built-in 512 positions.
+    model, tokenizer = load_base(OmegaConf.structured(ModelConfig()))
+    model.config.max_position_embeddings = 2048
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    rows = run(tmp_path / "run", "rollout=multi_turn", f"rollout.env=tests.trl_environments:{env}", "reward=env",
+               "data=file", f"data.path={data}", "rollout.max_turns=2", "rollout.max_new_tokens=6",
+               f"model.name_or_path={tmp_path / 'model'}", "trainer.steps=2")
+    assert len(rows) == 2 and all(r["loss"] == r["loss"] for r in rows)
+
+
+@pytest.mark.parametrize("env, call, result, reward", [
+    ("MyEchoEnv", '{"name": "step", "arguments": {"message": "Hello World!"}}', "Hello World!", 1.2),
+    ("IncrementEnv", '{"name": "increment", "arguments": {"step": 3}}', "3", 1.0),
+])
+def test_trls_environment_examples_run_their_tools_in_an_episode(env, call, result, reward):
+    tok = templated_tokenizer()
+    row = {**trl_rows(env)[2], "prompt": [{"role": "user", "content": "Go."}]}
+    conv = Conversations(agents(env=f"tests.trl_environments:{env}", max_turns=3), tok, [row], 1, True)
+    play(conv, tok, [f"<tool_call>\n{call}\n</tool_call>", "Done."])
+    assert conv.messages[0][3] == {"role": "tool", "name": call.split('"')[3], "content": result}
+    assert conv.env_rewards().tolist() == pytest.approx([reward])
+
+
 @pytest.mark.parametrize("overrides, message", [
     (("rollout.max_turns=3",), "rollout.max_turns=3 needs something to answer the model"),
     (("rollout.tools=[calculator]",), "rollout.tools need rollout.max_turns >= 2"),
@@ -266,6 +305,8 @@ def test_every_on_policy_algorithm_trains_on_episodes(tmp_path, algo):
     (("rollout=multi_turn", "rollout.env=letters", "rollout.max_episode_tokens=8"), "not even one whole turn fits"),
     (("rollout=multi_turn", "rollout.tools=[nope_tool]"), "rollout.tools"),
     (("rollout=multi_turn", "rollout.env=no.such:Env"), "rollout.env"),
+    (("rollout=multi_turn", "rollout.env=letters", "rollout.env_style=trl"),
+     "rollout.env_style='trl' is not valid; choose one of: auto, gym, tools"),
 ])
 def test_multi_turn_mistakes_get_one_clear_line(tmp_path, overrides, message):
     with pytest.raises((ConfigError, UsageError), match=message.replace("[", r"\[").replace("(", r"\(")):

@@ -37,6 +37,7 @@ class Agents:
     tool_format: str
     tool_timeout: Optional[float]
     env_timeout: Optional[float] = None
+    env_style: str = "auto"   # rollout.env_style: how the environment's class is read
     # Names the environment's and tools' calls that run far past their usual time; one for the run,
     # so that its usual times are the run's.
     watchdog: Watchdog = field(default_factory=Watchdog, compare=False)
@@ -46,13 +47,15 @@ class Agents:
         """The settings of rollout.tools / rollout.env, or None when a run has neither (single turn)."""
         if not rollout.tools and not rollout.env:
             return None
-        return cls(tuple(load_tools(list(rollout.tools))), load_environment(rollout.env) if rollout.env else None,
-                   rollout.max_turns, rollout.max_tool_calls, rollout.max_episode_tokens, rollout.tool_format,
-                   rollout.tool_timeout, rollout.env_timeout)
+        tools = tuple(load_tools(list(rollout.tools)))
+        env = load_environment(rollout.env, rollout.env_style) if rollout.env else None
+        return cls(tools, env, rollout.max_turns, rollout.max_tool_calls,
+                   rollout.max_episode_tokens, rollout.tool_format, rollout.tool_timeout, rollout.env_timeout,
+                   rollout.env_style)
 
     def episode(self) -> Episode:
         return Episode(list(self.tools), self.env_factory, self.max_tool_calls, self.tool_format, self.tool_timeout,
-                       self.env_timeout, self.watchdog)
+                       self.env_timeout, self.watchdog, self.env_style)
 
 
 def _with_start(messages: List[dict], start) -> List[dict]:
@@ -157,7 +160,7 @@ class Conversations:
             text = self.tokenizer.decode(turn, skip_special_tokens=True)
             self.messages[i].append({"role": "assistant", "content": text})
             episode = self.episodes[i]
-            if final and not callable(getattr(episode.env, "step", None)):  # nothing would read a tool's result
+            if final and not episode.step_style:  # nothing would read a tool's result
                 out.append(None)
                 continue
             observation, done = episode.step(text)

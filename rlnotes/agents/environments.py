@@ -4,11 +4,15 @@ A user's environment (`rollout.env`) is a class whose instance lives for one epi
 are read, close to the libraries users port from:
 
 - TRL-style (TRL's `environment_factory`): `reset(**row)` and public methods that the model calls
-  as tools (each with type hints and a Google-style docstring); `get_reward()` may score the
-  episode. Its episode ends when the model writes no tool call.
+  as tools (each with type hints and a Google-style docstring), every one but `reset` and
+  `get_reward`, as TRL takes them: a method named `step` is a tool too (TRL's echo example's is);
+  `get_reward()` may score the episode. Its episode ends when the model writes no tool call.
 - step-style (gym, OpenEnv): `reset(**row)` and `step(action) -> (observation, reward, done)` (or
   an object with `.observation`, `.reward`, `.done`, as OpenEnv's StepResult); the model's reply is
   the action, the observation comes back as a user message, and the step rewards add up.
+
+`rollout.env_style` says which (gym or tools), or auto decides by the class's `step`
+(`is_step_style`), when the environment loads, before the model does.
 
 `Episode` gives both, and tools without an environment, one face: `start(row)`, `step(text)`,
 `reward()`, with counters of turns, tool calls and their failures. The environment gets its own
@@ -22,8 +26,11 @@ cannot be read) is an EnvironmentFailure naming the method.
 from __future__ import annotations
 
 import copy
+import inspect
 import math
+import re
 import time
+import typing
 from typing import Callable, Dict, List, Optional, Tuple, Union
 
 from rlnotes.agents.builtin import ENVIRONMENTS
@@ -32,8 +39,8 @@ from rlnotes.core.errors import ConfigError
 from rlnotes.rewards.loading import accepted_names, first_line, resolve_callable
 from rlnotes.rewards.watchdog import Finished, Watchdog, in_thread
 
-# Methods of a TRL-style environment that the model never calls as tools.
-NOT_TOOLS = ("reset", "step", "get_reward")
+# Methods of a TRL-style environment that the model never calls as tools: TRL's reserved two.
+NOT_TOOLS = ("reset", "get_reward")
 # How the watchdog's line says to bound an environment's calls.
 HANG_HINT = "rollout.env_timeout=SECONDS bounds its calls; Ctrl-C stops the run and says how to resume"
 
@@ -43,11 +50,12 @@ class EnvironmentFailure(RuntimeError):
     environment, unlike a failed tool call (the model's), which the model is told about."""
 
 
-def load_environment(spec: str) -> Callable[[], object]:
+def load_environment(spec: str, style: str = "auto") -> Callable[[], object]:
     """The factory (a class or zero-argument callable) that `rollout.env` names: a built-in
     (`rlnotes.agents.builtin.ENVIRONMENTS`) or 'pkg.module:Class' / 'path/to/env.py:Class'. One
-    instance is made here, as TRL does, to check before a model loads that it has a `reset` and
-    that the methods the model would call can be described to it."""
+    instance is made here, as TRL does, to check before a model loads that it has a `reset`, that it
+    is of the `style` (rollout.env_style) asked for, and that the methods the model would call can be
+    described to it."""
     factory = resolve_callable(spec, ENVIRONMENTS, "rollout.env: environment", ("envs", "MyEnv"))
     try:
         env = factory()
@@ -59,15 +67,55 @@ def load_environment(spec: str) -> Callable[[], object]:
     if not callable(getattr(env, "reset", None)):
         raise ConfigError(f"rollout.env: environment {spec!r} ({type(env).__name__}) has no reset method; define "
                           "reset(self, **row) returning None, a string or a list of messages")
-    for method in env_tools(env).values():
+    if style == "gym" and not callable(getattr(env, "step", None)):
+        raise ConfigError(f"rollout.env_style=gym: environment {spec!r} ({type(env).__name__}) has no step method; "
+                          "define step(self, action) returning (observation, reward, done), or set "
+                          "rollout.env_style=tools (its public methods are the model's tools, as in TRL)")
+    for method in env_tools(env, is_step_style(env, style)).values():
         tool_schema(method, "rollout.env")
     return factory
 
 
-def env_tools(env) -> Dict[str, Callable]:
+def is_step_style(env, style: str = "auto") -> bool:
+    """Whether `env` is read step-style (gym, OpenEnv), not TRL-style, as rollout.env_style says:
+    gym, tools, or auto, which goes by the class's `step` method:
+
+    - no `step`: TRL-style;
+    - a `step` that TRL could offer the model as a tool, and not annotated to return a tuple:
+      TRL-style, `step` being one of the tools (TRL's echo example, `step(self, message: str) -> str`
+      with its Args: section). TRL's tools need a type hint and a line in a Google-style docstring's
+      Args: section for every parameter; `tool_schema` (transformers' get_json_schema), which
+      describes tools to the model, checks exactly that;
+    - any other `step` (gym's `step(self, action)`, untyped or without that docstring, or annotated
+      `-> Tuple[...]`): step-style.
+    """
+    if style != "auto":
+        return style == "gym"
+    step = getattr(env, "step", None)
+    if not callable(step):
+        return False
+    try:
+        tool_schema(step)
+    except ConfigError:  # not describable as a tool
+        return True
+    return _returns_tuple(step)
+
+
+def _returns_tuple(fn: Callable) -> bool:
+    """Whether `fn`'s return annotation is a tuple (tuple, Tuple[...], 'tuple[...]' unresolved)."""
+    try:
+        annotation = typing.get_type_hints(fn).get("return")
+    except Exception:  # noqa: BLE001 - a string annotation naming what is not importable here
+        annotation = inspect.signature(fn).return_annotation
+    if isinstance(annotation, str):
+        return re.match(r"\s*(typing\.)?[Tt]uple\b", annotation) is not None
+    return annotation is tuple or typing.get_origin(annotation) is tuple
+
+
+def env_tools(env, step_style: bool) -> Dict[str, Callable]:
     """The methods of a TRL-style environment that the model may call, bound to `env`: its public
-    ones but reset, step and get_reward. A step-style environment (one with `step`) has none."""
-    if callable(getattr(env, "step", None)):
+    ones but reset and get_reward (step included). A step-style environment has none."""
+    if step_style:
         return {}
     out = {}
     for name in dir(type(env)):
@@ -105,7 +153,7 @@ class Episode:
 
     def __init__(self, tools: List[Callable], env_factory: Optional[Callable], max_tool_calls: int,
                  tool_format: str = "hermes", tool_timeout: Optional[float] = None,
-                 env_timeout: Optional[float] = None, watchdog: Optional[Watchdog] = None):
+                 env_timeout: Optional[float] = None, watchdog: Optional[Watchdog] = None, env_style: str = "auto"):
         tool_parser(tool_format)  # an unknown format fails here, before any turn
         self.env_timeout = env_timeout
         self.watchdog = watchdog or Watchdog()
@@ -117,13 +165,14 @@ class Episode:
         self.tool_format = tool_format
         self.tool_timeout = tool_timeout
         self.tools: Dict[str, Callable] = {fn.__name__: fn for fn in tools}
-        for name, method in env_tools(self.env).items() if self.env is not None else ():
+        self.env_style = env_style
+        self.step_style = self.env is not None and is_step_style(self.env, env_style)
+        for name, method in env_tools(self.env, self.step_style).items() if self.env is not None else ():
             if name in self.tools:
                 raise ConfigError(f"rollout.env: method {name!r} of {type(self.env).__name__} has the name of a "
                                   "tool in rollout.tools; rename one of them")
             self.tools[name] = method
-        step = getattr(self.env, "step", None)
-        self._env_step = step if callable(step) else None   # a step-style environment's step
+        self._env_step = self.env.step if self.step_style else None
         self._step_rewards: List[float] = []
         self.turns = self.tool_calls = self.tool_failures = 0
 
@@ -161,7 +210,9 @@ class Episode:
         elif all(hasattr(result, a) for a in ("observation", "reward", "done")):
             observation, reward, done = result.observation, result.reward, result.done
         else:
-            raise self._failure("step", f"returned {type(result).__name__}, not (observation, reward, done)")
+            hint = ("; if step is a tool the model calls, as in TRL's environment_factory, set rollout.env_style=tools"
+                    if self.env_style == "auto" else "")
+            raise self._failure("step", f"returned {type(result).__name__}, not (observation, reward, done){hint}")
         reward = self._number("step", reward, "the reward ")
         if reward is not None:
             self._step_rewards.append(reward)

@@ -36,6 +36,7 @@ from rlnotes.core.checks import (
     DEVICES,
     DIRECTIONS,
     ENGINES,
+    ENV_STYLES,
     PRECISIONS,
     RANGES,
     SCHEDULES,
@@ -50,8 +51,8 @@ from rlnotes.data.settings import OVERLONG, SOURCES
 # Settings that name one of a fixed set of options, and the tables the checks hold them to
 # (an algorithm's own are its declaration's `choices`).
 CHOICES = {"optim.schedule": SCHEDULES, "hardware.device": DEVICES, "hardware.precision": PRECISIONS,
-           "hardware.strategy": STRATEGIES, "rollout.engine": ENGINES, "sweep.direction": DIRECTIONS,
-           "data.source": SOURCES, "data.overlong": OVERLONG}
+           "hardware.strategy": STRATEGIES, "rollout.engine": ENGINES, "rollout.env_style": ENV_STYLES,
+           "sweep.direction": DIRECTIONS, "data.source": SOURCES, "data.overlong": OVERLONG}
 # Config groups, in the order of conf/config.yaml's defaults.
 GROUPS = ("algo", "model", "reward", "data", "hardware", "rollout", "logging", "experiment")
 REGENERATE = "rlnotes config --markdown > docs/config.md"

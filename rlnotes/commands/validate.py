@@ -16,6 +16,7 @@ from rlnotes.core.checks import (
     DEVICES,
     DIRECTIONS,
     ENGINES,
+    ENV_STYLES,
     PRECISIONS,
     SCHEDULES,
     STRATEGIES,
@@ -171,7 +172,7 @@ def validate(cfg) -> Algorithm:
     the algorithm that algo.name names."""
     algo = algorithm(cfg.algo.name)
     choices = {"optim.schedule": SCHEDULES, "hardware.device": DEVICES, "hardware.precision": PRECISIONS,
-               **algo.choices}
+               "rollout.env_style": ENV_STYLES, **algo.choices}
     for key, valid in choices.items():
         if OmegaConf.select(cfg, key, default=None) is not None:
             check_choice(key, OmegaConf.select(cfg, key), valid)

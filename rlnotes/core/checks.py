@@ -21,6 +21,8 @@ DEVICES = ("cpu", "cuda", "auto")
 STRATEGIES = ("ddp", "fsdp")
 # rollout.engine: what samples completions.
 ENGINES = ("hf", "vllm")
+# rollout.env_style: how an environment's class is read (rlnotes.agents.environments.is_step_style).
+ENV_STYLES = ("auto", "gym", "tools")
 # sweep.direction: the sense of the objective a sweep optimizes.
 DIRECTIONS = ("maximize", "minimize")
 

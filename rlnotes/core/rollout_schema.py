@@ -56,6 +56,12 @@ class RolloutConfig:
     # 'path/to/env.py:Class' with reset(**row), and step(action) -> (observation, reward, done) or,
     # as TRL's environment_factory takes, public methods that become tools and get_reward().
     env: Optional[str] = None
+    # How rollout.env's class is read: gym (step-style: the model's reply goes to step(action), which
+    # returns (observation, reward, done)), tools (TRL's environment_factory: every public method but
+    # reset and get_reward is a tool, step included), or auto: tools unless the class has a step that
+    # TRL could not offer as a tool (a parameter without a type hint or without a line in a Google-style
+    # docstring's Args:) or that is annotated to return a tuple. Decided before the model loads.
+    env_style: str = "auto"
     # Tool calls an episode may make; calls past it get an error message and end the episode.
     max_tool_calls: int = 8
     # Tokens of an episode after its prompt; null = only the turns bound it. The model's and the
