@@ -24,6 +24,7 @@ first step, warm-up steps included, on the experiment's 200 held-out test proble
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
@@ -179,16 +180,22 @@ def table(curves: Dict[str, List[Dict[str, float]]]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Optional[List[str]] = None) -> None:
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rlnotes-run", type=Path, help="an rlnotes run of the experiment already made (its metrics)")
     p.add_argument("--out", type=Path, default=Path("runs/arith-vs-trl"))
     p.add_argument("overrides", nargs="*", help="overrides of the experiment, given to both sides")
     p.add_argument("--worker", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    args = parse_args(argv)
     if args.worker:
         return trl_worker(json.loads(Path(args.worker).read_text()))
+    if importlib.util.find_spec("trl") is None:  # before the rlnotes run, which takes an hour
+        raise SystemExit('arith_vs_trl.py needs TRL 1.16 (pip extra bench): pip install -e ".[bench]"')
     from rlnotes.engine.models import smollm2_dir
     from rlnotes.engine.threads import auto_threads
 

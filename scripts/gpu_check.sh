@@ -38,7 +38,8 @@ run() {  # NAME TIMEOUT ARGS...: one rlnotes train run, its log and its step tim
   fi
 }
 
-SMOL=(experiment=smollm2_arith hardware=cuda trainer.steps=8 trainer.eval_every=null)
+# GRPO steps only: the recipe's SFT warm-up (60 steps) would take all 8.
+SMOL=(experiment=smollm2_arith sft_warmup.steps=0 hardware=cuda trainer.steps=8 trainer.eval_every=null)
 run cuda_bf16 150 "${SMOL[@]}"
 run cuda_fp32 150 "${SMOL[@]}" hardware.precision=fp32
 run cuda_multi_turn 150 model=smollm2-135m hardware=cuda experiment=letters_env trainer.steps=8
