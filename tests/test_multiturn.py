@@ -300,6 +300,8 @@ def test_trls_environment_examples_run_their_tools_in_an_episode(env, call, resu
 @pytest.mark.parametrize("overrides, message", [
     (("rollout.max_turns=3",), "rollout.max_turns=3 needs something to answer the model"),
     (("rollout.tools=[calculator]",), "rollout.tools need rollout.max_turns >= 2"),
+    (("rollout.env=letters",), "rollout.env=letters needs rollout.max_turns >= 2 .with one turn the environment "
+                               "never answers the model.: add rollout=multi_turn or set rollout.max_turns=4"),
     (("reward=env",), "reward=env takes the environment's reward alone"),
     (("algo=dpo", "rollout.env=letters"), "algo=dpo learns from fixed rows"),
     (("rollout=multi_turn", "rollout.env=letters", "rollout.max_episode_tokens=8"), "not even one whole turn fits"),

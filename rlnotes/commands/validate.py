@@ -139,6 +139,9 @@ def _check_episodes(cfg, algo: Algorithm) -> None:
     if r.tools and r.max_turns < 2:
         raise ConfigError("rollout.tools need rollout.max_turns >= 2 (a turn to call a tool and one to read its "
                           "result): add rollout=multi_turn or set rollout.max_turns=4")
+    if r.env and r.max_turns < 2:  # refused, not implied: the run's printed config must be the one that runs
+        raise ConfigError(f"rollout.env={r.env} needs rollout.max_turns >= 2 (with one turn the environment never "
+                          "answers the model): add rollout=multi_turn or set rollout.max_turns=4")
     if r.max_episode_tokens is not None and r.max_episode_tokens < r.max_new_tokens:
         raise ConfigError(f"rollout.max_episode_tokens={r.max_episode_tokens} is below rollout.max_new_tokens="
                           f"{r.max_new_tokens}: not even one whole turn fits; raise it or set it to null")

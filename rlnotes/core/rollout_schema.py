@@ -47,7 +47,7 @@ class RolloutConfig:
     tis_cap: Optional[float] = None
     # Model turns per episode; 1 = one completion per prompt. Multi-turn episodes (rollout=multi_turn;
     # rlnotes.engine.episodes): turns of at most max_new_tokens each, with tool results or the
-    # environment's replies between them. With 1, tools and an environment that scores one turn still work.
+    # environment's replies between them; rollout.tools and rollout.env need at least 2 (multi_turn sets 4).
     max_turns: int = 1
     # Tools the model may call: built-in names (calculator) or your functions, 'pkg.module:fn' or
     # 'path/to/tools.py:fn', typed and with a docstring (their JSON schemas come from the signature).
