@@ -1,0 +1,216 @@
+"""Each script in scripts/ runs on a tiny input. scripts/bench_trl.py has its own tests
+(tests/test_bench_trl.py); a script's documented commands also run in tests/test_documented_commands.py.
+
+Scripts that start a process per measurement (bench.py, bench_threads.py) run here with that
+process replaced by the same work in this one (8 s of imports each saved); their slow variants
+start the processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from tests.conftest import compose
+from tests.test_documented_commands import ROOT, _script, composed
+
+
+def _in_process(monkeypatch, module):
+    """`module.subprocess.run` of `python -m rlnotes ...` runs rlnotes.commands.cli.main here."""
+    from rlnotes.commands.cli import main
+
+    def run(cmd, **kwargs):
+        assert cmd[1:3] == ["-m", "rlnotes"], cmd
+        return subprocess.CompletedProcess(cmd, main(list(cmd[3:])), "", "")
+
+    monkeypatch.setattr(module.subprocess, "run", run)
+
+
+# --------------------------------------------------------------------------------------------- bench.py
+
+
+def test_bench_prints_a_row_per_model(tmp_path, monkeypatch, capsys):
+    bench = _script("bench")
+
+    def worker(cmd, **kwargs):  # the `--one MODEL` process, in this one
+        assert cmd[2] == "--one"
+        return subprocess.CompletedProcess(cmd, 0, json.dumps(bench.run_one(cmd[3], int(cmd[5]))) + "\n", "")
+
+    monkeypatch.setattr(bench.subprocess, "run", worker)
+    monkeypatch.setattr(bench, "matmul_gflops", lambda threads: 50.0)  # 22 GFLOP of timing: not this test's point
+    monkeypatch.setattr(sys, "argv", ["bench.py", "--models", "tiny", "--steps", "2"])
+    bench.main()
+    out = capsys.readouterr().out.splitlines()
+    assert out[1].startswith("model | threads | step s")
+    row = out[2].split(" | ")
+    assert row[0] == "tiny" and row[1] == "1" and float(row[2]) > 0 and float(row[-1]) > 0, out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("argv", [["--models", "tiny", "--steps", "2"],
+                                  ["--shared-prompt", "--layers", "1", "--rounds", "1", "--threads", "1"]])
+def test_bench_as_a_command(argv, tmp_path):
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), *argv], capture_output=True,
+                          text=True, cwd=tmp_path, timeout=600, env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"})
+    assert done.returncode == 0 and "failed" not in done.stdout, done.stdout + done.stderr
+
+
+# --------------------------------------------------------------------------------------------- bench_threads.py
+
+
+def test_bench_threads_times_one_and_all_cores(monkeypatch, capsys):
+    bench = _script("bench_threads")
+    _in_process(monkeypatch, bench)
+    monkeypatch.setattr(sys, "argv", ["bench_threads.py", "--widths", "64", "--steps", "1", "--rounds", "1"])
+    bench.main()
+    row = capsys.readouterr().out.strip().splitlines()[-1].split(" | ")
+    assert row[0] == "tiny hidden 64" and 0.05 < float(row[1]) < 1 and float(row[2]) > 0 and float(row[3]) > 0, row
+
+
+@pytest.mark.slow
+def test_bench_threads_as_a_command(tmp_path):
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_threads.py"), "--widths", "64", "--steps",
+                           "3", "--rounds", "1"], capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    assert done.returncode == 0 and "tiny hidden 64 |" in done.stdout, done.stdout + done.stderr
+
+
+# --------------------------------------------------------------------------------------------- arith_vs_trl.py
+
+
+def test_arith_vs_trl_without_trl_says_so_before_any_run(tmp_path, monkeypatch):
+    vs = _script("arith_vs_trl")
+    find_spec = vs.importlib.util.find_spec
+    monkeypatch.setattr(vs.importlib.util, "find_spec", lambda name: None if name == "trl" else find_spec(name))
+    monkeypatch.setattr(vs, "run_rlnotes", lambda *a: pytest.fail("an rlnotes run started"))
+    with pytest.raises(SystemExit) as e:
+        vs.main(["--out", str(tmp_path / "out")])
+    assert 'pip install -e ".[bench]"' in str(e.value.code)
+    assert not (tmp_path / "out").exists()
+
+
+def test_arith_vs_trl_reads_the_recipe_and_a_run(tmp_path):
+    """Its rlnotes half on the tiny model: the experiment's problems (held-out ones apart) and the
+    curve and table of a run's evaluations."""
+    vs = _script("arith_vs_trl")
+    cfg, train, test = vs.recipe(0, ["model=tiny", "data.train_size=16", "data.eval_size=8"])
+    assert cfg.model.name_or_path == "tiny" and len(train) == 16 and len(test) == 8
+    assert not {r["prompt"] for r in train} & {r["prompt"] for r in test}
+    rows = [{"step": 0, "eval/accuracy": 0.25, "time/eval_s": 3.0, "time/elapsed_s": 3.0},
+            {"step": 1, "time/step_s": 2.0, "time/elapsed_s": 5.0},
+            {"step": 2, "eval/accuracy": 0.75, "time/eval_s": 1.0, "time/elapsed_s": 8.0}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    curve = vs.rlnotes_curve(tmp_path)
+    assert curve == [{"step": 0, "train_s": 0.0, "accuracy": 0.25}, {"step": 2, "train_s": 4.0, "accuracy": 0.75}]
+    assert vs.time_to(curve, 0.5) == 4.0 and vs.time_to(curve, 0.9) is None
+    table = vs.table({"rlnotes": curve, "TRL 1.16": curve[:1]})
+    assert "| training time to 50% | 0.1 min | not reached |" in table and "| final accuracy | 75.0% | 25.0% |" in table
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_arith_vs_trl_two_steps_of_each_tool(tmp_path):
+    """The whole comparison, cut to 2 steps (a warm-up step and a GRPO step) and 8 held-out problems,
+    on SmolLM2 (its TRL side renders chat prompts: the tiny model has no chat template)."""
+    pytest.importorskip("trl")
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "arith_vs_trl.py"), "--out", str(tmp_path),
+                           "trainer.steps=2", "sft_warmup.steps=1", "trainer.eval_every=1", "data.eval_size=8"],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=1700)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "| final accuracy |" in done.stdout
+
+
+# --------------------------------------------------------------------------------------------- calculator_sft_data.py
+
+
+def test_calculator_demonstrations_are_training_problems_in_the_rollouts_form(tmp_path):
+    from rlnotes.commands.check import check
+    from rlnotes.data.tasks import arith
+
+    calc = _script("calculator_sft_data")
+    out = tmp_path / "calc.jsonl"
+    assert calc.main([str(out), "data.train_size=8"]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    cfg = check(["experiment=smollm2_calculator"], False, None)[0]
+    _, held_out = arith(cfg.data)
+    assert len(rows) == 8 and not {r["prompt"][1]["content"] for r in rows} & {r["prompt"] for r in held_out}
+    for i, row in enumerate(rows):
+        system, user = row["prompt"][:2]
+        assert system["content"].startswith(cfg.data.system_prompt) and "<tools>" in system["content"]
+        assert user["content"].startswith("What is ") and len(user["content"].split("+")[0]) == len("What is 123")
+        if i % 2 == 0:
+            assert row["completion"].startswith('<tool_call>{"name": "calculator"') and len(row["prompt"]) == 2
+        else:
+            assert [m["role"] for m in row["prompt"][2:]] == ["assistant", "tool"]
+            a, b = user["content"].removeprefix("What is ").split("?")[0].split("+")
+            assert row["completion"] == row["prompt"][3]["content"] == str(int(a) + int(b))
+
+
+def test_calculator_demonstrations_refuse_a_wrong_setting_in_one_line(tmp_path, capsys):
+    calc = _script("calculator_sft_data")
+    assert calc.main([str(tmp_path / "calc.jsonl"), "data.trainsize=8"]) == 2
+    assert "did you mean data.train_size?" in capsys.readouterr().err
+    assert calc.main([]) == 2 and not (tmp_path / "calc.jsonl").exists()
+
+
+# --------------------------------------------------------------------------------------------- smollm2_arith_report.py
+
+
+def test_smollm2_arith_report_of_a_tiny_run(tmp_path, monkeypatch, capsys):
+    """The recipe on the tiny model (a warm-up step, a GRPO step, evaluations), then its report."""
+    from rlnotes.commands.train import train
+
+    run = tmp_path / "run"
+    train(compose("experiment=smollm2_arith", "model=tiny", "trainer.steps=2", "sft_warmup.steps=1",
+                  "trainer.eval_every=1", "eval.size=4", "data.train_size=16", "data.eval_size=4",
+                  "logging.progress=false"), run, Console(quiet=True))
+    report = _script("smollm2_arith_report")
+    monkeypatch.setattr(sys, "argv", ["smollm2_arith_report.py", str(run), "--out", str(tmp_path / "fig.png")])
+    report.main()
+    out = capsys.readouterr().out
+    assert (tmp_path / "fig.png").stat().st_size > 0
+    assert f"## {run} (seed 0)" in out and "SFT warm-up: 1 steps" in out and "held-out problems fixed" in out
+
+
+# --------------------------------------------------------------------------------------------- gpu_check.sh
+
+# Stand-ins for the venv's python, rlnotes and pip: a GPU machine as the script sees one (two GPUs,
+# vllm installs); rlnotes records its command line.
+FAKE_PYTHON = """#!/bin/sh
+case "$*" in
+  *device_count\\(\\)\\)*) echo 2 ;;
+  *assert*) echo "2 GPU(s): a stand-in" ;;
+  -*) cat > /dev/null ;;
+esac
+"""
+FAKE_RLNOTES = """#!/bin/sh
+printf '%s\\n' "$*" >> "$(dirname "$0")/../../rlnotes_calls.log"
+"""
+
+
+def test_gpu_check_parses_and_its_runs_compose_on_a_gpu(tmp_path, monkeypatch):
+    """gpu_check.sh needs CUDA to do its work: here it runs against stand-ins for a GPU machine's
+    venv (no process but bash starts), and every `rlnotes train` it would run is composed and
+    validated as on a GPU (vllm, not installed here, is the only error allowed)."""
+    script = ROOT / "scripts" / "gpu_check.sh"
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(script, tmp_path / "scripts" / "gpu_check.sh")
+    bin_dir = tmp_path / ".venv" / "bin"
+    bin_dir.mkdir(parents=True)
+    for name, text in (("python", FAKE_PYTHON), ("rlnotes", FAKE_RLNOTES), ("pip", "#!/bin/sh\n")):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod((bin_dir / name).stat().st_mode | stat.S_IEXEC)
+    done = subprocess.run(["bash", str(tmp_path / "scripts" / "gpu_check.sh"), "out"], capture_output=True,
+                          text=True, cwd=tmp_path, timeout=60)
+    assert done.returncode == 0, done.stderr
+    calls = [line.split() for line in (tmp_path / "rlnotes_calls.log").read_text().splitlines()]
+    assert len(calls) == 6 and all(c[0] == "train" for c in calls), calls  # 3 on one GPU, ddp, 2 vllm
+    for call in calls:
+        composed(call[1:], " ".join(call), monkeypatch, "scripts/gpu_check.sh")
