@@ -272,16 +272,50 @@ def test_trls_environment_examples_train_on_the_tiny_model(tmp_path, env):
     not (observation, reward, done)' (its tool is named step)."""
     data = tmp_path / "rows.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in trl_rows(env)))
-    # The tools' descriptions in the system prompt are ~900 of the tiny tokenizer's characters: the
-    # tiny model saved with room for more than its built-in 512 positions.
-    model, tokenizer = load_base(OmegaConf.structured(ModelConfig()))
-    model.config.max_position_embeddings = 2048
-    model.save_pretrained(tmp_path / "model")
-    tokenizer.save_pretrained(tmp_path / "model")
     rows = run(tmp_path / "run", "rollout=multi_turn", f"rollout.env=tests.trl_environments:{env}", "reward=env",
                "data=file", f"data.path={data}", "rollout.max_turns=2", "rollout.max_new_tokens=6",
-               f"model.name_or_path={tmp_path / 'model'}", "trainer.steps=2")
+               f"model.name_or_path={roomy_tiny_model(tmp_path / 'model')}", "trainer.steps=2")
     assert len(rows) == 2 and all(r["loss"] == r["loss"] for r in rows)
+
+
+def roomy_tiny_model(path):
+    """The tiny model saved with room for 2048 positions: the tools' descriptions in the system
+    prompt alone are ~900 of the tiny tokenizer's characters, past most of its built-in 512."""
+    model, tokenizer = load_base(OmegaConf.structured(ModelConfig()))
+    model.config.max_position_embeddings = 2048
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def test_the_samples_of_a_multi_turn_run_show_what_reset_added_and_the_tools_block(tmp_path):
+    """The samples table, samples.jsonl and the eval files showed the row's prompt alone: neither the
+    text the environment's reset appended to it nor the tools the model was told of."""
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"Increment the counter by {i}. "}]})
+                            + "\n" for i in range(1, 9)) * 2)
+    run(tmp_path / "run", "rollout=multi_turn", "rollout.env=tests.trl_environments:CounterResetEnv", "reward=env",
+        "data=file", f"data.path={data}", "rollout.max_turns=2", "rollout.max_new_tokens=6", "trainer.steps=1",
+        f"model.name_or_path={roomy_tiny_model(tmp_path / 'model')}", "logging.samples_every=1",
+        "trainer.eval_every=1", "eval.size=2", "model.system_prompt=null")
+    shown = [json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
+    evaluated = [json.loads(line) for line in (tmp_path / "run" / "eval" / "step_000001.jsonl").read_text().splitlines()]
+    for sample in shown + evaluated:
+        system, user = sample["prompt"]
+        assert system["role"] == "system" and "<tools>" in system["content"] and '"increment"' in system["content"]
+        assert user["role"] == "user" and re.fullmatch(r"Increment the counter by \d\. Counter reset to 0.\n",
+                                                       user["content"])
+
+
+def test_where_the_template_renders_the_tools_the_samples_prompt_names_them_first():
+    tok = templated_tokenizer()
+    tok.chat_template = "{% if tools %}{{ '<bos>system\n' + (tools | tojson) + '<eos>\n' }}{% endif %}" + CHATML
+    conv = Conversations(agents(env="tests.trl_environments:CounterResetEnv", max_turns=3), tok,
+                         [{"prompt": "Count."}], 2, True)
+    assert conv.template_tools is not None
+    tools, user = conv.prompts()[0]
+    assert tools["role"] == "tools" and json.loads(tools["content"])["function"]["name"] == "increment"
+    assert user == {"role": "user", "content": "Count.Counter reset to 0.\n"}
 
 
 @pytest.mark.parametrize("env, call, result, reward", [

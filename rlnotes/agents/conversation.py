@@ -14,6 +14,7 @@ rlnotes.engine.rollout.render_plain writes a prompt, and each model turn ends wi
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence
 
@@ -176,6 +177,15 @@ class Conversations:
     def completions(self) -> List[List[dict]]:
         """Each episode's messages after its prompt: what reward functions get as `completions`."""
         return [m[n:] for m, n in zip(self.messages, self.prompt_lengths)]
+
+    def prompts(self) -> List[List[dict]]:
+        """Each episode's prompt as the model saw it, for the samples table and files: the row's
+        messages (the system prompt's too) with what the environment's reset added, and the tools'
+        descriptions, in the system message or, where the chat template renders them itself, as a
+        first "tools" entry holding their schemas."""
+        tools = [{"role": "tools", "content": "\n".join(json.dumps(s) for s in self.template_tools)}] \
+            if self.template_tools else []
+        return [tools + [dict(m) for m in messages[:n]] for messages, n in zip(self.messages, self.prompt_lengths)]
 
     def texts(self) -> List[str]:
         """Each episode as text for the samples table: its messages after the prompt, role by role."""

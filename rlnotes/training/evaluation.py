@@ -96,12 +96,12 @@ def evaluate(policy, cfg, rows: List[dict], scorer, step: int = 0) -> Evaluation
     with policy.sampling(cfg.rollout.merge_adapter, cfg.rollout.pack_weights) as model:
         for start in range(0, len(rows), e.batch_size):
             batch = rows[start:start + e.batch_size]
-            rollout, rewards = _sample_and_score(model, policy.tokenizer, cfg, agents, batch, n, max_new, generator,
-                                                 scorer)
+            rollout, rewards, prompts = _sample_and_score(model, policy.tokenizer, cfg, agents, batch, n, max_new,
+                                                          generator, scorer)
             lengths += rollout.completion_mask.sum(-1).tolist()
             truncated += rollout.truncated.tolist()
             for i, (text, reward) in enumerate(zip(rollout.texts, rewards.tolist())):
-                samples.append(_sample(batch[i // n], text, reward))
+                samples.append(_sample(batch[i // n], text, reward, prompts[i] if prompts else None))
     if was_training:
         policy.train()
     correct = [s["correct"] for s in samples]
@@ -116,11 +116,13 @@ def evaluate(policy, cfg, rows: List[dict], scorer, step: int = 0) -> Evaluation
     return Evaluation(metrics, samples)
 
 
-def _sample(row: dict, completion: str, reward: float) -> dict:
-    """One sample of an evaluation: its prompt, completion, reward and correctness, then the row's other
-    columns; a column named like one of the sample's own fields (an SFT row's reference `completion`)
-    is kept as row.<name>, so it never stands for the sampled completion or its score."""
-    sample = {"prompt": row["prompt"], "completion": completion, "reward": reward, "correct": reward >= 1.0}
+def _sample(row: dict, completion: str, reward: float, prompt=None) -> dict:
+    """One sample of an evaluation: its prompt (the row's, or `prompt`: an episode's as the model saw
+    it), completion, reward and correctness, then the row's other columns; a column named like one
+    of the sample's own fields (an SFT row's reference `completion`) is kept as row.<name>, so it
+    never stands for the sampled completion or its score."""
+    sample = {"prompt": row["prompt"] if prompt is None else prompt, "completion": completion, "reward": reward,
+              "correct": reward >= 1.0}
     for column, value in row.items():
         if column != "prompt":
             sample[f"row.{column}" if column in sample else column] = value
@@ -128,18 +130,18 @@ def _sample(row: dict, completion: str, reward: float) -> dict:
 
 
 def _sample_and_score(model, tokenizer, cfg, agents, batch: List[dict], n: int, max_new: int, generator,
-                      scorer) -> tuple[Rollout, torch.Tensor]:
-    """n completions (multi-turn: whole episodes, scored as in training) for each row of `batch`, and
-    their rewards."""
+                      scorer) -> tuple[Rollout, torch.Tensor, Optional[List[list]]]:
+    """n completions (multi-turn: whole episodes, scored as in training) for each row of `batch`, their
+    rewards, and (multi-turn) each episode's prompt as the model saw it (else None: the rows')."""
     e = cfg.eval
     if agents is not None:
         conversations, rollout = run_episodes(agents, model, tokenizer, batch, n, cfg.rollout, cfg.model.chat_template,
                                               system_prompt(cfg), generator, greedy=e.greedy, max_new_tokens=max_new)
-        return rollout, score_episodes(scorer, batch, conversations, rollout, n)[0]
+        return rollout, score_episodes(scorer, batch, conversations, rollout, n)[0], conversations.prompts()
     ids = encode_prompts(tokenizer, [r["prompt"] for r in batch], cfg.model.chat_template, system_prompt(cfg))
     rollout = generate(model, tokenizer, ids, n, max_new, cfg.rollout.temperature, cfg.rollout.top_p, generator,
                        greedy=e.greedy, fast_decode=cfg.rollout.fast_decode)
-    return rollout, scorer.score_groups(batch, rollout.texts, rollout.token_lists(), n)[0]
+    return rollout, scorer.score_groups(batch, rollout.texts, rollout.token_lists(), n)[0], None
 
 
 def write(evaluation: Evaluation, out_dir: Path, step: int, samples_name: Optional[str] = None) -> None:

@@ -64,8 +64,11 @@ def sample_and_score(ctx: Context, rows: List[Row], group_size: int,
             rewards, reward_metrics = score_episodes(ctx.rewards, rows, conversations, rollout, group_size)
         else:
             rewards, reward_metrics = ctx.rewards.score_groups(rows, rollout.texts, rollout.token_lists(), group_size)
-    ctx.samples = {"prompts": [r["prompt"] for r in rows for _ in range(group_size)],
-                   "completions": list(rollout.texts), "rewards": rewards.tolist(), "extra": ctx.rewards.extra}
+    # An episode's prompt as the model saw it: with what reset added and the tools' descriptions.
+    prompts = conversations.prompts() if conversations is not None else \
+        [r["prompt"] for r in rows for _ in range(group_size)]
+    ctx.samples = {"prompts": prompts, "completions": list(rollout.texts), "rewards": rewards.tolist(),
+                   "extra": ctx.rewards.extra}
     # Each rank scored its own completions: failures add up, per-function means average (the ranks
     # score equally many completions), generation speeds add up (the ranks sample side by side).
     ops = {key: "sum" if key == "reward/failures" else "mean" for key in reward_metrics}
