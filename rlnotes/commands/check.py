@@ -1,6 +1,8 @@
-"""Every override checked before anything heavy loads: each job of the command (each member of a
-multirun sweep) is composed against the typed schema and validated, and a mistake is reported as
-one line naming the key and what it accepts.
+"""Every job of a command checked before anything heavy loads: the config each job will run (each
+member of a multirun sweep; composed from the command line, a --config-name file and the group
+files of a --config-dir) is composed against the typed schema and validated, and a mistake is
+reported as one line naming the key, what it accepts, and the file and line that set it when a
+user's file did.
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ from omegaconf import OmegaConf
 from rlnotes.commands import hydra
 from rlnotes.commands.explain import explain
 from rlnotes.commands.usage import UsageError
-from rlnotes.commands.validate import register, resolve_auto, validate
+from rlnotes.commands.userfiles import without_defaults
+from rlnotes.commands.validate import SCHEMA, register, resolve_auto, validate
 from rlnotes.core.errors import ConfigError
 
 def loader(config_dir: Optional[str]):
@@ -22,32 +25,41 @@ def loader(config_dir: Optional[str]):
 
 
 def check(overrides: List[str], multirun: bool, config_dir: Optional[str],
-          settle: Optional[Callable] = None) -> list:
+          settle: Optional[Callable] = None, config_name: Optional[str] = None) -> list:
     """Compose and validate every job of the command; raise UsageError with one line if one fails.
-    `settle(cfg)`, when given, completes each composed config before it is validated (`rlnotes eval`
-    merges in the settings of the run that trained its policy). Returns the composed configs (with
-    their hydra node), one per job."""
-    configs = loader(config_dir)
+    `config_name`: the primary config (--config-name; rlnotes' `config` when None). `settle(cfg)`,
+    when given, completes each composed config before it is validated (`rlnotes eval` merges in the
+    settings of the run that trained its policy). Returns the composed configs (with their hydra
+    node), one per job."""
+    configs, name = loader(config_dir), config_name or "config"
     jobs = []
     try:
-        job_overrides = members(overrides, multirun, configs)
+        job_overrides = members(overrides, multirun, configs, name)
     except hydra.HydraException as e:  # an override that does not parse
         raise UsageError(f"{str(e).strip().splitlines()[0]} (quote a value with spaces or special characters: "
                          "'key=\"...\"')") from None
     for job in job_overrides:
+        primary = hydra.user_file(configs, name)  # a primary of the user's must list rlnotes' `config`
+        if primary is not None and not hydra.includes(configs, job, name, SCHEMA):
+            raise UsageError(without_defaults(primary))
         try:
-            cfg = hydra.compose(configs, job)
+            cfg = hydra.compose(configs, job, name)
             if settle is not None:
                 cfg = settle(cfg)
             resolve_auto(cfg)
             validate(cfg)
         except (*hydra.COMPOSE_ERRORS, ConfigError) as e:
-            raise UsageError(explain(e, configs, job)) from None
+            raise UsageError(explain(e, configs, job, name)) from None
         jobs.append(cfg)
     return jobs
 
 
-def members(overrides: List[str], multirun: bool, configs=None) -> List[List[str]]:
+def check_args(args) -> list:
+    """check() of a command line Hydra's parser read: its overrides, -m, --config-dir, --config-name."""
+    return check(args.overrides, args.multirun, args.config_dir, config_name=args.config_name)
+
+
+def members(overrides: List[str], multirun: bool, configs=None, config_name: str = "config") -> List[List[str]]:
     """The override lists of every job the command would run (one unless it is a sweep). A search
     (hydra/sweeper=optuna, an interval(...) to sample from, or a search space in a YAML file's
     hydra.sweeper.params, read through the loader `configs`) does not know its members ahead: it
@@ -56,7 +68,7 @@ def members(overrides: List[str], multirun: bool, configs=None) -> List[List[str
     if not multirun:
         return [overrides]
     parsed = hydra.parse_overrides(overrides)
-    space = _yaml_search_space(configs, parsed) if configs is not None else []
+    space = _yaml_search_space(configs, parsed, config_name) if configs is not None else []
     if space:
         parsed = hydra.parse_overrides(space) + parsed
     search = space or any(hydra.is_interval(o) for o in parsed) or any(
@@ -69,12 +81,12 @@ def members(overrides: List[str], multirun: bool, configs=None) -> List[List[str
     return [first] + [first[:i] + [value] + first[i + 1:] for i, values in enumerate(options) for value in values[1:]]
 
 
-def _yaml_search_space(configs, parsed) -> List[str]:
+def _yaml_search_space(configs, parsed, config_name: str) -> List[str]:
     """hydra.sweeper.params of the configured search (an experiment file's search space) as
     overrides, less the keys the command line sets itself; empty when there is none."""
     fixed = [o.input_line for o in parsed if not o.is_sweep_override()]
     try:
-        cfg = hydra.compose(configs, fixed)
+        cfg = hydra.compose(configs, fixed, config_name)
     except hydra.COMPOSE_ERRORS:
         return []  # the command's own check reports it
     params = OmegaConf.select(cfg, "hydra.sweeper.params", default=None) or {}

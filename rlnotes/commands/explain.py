@@ -1,15 +1,18 @@
-"""One line for a mistake in a command's overrides: what was wrong and what is accepted. Shared by
-the commands that compose a config (`rlnotes train` and `eval` through rlnotes.commands.check,
-`rlnotes config`), and light: it needs Hydra's error reading, not the checks behind a run."""
+"""One line for a mistake in a command's config: what was wrong and what is accepted, and where it
+was made: the override, or the user's file and line (a --config-name file, a group file of a
+--config-dir). Shared by the commands that compose a config (`rlnotes train` and `eval` through
+rlnotes.commands.check, `rlnotes config`), and light: it needs Hydra's error reading, not the checks
+behind a run."""
 
 from __future__ import annotations
 
 import difflib
-from typing import List
+from typing import List, Optional
 
+import yaml
 from omegaconf import OmegaConf
 
-from rlnotes.commands import hydra
+from rlnotes.commands import hydra, userfiles
 from rlnotes.core.errors import ConfigError
 
 # Said when a sweeper or launcher is not an option: the Hydra plugins rlnotes documents.
@@ -17,11 +20,18 @@ SWEEP_EXTRA = (" (hydra/sweeper=optuna and hydra/launcher=joblib, submitit_local
                "pip install 'rlnotes[sweep]')")
 
 
-def explain(exc: BaseException, configs, overrides: List[str]) -> str:
-    """One line for a composition error: what was wrong and what is accepted."""
+def explain(exc: BaseException, configs, overrides: List[str], config_name: str = "config") -> str:
+    """One line for an error composing or checking the config of `overrides` (primary config
+    `config_name`): what was wrong and what is accepted."""
+    if isinstance(exc, yaml.YAMLError):  # a user's file that is not YAML (Hydra lets PyYAML's error through)
+        return userfiles.yaml_error(exc)
     if isinstance(exc, ConfigError):
-        return str(exc)
+        where = _value_source(str(exc), configs, overrides, config_name)
+        return f"{where}: {exc}" if where else str(exc)
     problem = hydra.read_error(exc)
+    file = hydra.user_file(configs, problem.config) if problem.config else None
+    if file is not None:
+        return _in_file(problem, file, configs, overrides, config_name)
     key = problem.key
     if problem.kind == "missing_option":
         options = hydra.group_options(configs, problem.group)
@@ -32,15 +42,13 @@ def explain(exc: BaseException, configs, overrides: List[str]) -> str:
         named = lambda o: o.lstrip("+~").split("=", 1)[0]  # noqa: E731  (the key an override sets)
         try:  # the config without the override at fault, or one that sets a dict above the key
             base = hydra.compose(configs, [o for o in overrides if not (named(o).startswith(key)
-                                                                        or key.startswith(named(o) + "."))])
+                                                                        or key.startswith(named(o) + "."))],
+                                 config_name)
         except hydra.COMPOSE_ERRORS:
             return problem.line
         node = OmegaConf.select(base, parent) if parent else base
         keys = [k for k in node.keys() if k != "hydra"] if node is not None and hasattr(node, "keys") else []
-        where = f"under {parent}" if parent else "at the top level"
-        close = difflib.get_close_matches(key.rpartition(".")[2], list(map(str, keys)), n=1)
-        hint = f" did you mean {parent + '.' if parent else ''}{close[0]}?" if close else ""
-        return f"{key} is not a setting;{hint} valid keys {where}: {', '.join(map(str, keys))}"
+        return not_a_setting(key, list(map(str, keys)))
     if problem.kind == "bad_value":
         return f"{key or 'a value'}: {problem.line}"
     if problem.kind == "ambiguous":
@@ -48,3 +56,42 @@ def explain(exc: BaseException, configs, overrides: List[str]) -> str:
     if problem.kind == "missing_value":
         return f"{key} is required; set it on the command line ({key}=...)"
     return problem.line + (f" (key: {key})" if key else "")
+
+
+def not_a_setting(key: str, valid: List[str]) -> str:
+    """`key` is not a setting: the closest valid key, and every valid key of its section."""
+    parent, _, last = key.rpartition(".")
+    close = difflib.get_close_matches(last, valid, n=1)
+    hint = f" did you mean {parent + '.' if parent else ''}{close[0]}?" if close else ""
+    where = f"under {parent}" if parent else "at the top level"
+    return f"{key} is not a setting;{hint} valid keys {where}: {', '.join(valid)}"
+
+
+def _in_file(problem: hydra.Problem, file, configs, overrides: List[str], config_name: str) -> str:
+    """A composition error in the user's file `file` (Hydra names the config it was merging): the
+    file, the line of the key at fault, and what is wrong."""
+    package = ""
+    try:
+        package = next((f.package for f in hydra.user_files(configs, overrides, config_name)
+                        if f.config == problem.config), "")
+    except hydra.COMPOSE_ERRORS:
+        pass  # a defaults list that does not compose: the key is found under the file's own names
+    found = userfiles.find(hydra.UserFile(problem.config, file, package), problem.key) if problem.key else None
+    key, where = (found[0], f"{userfiles.shown(file)}, line {found[1]}") if found else (problem.key,
+                                                                                       userfiles.shown(file))
+    if problem.kind == "unknown_key" and problem.valid is not None:
+        return f"{where}: {not_a_setting(key, problem.valid)}"
+    if problem.kind == "bad_value":
+        return f"{where}: {key or 'a value'}: {problem.line}"
+    return f"{where}: {problem.line}" + (f" (key: {key})" if key else "")
+
+
+def _value_source(message: str, configs, overrides: List[str], config_name: str) -> Optional[str]:
+    """'FILE, line N' when a key the check's message names got its value from a user's file."""
+    try:
+        files = hydra.user_files(configs, overrides, config_name)
+    except hydra.COMPOSE_ERRORS:
+        return None
+    group = lambda o: o.lstrip("+~").split("=", 1)[0].split("@", 1)[0]  # noqa: E731  (reward=mix: a choice)
+    values = [o for o in overrides if not hydra.group_options(configs, group(o))]
+    return userfiles.value_source(message, files, values) if files else None

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Callable, List, Optional, Sequence
 
 import hydra
+import yaml
 from hydra._internal.config_loader_impl import (
     ConfigLoaderImpl,  # private: see config_loader
 )
@@ -35,8 +36,9 @@ from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from omegaconf.errors import OmegaConfBaseException
 
 CONFIG_MODULE = "rlnotes.conf"
-# What composing a config raises for a mistake in it (ValueError: a group set to null, logging=null).
-COMPOSE_ERRORS = (HydraException, OmegaConfBaseException, ValueError)
+# What composing a config raises for a mistake in it (ValueError: a group set to null, logging=null;
+# YAMLError: a user's file that is not YAML, let through by Hydra).
+COMPOSE_ERRORS = (HydraException, OmegaConfBaseException, ValueError, yaml.YAMLError)
 
 
 def config_loader(config_dir: Optional[str]) -> ConfigLoaderImpl:
@@ -50,9 +52,50 @@ def config_loader(config_dir: Optional[str]) -> ConfigLoaderImpl:
     return ConfigLoaderImpl(config_search_path=search)
 
 
-def compose(loader: ConfigLoaderImpl, overrides: List[str]) -> DictConfig:
-    """The config of one run of `overrides` (a sweep member's), with its hydra node."""
-    return loader.load_configuration("config", overrides, RunMode.RUN)
+def compose(loader: ConfigLoaderImpl, overrides: List[str], config_name: str = "config") -> DictConfig:
+    """The config of one run of `overrides` (a sweep member's), with its hydra node; `config_name`:
+    the primary config (--config-name), rlnotes' own `config` unless a user names theirs."""
+    return loader.load_configuration(config_name, overrides, RunMode.RUN)
+
+
+@dataclass(frozen=True)
+class UserFile:
+    """A config file of the user's that a composition reads (a --config-name file, a group file of
+    a --config-dir): not rlnotes' own conf/ nor Hydra's."""
+
+    config: str    # its config path: mine, experiment/port
+    path: Path     # the file
+    package: str   # where its keys go: "" (the top), "algo", "reward"...
+
+
+def user_file(loader: ConfigLoaderImpl, config: str) -> Optional[Path]:
+    """The file that holds config `config` (mine, experiment/port) when it is a user's: the first
+    source on the search path that has it is a dir (file://), not a package."""
+    for source in loader.get_sources():
+        if source.is_config(config):
+            return Path(source.path) / f"{config}.yaml" if source.scheme() == "file" else None
+    return None
+
+
+def includes(loader: ConfigLoaderImpl, overrides: List[str], config_name: str, config: str) -> bool:
+    """Whether composing `overrides` onto `config_name` reads `config` (train_schema: rlnotes' settings);
+    True when the defaults lists themselves fail (the composition's own error then speaks)."""
+    try:
+        defaults = loader.compute_defaults_list(config_name, overrides, RunMode.RUN).defaults
+    except COMPOSE_ERRORS:
+        return True
+    return any(d.config_path == config for d in defaults)
+
+
+def user_files(loader: ConfigLoaderImpl, overrides: List[str], config_name: str) -> List[UserFile]:
+    """The user's files a composition reads, in the order it merges them (a later one's value wins;
+    the command line's wins over all)."""
+    out = []
+    for default in loader.compute_defaults_list(config_name, overrides, RunMode.RUN).defaults:
+        path = user_file(loader, default.config_path) if default.config_path else None
+        if path is not None and all(f.path != path for f in out):
+            out.append(UserFile(default.config_path, path, default.package or ""))
+    return out
 
 
 def group_options(loader: ConfigLoaderImpl, group: str) -> List[str]:
@@ -148,6 +191,9 @@ MISSING_OPTION = re.compile(r"Could not (?:find|load) '([^']+)/([^']+)'")
 FULL_KEY = re.compile(r"full_key: (\S+)")
 # private (error text): an override of a key the schema lacks: "Could not override 'trainer.stpes'".
 NOT_OVERRIDDEN = re.compile(r"Could not override '([^']+)'")
+# private (error text): an error while merging one of the configs: "In 'experiment/port': ConfigKeyError
+# raised while composing config:" names that config.
+IN_CONFIG = re.compile(r"^In '([^']+)': ")
 # private (error text): OmegaConf's refusal of a value: "Value 'x' of type 'str' could not be
 # converted to Integer", or "Invalid value 'x', expected one of [...]" for a choice.
 BAD_VALUE = re.compile(r"(Value '.*?' (?:of type '\w+' )?could not be converted to \w+|Invalid value '.*?'.*"
@@ -164,6 +210,8 @@ class Problem:
     key: Optional[str] = None      # the full key (trainer.steps) where the error names one
     group: Optional[str] = None    # missing_option: the group and the option it lacks
     option: Optional[str] = None
+    config: Optional[str] = None   # the config being merged when it failed (mine, experiment/port)
+    valid: Optional[List[str]] = None  # unknown_key: the keys the section at fault has, where OmegaConf says
 
 
 def read_error(exc: BaseException) -> Problem:
@@ -172,6 +220,18 @@ def read_error(exc: BaseException) -> Problem:
     cause = exc.__cause__ or exc.__context__
     full = f"{text}\n{cause}" if cause else text
     first = text.strip().splitlines()[0] if text.strip() else ""
+    config = IN_CONFIG.match(text)
+    if config and cause is not None and str(cause).strip():  # the first line says only where
+        first = str(cause).strip().splitlines()[0]
+    problem = _problem(text, full, first, cause or exc)
+    problem.config = config.group(1) if config else None
+    parent = getattr(cause or exc, "parent_node", None)  # an OmegaConf error's section
+    if problem.kind == "unknown_key" and isinstance(parent, DictConfig):
+        problem.valid = [str(k) for k in parent.keys() if k != "hydra"]
+    return problem
+
+
+def _problem(text: str, full: str, first: str, error: BaseException) -> Problem:
     missing = MISSING_OPTION.search(full)
     if missing:
         return Problem("missing_option", first, group=missing.group(1), option=missing.group(2))
@@ -180,7 +240,7 @@ def read_error(exc: BaseException) -> Problem:
     if "not in struct" in full or "not in '" in full or re.search(r"Key '[^']+' is not in", full):
         named = NOT_OVERRIDDEN.search(full)
         return Problem("unknown_key", first, key=key or (named.group(1) if named else "?"))
-    if "could not be converted" in full or "Invalid value" in full or "ValidationError" in type(cause or exc).__name__:
+    if "could not be converted" in full or "Invalid value" in full or "ValidationError" in type(error).__name__:
         what = BAD_VALUE.search(full)
         line = what.group(1) if what else text.splitlines()[0]
         return Problem("bad_value", line + (" (true or false)" if line.endswith("valid bool") else ""), key=key)

@@ -16,7 +16,7 @@ from rich.markup import escape
 
 from rlnotes.agents.environments import EnvironmentFailure
 from rlnotes.commands import hydra
-from rlnotes.commands.check import check
+from rlnotes.commands.check import check_args
 from rlnotes.commands.launch import (
     in_process,
     launch,
@@ -69,11 +69,11 @@ def main(argv: List[str]) -> int:
 def _prepared(argv: List[str], args) -> Optional[List[str]]:
     """The command line Hydra runs, once every job is checked: its seeds, the settings its sweeper
     and launcher need, the dirs pinned and claimed. Hands over to torchrun (hardware.nproc > 1)."""
-    jobs = check(args.overrides, args.multirun, args.config_dir)
+    jobs = check_args(args)
     seeded = with_seeds(argv, args, jobs)
     if seeded is not None:
         argv, args = seeded, hydra.parse_args(seeded)
-        jobs = check(args.overrides, args.multirun, args.config_dir)
+        jobs = check_args(args)
     argv = [*argv, *launcher_overrides(jobs, args.overrides)]
     nproc = processes(jobs)
     if "WORLD_SIZE" in os.environ:  # a process torchrun started (ours or the user's)

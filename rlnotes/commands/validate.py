@@ -206,10 +206,14 @@ def validate(cfg) -> Algorithm:
     return algo
 
 
+# The name of the run's schema in Hydra's config store: conf/config.yaml's defaults list starts with it.
+SCHEMA = "train_schema"
+
+
 def register() -> None:
     """Store the schemas where conf/ finds them: the run's (train_schema) and each algorithm's
     (algo_<name>_schema, pulled in by conf/algo/<preset>.yaml)."""
     store = ConfigStore.instance()
-    store.store(name="train_schema", node=TrainConfig)
+    store.store(name=SCHEMA, node=TrainConfig)
     for name, algo in REGISTRY.items():
         store.store(name=f"algo_{name}_schema", node=algo.schema, package="algo")

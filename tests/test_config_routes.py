@@ -1,0 +1,98 @@
+"""Every route a config takes into a run gets the one check the command line gets, before anything
+loads: a --config-name file (with --config-dir), the group files of a --config-dir, each member of
+a sweep. A bad value, a key that is not a setting and a YAML syntax error are each one line naming
+the file and the line."""
+
+import pytest
+
+from rlnotes.commands.cli import main
+from rlnotes.engine.policy import Policy
+
+MINE_HEAD = "defaults:\n  - config\n  - _self_\n\n"
+
+
+@pytest.fixture
+def conf(tmp_path, monkeypatch):
+    """A user's config dir, the working directory inside which the files are named; no model may load."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(Policy, "from_config", classmethod(lambda *a: pytest.fail("the model loaded")))
+    (tmp_path / "myconf" / "experiment").mkdir(parents=True)
+    (tmp_path / "myconf" / "reward").mkdir()
+    return tmp_path / "myconf"
+
+
+def refused(capsys, *argv) -> str:
+    assert main(["train", *argv, "logging.progress=false"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("rlnotes: error: ") and "\n" not in err, err
+    return err.removeprefix("rlnotes: error: ")
+
+
+@pytest.mark.parametrize("body, line, expected", [
+    ("algo:\n  beta: -0.1\n", 6, "algo.beta=-0.1 must be at least 0 (the weight of the KL penalty"),
+    ("optim:\n  lr: 5.0\nrollout:\n  temperature: 0.7\n", 6, "optim.lr=5 must be in (0, 1]"),
+    ("rollout:\n  temperature: 0\n", 6, "rollout.temperature=0 must be greater than 0"),
+    ("trainer:\n  steps: many\n", 6, "trainer.steps: Value 'many' of type 'str' could not be converted to Integer"),
+])
+def test_a_bad_value_in_a_config_name_file_names_the_file_and_line(conf, capsys, body, line, expected):
+    (conf / "mine.yaml").write_text(MINE_HEAD + body)
+    err = refused(capsys, "--config-dir", "myconf", "--config-name", "mine")
+    assert err.startswith(f"myconf/mine.yaml, line {line}: {expected}"), err
+
+
+def test_the_command_line_wins_over_the_file_and_is_named_as_itself(conf, capsys):
+    (conf / "mine.yaml").write_text(MINE_HEAD + "algo:\n  beta: 0.1\n")
+    err = refused(capsys, "--config-dir", "myconf", "--config-name", "mine", "algo.beta=-2")
+    assert err.startswith("algo.beta=-2 must be at least 0")
+
+
+def test_a_bad_value_in_a_group_file(conf, capsys):
+    (conf / "experiment" / "port.yaml").write_text("# @package _global_\noptim:\n  lr: 5.0\n")
+    err = refused(capsys, "--config-dir", "myconf", "experiment=port")
+    assert err.startswith("myconf/experiment/port.yaml, line 3: optim.lr=5 must be in (0, 1]"), err
+    (conf / "reward" / "mix.yaml").write_text("functions:\n  - fn: exact_match\n    weight: 1.0\ntimeout_s: -1\n")
+    err = refused(capsys, "--config-dir", "myconf", "reward=mix")
+    assert err.startswith("myconf/reward/mix.yaml, line 4: reward.timeout_s=-1.0 must be > 0"), err
+
+
+@pytest.mark.parametrize("where, argv, body, expected", [
+    ("mine.yaml", ["--config-name", "mine"], MINE_HEAD + "trainer:\n  stpes: 3\n",
+     "myconf/mine.yaml, line 6: trainer.stpes is not a setting; did you mean trainer.steps? valid keys under "
+     "trainer: steps, batch_size"),
+    ("experiment/port.yaml", ["experiment=port"], "# @package _global_\nrollout:\n  temprature: 0.7\n",
+     "myconf/experiment/port.yaml, line 3: rollout.temprature is not a setting; did you mean rollout.temperature?"),
+    ("reward/mix.yaml", ["reward=mix"], "functions:\n  - fn: exact_match\n    wieght: 1.0\n",
+     "myconf/reward/mix.yaml, line 3: reward.functions[0].wieght is not a setting; did you mean "
+     "reward.functions[0].weight? valid keys under reward.functions[0]: fn, weight, args, name"),
+])
+def test_a_typo_in_a_users_file_names_the_file_line_key_and_the_closest_key(conf, capsys, where, argv, body, expected):
+    (conf / where).write_text(body)
+    assert refused(capsys, "--config-dir", "myconf", *argv).startswith(expected)
+
+
+@pytest.mark.parametrize("where, argv, body, line", [
+    ("mine.yaml", ["--config-name", "mine"], MINE_HEAD + "trainer:\n  steps: 3\n   batch_size: 2\n", 7),
+    ("experiment/port.yaml", ["experiment=port"], "# @package _global_\ntrainer:\n  steps: [3\n", 4),
+])
+def test_a_yaml_syntax_error_is_one_line_naming_the_file_and_line(conf, capsys, where, argv, body, line):
+    (conf / where).write_text(body)
+    err = refused(capsys, "--config-dir", "myconf", *argv)
+    assert err.startswith(f"myconf/{where}, line {line}: not valid YAML ("), err
+
+
+def test_a_config_name_file_without_defaults_says_the_line_it_needs(conf, capsys):
+    (conf / "mine.yaml").write_text("algo:\n  beta: 0.1\n")
+    err = refused(capsys, "--config-dir", "myconf", "--config-name", "mine")
+    assert err.startswith("myconf/mine.yaml does not start from rlnotes' settings: put `defaults: [config, _self_]` "
+                          "on its first line"), err
+    (conf / "mine.yaml").write_text("defaults: [config, _self_]\nalgo:\n  beta: -0.1\n")  # what it says is enough
+    assert refused(capsys, "--config-dir", "myconf", "--config-name", "mine").startswith(
+        "myconf/mine.yaml, line 3: algo.beta=-0.1")
+
+
+def test_each_sweep_member_is_checked_with_its_files(conf, capsys, tmp_path):
+    (conf / "experiment" / "good.yaml").write_text("# @package _global_\noptim:\n  lr: 0.01\n")
+    (conf / "experiment" / "bad.yaml").write_text("# @package _global_\noptim:\n  lr: 0.0\n")
+    err = refused(capsys, "-m", "--config-dir", "myconf", "experiment=good,bad", f"hydra.sweep.dir={tmp_path / 's'}")
+    assert err.startswith("myconf/experiment/bad.yaml, line 3: optim.lr=0 must be in (0, 1]"), err
+    assert not (tmp_path / "s").exists()
