@@ -19,7 +19,8 @@ def test_auto_is_one_thread_below_the_measured_size_and_torchs_default_from_it()
     assert auto_threads(135_000_000) == 0                      # SmolLM2-135M
 
 
-def test_set_threads_explains_auto_and_leaves_numbers_and_null_alone():
+def test_set_threads_explains_auto_and_leaves_numbers_and_null_alone(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)   # its note is the next test's
     small, large = torch.nn.Linear(10, 10), torch.nn.Linear(10, 10)
     large.weight = torch.nn.Parameter(torch.empty(AUTO_ONE_THREAD_BELOW))
     torch.set_num_threads(2)
@@ -29,6 +30,25 @@ def test_set_threads_explains_auto_and_leaves_numbers_and_null_alone():
     assert torch.get_num_threads() == 1
     assert text == f"1 thread: hardware.threads=auto, 0.00M parameters, fewer than {AUTO_ONE_THREAD_BELOW / 1e6:g}M"
     assert set_threads(2, small) == "" and torch.get_num_threads() == 2
+
+
+def test_auto_says_when_torchs_default_comes_from_omp_num_threads(monkeypatch):
+    """A 135M model's start line said '1 thread: hardware.threads=auto, 134.52M parameters, at least
+    20M' without saying that OMP_NUM_THREADS=1 made torch's default one thread."""
+    large = torch.nn.Linear(10, 10)
+    large.weight = torch.nn.Parameter(torch.empty(AUTO_ONE_THREAD_BELOW))
+    torch.set_num_threads(1)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert set_threads("auto", large) == (f"1 thread (from OMP_NUM_THREADS=1): hardware.threads=auto, "
+                                          f"{AUTO_ONE_THREAD_BELOW / 1e6:.2f}M parameters, at least "
+                                          f"{AUTO_ONE_THREAD_BELOW / 1e6:g}M")
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")   # torch's count is not the variable's: nothing said of it
+    assert set_threads("auto", large).startswith("1 thread: hardware.threads=auto")
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert set_threads("auto", large).startswith("1 thread: hardware.threads=auto")
+    small = torch.nn.Linear(10, 10)   # auto's own one thread: the variable is not why
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert set_threads("auto", small).startswith("1 thread: hardware.threads=auto, 0.00M parameters, fewer than")
 
 
 def threads_in_run(tmp_path, *overrides):

@@ -3,6 +3,8 @@ default, or auto, which a small model runs fastest with one thread and a larger 
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 # hardware.threads=auto: one thread for a model of fewer parameters than this, torch's default from
@@ -31,5 +33,12 @@ def set_threads(setting, model: torch.nn.Module) -> str:
         torch.set_num_threads(threads)
     count = torch.get_num_threads()
     below = "fewer than" if threads else "at least"
-    return (f"{count} thread{'s' * (count > 1)}: hardware.threads=auto, {parameters / 1e6:.2f}M parameters, "
-            f"{below} {AUTO_ONE_THREAD_BELOW / 1e6:g}M")
+    return (f"{count} thread{'s' * (count > 1)}{'' if threads else omp_source(count)}: hardware.threads=auto, "
+            f"{parameters / 1e6:.2f}M parameters, {below} {AUTO_ONE_THREAD_BELOW / 1e6:g}M")
+
+
+def omp_source(count: int) -> str:
+    """The start line's " (from OMP_NUM_THREADS=N)" when torch's default thread count, `count`, is the
+    one that variable sets (the user's, or a launcher's share of the cores), else ""."""
+    value = os.environ.get("OMP_NUM_THREADS", "").strip()
+    return f" (from OMP_NUM_THREADS={value})" if value.isdigit() and int(value) == count else ""
