@@ -362,12 +362,7 @@ ALSO: List[Tuple[str, Tuple[str, ...], str]] = [
 
 # Documented commands that fail today, to be fixed where they are documented: (pattern, why, strict).
 # Strict: the test fails once the command works, so the entry goes with the fix.
-KNOWN_FAILURES: List[Tuple[str, str, bool]] = [
-    (r"^rlnotes train sft_warmup\.steps=40 sft_warmup\.column=answer$",
-     "README: the default task (letters) has no answer column; data=arith has", True),
-    (r"reward\.target=rewards\.score\b", "README: the README's rewards.py has no function score (reward_len, accuracy)",
-     True),
-]
+KNOWN_FAILURES: List[Tuple[str, str, bool]] = []
 
 # Commands whose as-written run is too long even for the slow variant: (pattern, why).
 TOO_LONG: List[Tuple[str, str]] = [
