@@ -38,6 +38,33 @@ def test_each_declaration_read_from_its_source_is_the_imported_one():
         assert read.choices == {key: tuple(table) for key, table in algo.choices.items()}, name
         assert read.default_task == algo.default_task, name
         assert read.comments == comments(algo.schema), name
+        declared = read.algorithm  # what the check before any load validates with
+        for key in ("samples", "objective", "train_objective", "columns"):
+            assert getattr(declared, key) == getattr(algo, key), (name, key)
+        for key in ("check", "shape", "group_relative"):  # run alone from the same statements
+            mine, theirs = getattr(declared, key).__code__, getattr(algo, key).__code__
+            assert (mine.co_code, mine.co_consts, mine.co_names) == (theirs.co_code, theirs.co_consts,
+                                                                     theirs.co_names), (name, key)
+
+
+@pytest.mark.parametrize("option", OPTIONS)
+def test_each_declaration_checks_and_shapes_a_config_as_the_imported_one(option):
+    from tests.conftest import compose as composed
+
+    cfg = composed(f"algo={option}")
+    declared, imported = declarations()[cfg.algo.name].algorithm, REGISTRY[cfg.algo.name]
+    assert declared.shape(cfg) == imported.shape(cfg)
+    assert declared.group_relative(cfg.algo) == imported.group_relative(cfg.algo)
+    cfg.trainer.steps = 3  # refused by some algorithms' own checks (GRPO's epochs, PPO's minibatches...)
+    if "group_size" in cfg.algo:
+        cfg.algo.group_size = 1
+    outcomes = []
+    for algo in (declared, imported):
+        try:
+            outcomes.append(algo.check(cfg))
+        except Exception as e:  # noqa: BLE001 - the same refusal, whatever it is
+            outcomes.append(str(e))
+    assert outcomes[0] == outcomes[1]
 
 
 @pytest.mark.parametrize("option", OPTIONS)

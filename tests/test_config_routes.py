@@ -1,7 +1,10 @@
 """Every route a config takes into a run gets the one check the command line gets, before anything
 loads: a --config-name file (with --config-dir), the group files of a --config-dir, each member of
 a sweep. A bad value, a key that is not a setting and a YAML syntax error are each one line naming
-the file and the line."""
+the file and the line; the check imports neither torch nor transformers."""
+
+import subprocess
+import sys
 
 import pytest
 
@@ -96,3 +99,16 @@ def test_each_sweep_member_is_checked_with_its_files(conf, capsys, tmp_path):
     err = refused(capsys, "-m", "--config-dir", "myconf", "experiment=good,bad", f"hydra.sweep.dir={tmp_path / 's'}")
     assert err.startswith("myconf/experiment/bad.yaml, line 3: optim.lr=0 must be in (0, 1]"), err
     assert not (tmp_path / "s").exists()
+
+
+def test_the_check_imports_neither_torch_nor_transformers(tmp_path):
+    """A mistake costs the check alone (well under 2 s), not the seconds the training modules take to import."""
+    (tmp_path / "mine.yaml").write_text(MINE_HEAD + "algo:\n  beta: -0.1\n")
+    probe = ("import sys, time; from rlnotes.commands.cli import main; t = time.perf_counter(); "
+             f"codes = [main(['train', 'trainer.stpes=3']), main(['train', '--config-dir', {str(tmp_path)!r}, "
+             "'--config-name', 'mine'])]; "
+             "print(codes, sorted(m for m in ('torch', 'transformers', 'peft') if m in sys.modules), "
+             "round(time.perf_counter() - t, 2))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert out.stdout.startswith("[2, 2] []"), (out.stdout, out.stderr)  # exit 2 each, none of them imported
+    assert "did you mean trainer.steps?" in out.stderr and "mine.yaml, line 6: algo.beta=-0.1" in out.stderr

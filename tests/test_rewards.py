@@ -1330,7 +1330,7 @@ def test_an_rm_head_file_without_its_weight_is_refused(tmp_path):
 
 def test_a_reward_model_that_fails_to_load_is_loaded_once(tmp_path, monkeypatch):
     """The failed call is retried sample by sample; each retry used to load the model again."""
-    from rlnotes.rewards import builtin
+    from rlnotes.rewards import model as reward_models
 
     loads = []
 
@@ -1338,8 +1338,8 @@ def test_a_reward_model_that_fails_to_load_is_loaded_once(tmp_path, monkeypatch)
         loads.append(path)
         raise OSError("weights damaged")
 
-    monkeypatch.setattr(builtin, "load_scorer", broken)
-    monkeypatch.setattr(builtin, "check_reward_model", lambda path: None)
+    monkeypatch.setattr(reward_models, "load_scorer", broken)  # builtin.reward_model imports it when called
+    monkeypatch.setattr(reward_models, "check", lambda path: None)
     r = rewards(("reward_model", 1.0, {"path": str(tmp_path / "rm")}))
     with pytest.raises(RewardFailure, match=r"gave no finite number .*\(OSError: weights damaged\)"):
         r(["p"] * 3, ["a", "b", "c"], {})

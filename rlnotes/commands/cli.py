@@ -34,8 +34,9 @@ commands:
            rlnotes config [OVERRIDES...] [KEY...]   e.g. rlnotes config algo=ppo algo
 """
 
-# Each command and the module whose main(argv) runs it (loaded when the command runs, see above).
-COMMANDS = {"train": "rlnotes.commands.train", "eval": "rlnotes.commands.eval", "plot": "rlnotes.commands.plot",
+# Each command and the module whose main(argv) runs it (loaded when the command runs, see above;
+# train's checks its config before the modules that train load: rlnotes.commands.front).
+COMMANDS = {"train": "rlnotes.commands.front", "eval": "rlnotes.commands.eval", "plot": "rlnotes.commands.plot",
             "export": "rlnotes.commands.export", "config": "rlnotes.commands.config"}
 
 

@@ -52,12 +52,13 @@ def train(cfg, run_dir: Path, console: Console) -> Dict[str, float]:
     return loop.train(cfg, algorithm(cfg.algo.name), run_dir, console)
 
 
-def main(argv: List[str]) -> int:
-    """`rlnotes train [overrides]`: 0 when every job ran, 1 when a member of a sweep failed."""
+def main(argv: List[str], checked: Optional[list] = None) -> int:
+    """`rlnotes train [overrides]`: 0 when every job ran, 1 when a member of a sweep failed.
+    `checked`: the command's jobs when they are checked already (rlnotes.commands.front)."""
     args = hydra.parse_args(argv)
     informational = args.help or args.hydra_help or args.cfg or args.info or args.shell_completion
     if not informational:
-        argv = _prepared(argv, args)
+        argv = _prepared(argv, args, checked)
         if argv is None:
             return 1  # not reached: this process became torchrun
     register()
@@ -66,10 +67,10 @@ def main(argv: List[str]) -> int:
     return 1 if SweepSummary.failed else 0  # every member ran; the summary names those that failed
 
 
-def _prepared(argv: List[str], args) -> Optional[List[str]]:
+def _prepared(argv: List[str], args, checked: Optional[list]) -> Optional[List[str]]:
     """The command line Hydra runs, once every job is checked: its seeds, the settings its sweeper
     and launcher need, the dirs pinned and claimed. Hands over to torchrun (hardware.nproc > 1)."""
-    jobs = check_args(args)
+    jobs = checked if checked is not None else check_args(args)
     seeded = with_seeds(argv, args, jobs)
     if seeded is not None:
         argv, args = seeded, hydra.parse_args(seeded)
@@ -103,7 +104,8 @@ def train_job(cfg) -> Optional[float]:
     # A message is one line, however narrow the screen; with several processes rank 0 speaks.
     console = Console(stderr=True, soft_wrap=True, quiet=not distributed.is_main())
     run_dir, member = hydra.job_dir(), hydra.in_sweep()
-    algo = resolve_auto(cfg)
+    resolve_auto(cfg)
+    algo = algorithm(cfg.algo.name)
     objective = objective_metric(cfg.sweep, cfg.trainer.eval_every, algo)
     try:
         if member and (cfg.hardware.nproc or 1) > 1 and "WORLD_SIZE" not in os.environ:

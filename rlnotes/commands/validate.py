@@ -1,16 +1,21 @@
 """The whole config checked before anything loads: every setting's type (Hydra and the schema),
 choices and ranges, the algorithm's own checks, data, rewards, engine and batch arithmetic. The
-checks that need several floors (data, rewards, trackers, checkpoints) meet here, above them."""
+checks that need several floors (data, rewards, trackers, checkpoints) meet here, above them.
+
+Light: it imports neither torch nor transformers (a mistake is one line in about a second, not
+after the seconds they take), so the algorithms are their declarations as their runner modules
+state them (rlnotes.commands.declared), and a check that needs a heavy library imports it when a
+setting asks for it (rollout.engine=vllm, trainer.resume=PATH, reward=model)."""
 
 from __future__ import annotations
 
 import importlib.util
 
-import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 from omegaconf.errors import ValidationError
 
+from rlnotes.commands.declared import algorithm, declarations
 from rlnotes.core.algorithm import Algorithm
 from rlnotes.core.checks import (
     DEVICES,
@@ -31,9 +36,7 @@ from rlnotes.data.settings import check_data_config, file_from_path
 from rlnotes.data.tasks import TASK_REWARDS
 from rlnotes.engine.model_files import check_model_source
 from rlnotes.rewards.loading import check_reward_config
-from rlnotes.run.restore import resolve
 from rlnotes.run.tracking import check_backends
-from rlnotes.runners import REGISTRY, algorithm
 
 
 def resolve_auto(cfg) -> Algorithm:
@@ -94,6 +97,8 @@ def _check_engine(cfg) -> None:
             raise ConfigError("rollout.tis_cap corrects for vLLM's sampling log-probs; with rollout.engine=hf the "
                               "policy samples itself (every weight is 1): set rollout.engine=vllm or drop tis_cap")
         return
+    import torch  # optional: torch (seconds to import) only where rollout.engine=vllm asks for a GPU
+
     if cfg.hardware.device == "cpu" or not torch.cuda.is_available():
         raise ConfigError("rollout.engine=vllm runs on a GPU and torch sees none here (or hardware.device=cpu); "
                           "use rollout.engine=hf, or hardware=cuda on a GPU machine")
@@ -118,6 +123,8 @@ def _check_checkpointing(trainer) -> None:
     if trainer.keep_last is not None and trainer.keep_last < 1:
         raise ConfigError(f"trainer.keep_last={trainer.keep_last} must be at least 1 (null keeps every checkpoint)")
     if trainer.resume not in (None, "auto"):
+        from rlnotes.run.restore import resolve  # optional: torch and peft, only where a resume path is given
+
         resolve(trainer.resume)
 
 
@@ -212,8 +219,8 @@ SCHEMA = "train_schema"
 
 def register() -> None:
     """Store the schemas where conf/ finds them: the run's (train_schema) and each algorithm's
-    (algo_<name>_schema, pulled in by conf/algo/<preset>.yaml)."""
+    (algo_<name>_schema, pulled in by conf/algo/<preset>.yaml), as its runner module declares it."""
     store = ConfigStore.instance()
     store.store(name=SCHEMA, node=TrainConfig)
-    for name, algo in REGISTRY.items():
-        store.store(name=f"algo_{name}_schema", node=algo.schema, package="algo")
+    for name, declared in declarations().items():
+        store.store(name=f"algo_{name}_schema", node=declared.schema, package="algo")

@@ -50,8 +50,14 @@ def comments(schema: type) -> Dict[str, str]:
     out: Dict[str, str] = {}
     for cls in reversed(schema.__mro__):
         if dataclasses.is_dataclass(cls):
-            out.update(file_comments(inspect.getsourcefile(cls)).get(cls.__name__, {}))
+            out.update(file_comments(source_file(cls)).get(cls.__name__, {}))
     return out
+
+
+def source_file(cls: type) -> str:
+    """The .py file a class is written in. An algorithm's schema made from its class statement alone
+    (rlnotes.commands.declared: its runner module is not imported) names it in __source_file__."""
+    return vars(cls).get("__source_file__") or inspect.getsourcefile(cls)
 
 
 def field_type(schema: type, name: str):

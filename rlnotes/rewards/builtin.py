@@ -4,6 +4,9 @@ before a model loads.
 Each is called as every reward function is (rlnotes.rewards.scoring): by keyword, prompts=,
 completions= and the dataset's columns, and returns one value per completion. A completion is
 text, or [{"role": "assistant", "content": text}] for conversational data.
+
+Light, as the check of a config that names them must be (rlnotes.commands.validate): torch and
+transformers are imported by the reward that needs them, reward_model, when it is configured.
 """
 
 from __future__ import annotations
@@ -21,10 +24,6 @@ from typing import Callable, Dict, List, Optional
 
 from rlnotes.core.checks import check_choice
 from rlnotes.core.errors import ConfigError
-from rlnotes.engine.models import resolve_device
-from rlnotes.engine.sequences import completion_text
-from rlnotes.rewards.model import check as check_reward_model
-from rlnotes.rewards.model import load_scorer
 
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)
 
@@ -37,7 +36,7 @@ def reply_text(completion) -> str:
     if isinstance(completion, str):
         return completion
     last = max((i for i, m in enumerate(completion) if m.get("role") != "assistant"), default=-1)
-    return completion_text(completion[last + 1:])
+    return "".join(m["content"] for m in completion[last + 1:])
 
 def answer_section(text: str) -> str:
     """What is inside the last <answer>...</answer> of `text`, or all of it when there is none."""
@@ -238,6 +237,9 @@ def reward_model(prompts, completions, path, device="cpu", batch_size=16, **_) -
     Face sequence-classification model dir with one label (rlnotes.rewards.model). Loaded once on
     `device` (reward=model passes hardware.device: the training device), scored without
     gradients, `batch_size` sequences a pass."""
+    from rlnotes.engine.models import resolve_device  # optional: torch and transformers, for a reward model only
+    from rlnotes.rewards.model import load_scorer  # optional: as above
+
     dev = resolve_device(device)
     key = (str(path), str(dev), int(batch_size))
     if key not in _SCORERS:
@@ -281,7 +283,9 @@ def _check_math(args: dict) -> None:
 
 
 def _check_model(args: dict) -> None:
-    check_reward_model(args["path"])
+    from rlnotes.rewards.model import check  # optional: torch and transformers, for a reward model only
+
+    check(args["path"])
 
 
 # Built-in args that must be set (and why), then each built-in's own checks.
