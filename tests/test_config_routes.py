@@ -101,6 +101,15 @@ def test_each_sweep_member_is_checked_with_its_files(conf, capsys, tmp_path):
     assert not (tmp_path / "s").exists()
 
 
+def test_cfg_job_prints_the_config_the_run_will_have(conf, capsys):
+    (conf.parent / "d.jsonl").write_text('{"prompt": "q", "answer": "a"}\n')
+    assert main(["train", "--cfg", "job", "data.path=d.jsonl", "reward=exact"]) == 0
+    out = capsys.readouterr().out
+    assert "data:\n  source: file\n  name: file\n  path: d.jsonl\n" in out and "hydra:" not in out
+    assert main(["train", "--cfg", "job", "-p", "data.source", "data.path=d.jsonl", "reward=exact"]) == 0
+    assert capsys.readouterr().out == "file\n"
+
+
 def test_the_check_imports_neither_torch_nor_transformers(tmp_path):
     """A mistake costs the check alone (well under 2 s), not the seconds the training modules take to import."""
     (tmp_path / "mine.yaml").write_text(MINE_HEAD + "algo:\n  beta: -0.1\n")

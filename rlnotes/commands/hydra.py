@@ -9,6 +9,7 @@ Hydra changes one of them (a name, a signature, the text of an error read below)
 
 from __future__ import annotations
 
+import copy
 import os
 import re
 import sys
@@ -32,7 +33,7 @@ from hydra.core.override_parser.types import IntervalSweep, Override
 from hydra.core.utils import setup_globals
 from hydra.errors import HydraException
 from hydra.types import RunMode
-from omegaconf import DictConfig, OmegaConf, open_dict, read_write
+from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict, read_write
 from omegaconf.errors import OmegaConfBaseException
 
 CONFIG_MODULE = "rlnotes.conf"
@@ -152,6 +153,30 @@ def job_dirs(jobs: List[DictConfig], keys: Sequence[str]) -> List[Optional[Path]
         # private: HydraConfig has no public way back to the config it held (the hydra: resolver's).
         HydraConfig.instance().cfg = previous
     return out
+
+
+def show(cfg: DictConfig, part: str, package: Optional[str], resolve: bool) -> str:
+    """The text `--cfg job|hydra|all [--package P] [--resolve]` prints, of a composed config: Hydra's
+    own show_cfg, given the config the run will have instead of composing one itself."""
+    cfg = copy.deepcopy(cfg)
+    previous = HydraConfig.instance().cfg
+    HydraConfig.instance().set_config(cfg)  # what ${hydra:...} reads, as Hydra sets it for show_cfg
+    try:
+        with read_write(cfg), open_dict(cfg):
+            if part == "job":
+                del cfg["hydra"]
+            elif part == "hydra":
+                cfg = OmegaConf.create({"hydra": cfg.hydra})
+        node = cfg if package in (None, "_global_") else OmegaConf.select(cfg, package)
+        if node is None:
+            raise ValueError(f"--package {package}: no such section; sections: {', '.join(map(str, cfg.keys()))}")
+        if not isinstance(node, (DictConfig, ListConfig)):
+            return f"{node}\n"
+        if resolve:
+            OmegaConf.resolve(node)
+        return (f"# @package {package}\n" if package not in (None, "_global_") else "") + OmegaConf.to_yaml(node)
+    finally:
+        HydraConfig.instance().cfg = previous  # private: as in job_dirs
 
 
 def run(task: Callable[[DictConfig], Optional[float]], argv: List[str]) -> None:
