@@ -1123,6 +1123,21 @@ def test_a_file_path_is_found_with_its_neighbours(in_project_dir):
     assert resolve("sub/more.py:bonus") is resolve(str(in_project_dir / "sub" / "more.py") + ":bonus")
 
 
+def test_a_misspelled_reward_function_gets_the_closest_name(in_project_dir):
+    """As a misspelled key does: a built-in's name, or a function of the user's module."""
+    (in_project_dir / "typo_rewards.py").write_text("def accuracy(prompts, completions, **_):\n"
+                                                    "    return [1.0] * len(completions)\n")
+    for name, says in (("exact_mach", "; did you mean exact_match?"),
+                       ("typo_rewards.acuracy", "(AttributeError: module 'typo_rewards' has no attribute 'acuracy'); "
+                                                "did you mean typo_rewards.accuracy?"),
+                       ("typo_rewards.py:acuracy", "did you mean typo_rewards.py:accuracy?"),
+                       ("typo_rewards.zzz", "; check the name")):
+        with pytest.raises(ConfigError) as err:
+            resolve(name)
+        assert str(err.value).endswith(says), str(err.value)
+    sys.modules.pop("typo_rewards", None)
+
+
 def test_a_module_that_fails_to_load_says_so(in_project_dir):
     (in_project_dir / "broken_rewards.py").write_text("def f(completions, **kwargs)\n    return []\n")
     with pytest.raises(ConfigError) as err:

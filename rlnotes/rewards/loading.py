@@ -11,6 +11,7 @@ import inspect
 import os
 import sys
 from dataclasses import dataclass
+from difflib import get_close_matches
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
 
@@ -89,15 +90,23 @@ def resolve_callable(name: str, builtins: Dict[str, Callable], noun: str, exampl
     where, attr = _split_target(name)
     if not where or not attr:
         raise ConfigError(f"{noun} {name!r} is not built in ({', '.join(builtins)}) and not an import path like "
-                          f"mypkg.{module}.{attribute} or a file like path/to/{module}.py:{attribute}")
+                          f"mypkg.{module}.{attribute} or a file like path/to/{module}.py:{attribute}"
+                          + "".join(f"; did you mean {close}?" for close in get_close_matches(name, builtins, n=1)))
+    fn, found = None, []
     try:
         fn = _import_file(where, name, noun) if _is_file(where) else _import_module(where)
         for part in attr.split("."):
             fn = getattr(fn, part)
+            found.append(part)
     except (ConfigError, KeyboardInterrupt):
         raise
     except BaseException as e:  # noqa: BLE001 - a user's module may raise anything while it loads, sys.exit() too
         hint = _import_hint(e, where, example)
+        if isinstance(e, AttributeError) and fn is not None:  # the module loaded; a name in it is wrong
+            missing = attr.split(".")[len(found)]
+            close = get_close_matches(missing, [n for n in dir(fn) if not n.startswith("_")], n=1)
+            sep = ":" if ":" in name else "."
+            hint = f"did you mean {where}{sep}{'.'.join(found + close)}?" if close else hint
         raise ConfigError(f"{noun} {name!r} could not be imported ({first_line(e)}); {hint}") from None
     if not callable(fn):
         raise ConfigError(f"{noun} {name!r} is not callable")
