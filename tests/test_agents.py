@@ -125,7 +125,7 @@ def test_a_function_that_cannot_be_described_is_one_config_line(fn, missing):
     with pytest.raises(ConfigError) as err:
         tool_schema(fn)
     message = str(err.value)
-    assert "\n" not in message
+    assert "\n" not in message and "\\n" not in message  # one line, and no escaped line break in it either
     assert message.startswith(f"rollout.tools: tool {fn.__name__!r} cannot be described to the model")
     assert missing in message and "Args:" in message and "def add(a: int, b: int)" in message
 

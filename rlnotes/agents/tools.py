@@ -31,8 +31,9 @@ from rlnotes.rewards.watchdog import Watchdog, in_thread
 # ---------------------------------------------------------------------------------------------
 # loading and describing tools
 
-SCHEMA_EXAMPLE = ('def add(a: int, b: int) -> int: """Add two numbers.\\n\\n    Args:\\n        a: The first number.'
-                  '\\n        b: The second number.\\n    """')
+# A described function, in words: an error is one line, and a docstring's line breaks are the point.
+SCHEMA_EXAMPLE = ('def add(a: int, b: int) -> int whose docstring is "Add two numbers.", then a line "Args:" and, '
+                  'indented below it, a line per argument: "a: The first number.", "b: The second number."')
 
 
 def load_tools(specs: Sequence[str]) -> List[Callable]:
