@@ -121,3 +121,10 @@ def test_the_check_imports_neither_torch_nor_transformers(tmp_path):
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert out.stdout.startswith("[2, 2] []"), (out.stdout, out.stderr)  # exit 2 each, none of them imported
     assert "did you mean trainer.steps?" in out.stderr and "mine.yaml, line 6: algo.beta=-0.1" in out.stderr
+
+
+def test_rlnotes_eval_checks_a_config_name_file_too(conf, capsys):
+    (conf / "mine.yaml").write_text(MINE_HEAD + "eval:\n  size: 0\n")
+    assert main(["eval", "--config-dir", "myconf", "--config-name", "mine"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("rlnotes: error: myconf/mine.yaml, line 6: eval.size=0 must be at least 1") and "\n" not in err

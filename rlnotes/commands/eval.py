@@ -69,7 +69,8 @@ def main(argv: List[str]) -> int:
         return 0
     args = hydra.parse_args(argv)
     # Checked as the policy's run completes it: a run on data=file takes data.eval_path, its reward is set.
-    cfg = check(args.overrides, False, args.config_dir, settle=lambda c: with_run_settings(c, args.overrides))[0]
+    cfg = check(args.overrides, False, args.config_dir, settle=lambda c: with_run_settings(c, args.overrides),
+                config_name=args.config_name)[0]
     console = Console(stderr=True, soft_wrap=True)  # a message is one line, however narrow the screen
     with open_dict(cfg):
         del cfg["hydra"]
