@@ -123,6 +123,24 @@ def test_the_check_imports_neither_torch_nor_transformers(tmp_path):
     assert "did you mean trainer.steps?" in out.stderr and "mine.yaml, line 6: algo.beta=-0.1" in out.stderr
 
 
+@pytest.mark.parametrize("argv, says", [
+    (["hardware.device=cuda"], "hardware.device=cuda but torch sees no GPU"),
+    (["data.path=bad.jsonl", "reward=letters"], "bad.jsonl line 2, column 15: not valid JSON"),
+])
+def test_the_users_input_found_wrong_during_the_run_exits_2_as_a_usage_error(tmp_path, monkeypatch, capsys, argv, says):
+    """The hardware or data a config names, found wrong only when the run starts: the user's input, as a
+    typo is (exit 1 is a run that failed otherwise: tests/test_multiturn.py, an environment that raised)."""
+    import torch
+
+    if argv[0] == "hardware.device=cuda" and torch.cuda.is_available():
+        pytest.skip("a GPU is here")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "a", "letter": "a"}\n{"prompt": "b"\n')
+    with pytest.raises(SystemExit) as stop:
+        main(["train", *argv, "trainer.steps=1", "logging.progress=false", f"hydra.run.dir={tmp_path / 'run'}"])
+    assert stop.value.code == 2 and says in capsys.readouterr().err
+
+
 def test_rlnotes_eval_checks_a_config_name_file_too(conf, capsys):
     (conf / "mine.yaml").write_text(MINE_HEAD + "eval:\n  size: 0\n")
     assert main(["eval", "--config-dir", "myconf", "--config-name", "mine"]) == 2

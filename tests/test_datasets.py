@@ -380,10 +380,10 @@ def test_a_bad_json_line_is_reported_once_by_the_command(tmp_path, capfd):
     path.write_text('{"prompt": "a", "letter": "a"}\n{"prompt": "b"\n')
     from rlnotes.commands.cli import main
 
-    with pytest.raises(SystemExit) as stop:  # the train job exits 1 after its one error line
+    with pytest.raises(SystemExit) as stop:  # the train job exits 2 (the input is wrong) after its one error line
         main(["train", f"data.path={path}", "reward=letters", "logging.progress=false",
               f"hydra.run.dir={tmp_path / 'run'}"])
-    assert stop.value.code == 1
+    assert stop.value.code == 2
     err = capfd.readouterr().err
     assert f"rlnotes: error: {path} line 2, column 15: not valid JSON" in err
     assert err.count("line 2") == 1 and "Failed to load JSON" not in err, err
@@ -735,7 +735,7 @@ def test_text_rows_are_refused_when_the_runs_evaluations_generate(tmp_path, caps
             "trainer.eval_every=1", "logging.progress=false", f"hydra.run.dir={tmp_path / 'run'}"]
     with pytest.raises(SystemExit) as stop:
         main([*args, "eval.generate=true"])
-    assert stop.value.code == 1
+    assert stop.value.code == 2
     assert "has no prompt to sample completions of, which eval.generate does" in capsys.readouterr().err
 
 
@@ -853,7 +853,7 @@ def test_every_algorithm_runs_every_command_on_a_users_64_row_file(tmp_path, cap
         samples = [json.loads(line) for line in (run / "eval" / "final" / "samples.jsonl").read_text().splitlines()]
         assert len(samples) == 4 and all(s["letter"] == "a" for s in samples)
     else:
-        assert main(["eval", f"eval.policy={run}/final"]) == 1
+        assert main(["eval", f"eval.policy={run}/final"]) == 2
         assert "has no prompt to sample completions of, which evaluation does" in capsys.readouterr().err
     assert main(["plot", str(run), "--out", str(tmp_path / "figures")]) == 0
     assert list((tmp_path / "figures").glob("*.png"))

@@ -97,7 +97,7 @@ def test_eval_command_uses_the_trained_run(tmp_path, capsys):
 
 
 def test_eval_command_rejects_a_missing_policy(tmp_path, capsys):
-    assert main(["eval", f"eval.policy={tmp_path}/nope"]) == 1
+    assert main(["eval", f"eval.policy={tmp_path}/nope"]) == 2  # the user's input is wrong: as a usage error
     assert "eval.policy" in capsys.readouterr().err
 
 
@@ -128,7 +128,7 @@ def test_eval_command_refuses_a_checker_argument_no_column_fills_before_the_mode
     module.accuracy = lambda completions, solution, **kwargs: [1.0] * len(completions)
     monkeypatch.setitem(sys.modules, "evalneeds", module)
     monkeypatch.setattr(rlnotes.commands.eval, "load_base", lambda *a: pytest.fail("the model loaded"))
-    assert main(["eval", "eval.reward=evalneeds.accuracy"]) == 1
+    assert main(["eval", "eval.reward=evalneeds.accuracy"]) == 2
     err = capsys.readouterr().err
     assert "no column 'solution', which reward accuracy needs; its columns: letter, prompt" in err
 
@@ -230,11 +230,11 @@ def test_eval_command_names_the_policies_of_a_run_dir_given_as_the_policy(tmp_pa
                  f"hydra.run.dir={run_dir}"]) == 0
     capsys.readouterr()
     for given in (run_dir, run_dir / "checkpoints"):
-        assert main(["eval", f"eval.policy={given}", f"eval.out={tmp_path / 'ev'}"]) == 1
+        assert main(["eval", f"eval.policy={given}", f"eval.out={tmp_path / 'ev'}"]) == 2
         err = capsys.readouterr().err.strip()
         assert err == (f"rlnotes: error: eval.policy={given} is a run's {'checkpoints ' * (given != run_dir)}dir, not "
                        f"a policy it saved; give {run_dir / 'final'} (or {run_dir / 'checkpoints' / 'step_000002'})")
-    assert main(["eval", f"eval.policy={tmp_path}", f"eval.out={tmp_path / 'ev'}"]) == 1
+    assert main(["eval", f"eval.policy={tmp_path}", f"eval.out={tmp_path / 'ev'}"]) == 2
     assert capsys.readouterr().err.strip() == (
         f"rlnotes: error: eval.policy={tmp_path} holds neither a LoRA adapter (adapter_config.json) nor a whole model "
         "(config.json); give a run's final/ dir (RUN_DIR/final) or a checkpoint (RUN_DIR/checkpoints/step_N)")

@@ -16,7 +16,7 @@ from typing import List, Optional
 
 from rlnotes import __version__
 from rlnotes.commands.usage import UsageError
-from rlnotes.core.errors import Interrupted
+from rlnotes.core.errors import INPUT_ERROR, Interrupted
 from rlnotes.run.logger import quiet_libraries
 
 USAGE = """usage: rlnotes COMMAND [OVERRIDES...]   |   rlnotes --version (-V)
@@ -65,12 +65,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     command, rest = argv[0], argv[1:]
     if command not in COMMANDS:
         print(f"rlnotes: error: unknown command {command!r}; commands: {', '.join(COMMANDS)}", file=sys.stderr)
-        return 2
+        return INPUT_ERROR
     try:
         return importlib.import_module(COMMANDS[command]).main(rest)
     except UsageError as e:
         print(f"rlnotes: error: {e}", file=sys.stderr)
-        return 2
+        return INPUT_ERROR
     except KeyboardInterrupt as e:
         signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT
         if os.environ.get("RANK", "0") == "0":  # under torchrun every rank stops; rank 0 says so

@@ -19,7 +19,7 @@ from rich.table import Table
 from rlnotes.agents.environments import EnvironmentFailure
 from rlnotes.commands import hydra
 from rlnotes.commands.check import check
-from rlnotes.core.errors import ConfigError
+from rlnotes.core.errors import INPUT_ERROR, ConfigError
 from rlnotes.core.schema import saved_run_config
 from rlnotes.data.datasets import load_checked
 from rlnotes.data.fitting import max_positions
@@ -78,7 +78,7 @@ def main(argv: List[str]) -> int:
         evaluation, out = run(cfg, console)
     except (ConfigError, RewardFailure, EnvironmentFailure) as e:
         console.print(f"[red]rlnotes: error:[/] {e}")
-        return 1
+        return INPUT_ERROR if isinstance(e, ConfigError) else 1  # the user's input, as for a usage error
     table = Table(title=f"{cfg.eval.policy or cfg.model.name_or_path} on "
                         f"{cfg.data.eval_path or cfg.data.path or cfg.data.name} "
                         f"({len(evaluation.samples)} completions)")

@@ -30,7 +30,7 @@ from rlnotes.commands.rundirs import claim_run_dirs, pin_dirs
 from rlnotes.commands.sweep import SweepSummary
 from rlnotes.commands.usage import UsageError
 from rlnotes.commands.validate import register, resolve_auto
-from rlnotes.core.errors import ConfigError, SaveFailed, TrainingError
+from rlnotes.core.errors import INPUT_ERROR, ConfigError, SaveFailed, TrainingError
 from rlnotes.engine import distributed
 from rlnotes.rewards.scoring import RewardFailure
 from rlnotes.run.checkpoint import checkpoints
@@ -116,8 +116,8 @@ def train_job(cfg) -> Optional[float]:
         console.print(f"[red]rlnotes: error:[/] {escape(str(e))}")
         if not isinstance(e, (ConfigError, SaveFailed)):  # a setting is fixed anew; SaveFailed says how
             _resume_hint(console, run_dir)
-        if not member:
-            sys.exit(1)
+        if not member:  # a setting, the data or the hardware: the user's input, as for a usage error
+            sys.exit(INPUT_ERROR if isinstance(e, ConfigError) else 1)
         error = str(e)
     except KeyboardInterrupt:  # however it stopped (loading, a step, a save, a sweep member): how to go on
         console.print(f"[yellow]resume with:[/]\n  {escape(resume_command(run_dir))}", highlight=False)
