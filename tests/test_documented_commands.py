@@ -310,6 +310,8 @@ EXCEPTIONS: List[Tuple[str, str, str]] = [
 YAML_FILES: Dict[str, Tuple[str, str]] = {
     "functions:": ("myconf/reward/mix.yaml", "rlnotes train --config-dir myconf data=arith reward=mix"),
     "# @package _global_": ("conf/experiment/search.yaml", "rlnotes train -m --config-dir conf experiment=search"),
+    "# myconf/mine.yaml: GRPO on the arithmetic task, with my settings over rlnotes' defaults": (
+        "myconf/mine.yaml", "rlnotes train --config-dir myconf --config-name mine"),
 }
 
 _ROWS = [(a, b) for a in range(1, 5) for b in range(1, 5)]
