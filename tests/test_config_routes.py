@@ -146,3 +146,20 @@ def test_rlnotes_eval_checks_a_config_name_file_too(conf, capsys):
     assert main(["eval", "--config-dir", "myconf", "--config-name", "mine"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("rlnotes: error: myconf/mine.yaml, line 6: eval.size=0 must be at least 1") and "\n" not in err
+
+
+def test_a_value_set_again_after_the_users_file_is_not_blamed_on_it(tmp_path):
+    """The last of the user's files to set a key is named only if the composed config holds its value:
+    one of rlnotes' own configs, merged later, may have set the key again."""
+    from omegaconf import OmegaConf
+
+    from rlnotes.commands.hydra import UserFile
+    from rlnotes.commands.userfiles import setter
+
+    (tmp_path / "mine.yaml").write_text("defaults:\n  - grpo\n  - _self_\ngroup_size: 3\n")
+    file = UserFile("algo/mine", tmp_path / "mine.yaml", "algo")
+    assert setter([file], [], "algo.group_size") == (file, 4)
+    assert setter([file], [], "algo.group_size", OmegaConf.create({"algo": {"group_size": 3}})) == (file, 4)
+    assert setter([file], [], "algo.group_size", OmegaConf.create({"algo": {"group_size": 8}})) is None
+    assert setter([file], ["algo.group_size=3"], "algo.group_size") is None  # the command line's
+    assert setter([file], ["algo={group_size: 3}"], "algo.group_size") is None

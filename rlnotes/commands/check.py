@@ -42,6 +42,7 @@ def check(overrides: List[str], multirun: bool, config_dir: Optional[str],
         primary = hydra.user_file(configs, name)  # a primary of the user's must list rlnotes' `config`
         if primary is not None and not hydra.includes(configs, job, name, SCHEMA):
             raise UsageError(without_defaults(primary))
+        cfg = None
         try:
             cfg = hydra.compose(configs, job, name)
             if settle is not None:
@@ -49,7 +50,7 @@ def check(overrides: List[str], multirun: bool, config_dir: Optional[str],
             resolve_auto(cfg)
             validate(cfg)
         except (*hydra.COMPOSE_ERRORS, ConfigError) as e:
-            raise UsageError(explain(e, configs, job, name)) from None
+            raise UsageError(explain(e, configs, job, name, cfg)) from None
         jobs.append(cfg)
     return jobs
 

@@ -10,7 +10,7 @@ import difflib
 from typing import List, Optional
 
 import yaml
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from rlnotes.commands import hydra, userfiles
 from rlnotes.core.errors import ConfigError
@@ -20,13 +20,15 @@ SWEEP_EXTRA = (" (hydra/sweeper=optuna and hydra/launcher=joblib, submitit_local
                "pip install 'rlnotes[sweep]')")
 
 
-def explain(exc: BaseException, configs, overrides: List[str], config_name: str = "config") -> str:
+def explain(exc: BaseException, configs, overrides: List[str], config_name: str = "config",
+            composed: Optional[DictConfig] = None) -> str:
     """One line for an error composing or checking the config of `overrides` (primary config
-    `config_name`): what was wrong and what is accepted."""
+    `config_name`; `composed`: the config a check refused, when it was composed): what was wrong and
+    what is accepted."""
     if isinstance(exc, yaml.YAMLError):  # a user's file that is not YAML (Hydra lets PyYAML's error through)
         return userfiles.yaml_error(exc)
     if isinstance(exc, ConfigError):
-        where = _value_source(str(exc), configs, overrides, config_name)
+        where = _value_source(str(exc), configs, overrides, config_name, composed)
         return f"{where}: {exc}" if where else str(exc)
     problem = hydra.read_error(exc)
     file = hydra.user_file(configs, problem.config) if problem.config else None
@@ -86,7 +88,8 @@ def _in_file(problem: hydra.Problem, file, configs, overrides: List[str], config
     return f"{where}: {problem.line}" + (f" (key: {key})" if key else "")
 
 
-def _value_source(message: str, configs, overrides: List[str], config_name: str) -> Optional[str]:
+def _value_source(message: str, configs, overrides: List[str], config_name: str,
+                  composed: Optional[DictConfig]) -> Optional[str]:
     """'FILE, line N' when a key the check's message names got its value from a user's file."""
     try:
         files = hydra.user_files(configs, overrides, config_name)
@@ -94,4 +97,4 @@ def _value_source(message: str, configs, overrides: List[str], config_name: str)
         return None
     group = lambda o: o.lstrip("+~").split("=", 1)[0].split("@", 1)[0]  # noqa: E731  (reward=mix: a choice)
     values = [o for o in overrides if not hydra.group_options(configs, group(o))]
-    return userfiles.value_source(message, files, values) if files else None
+    return userfiles.value_source(message, files, values, composed) if files else None

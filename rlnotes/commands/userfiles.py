@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import yaml
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from rlnotes.commands.hydra import UserFile
 
@@ -74,10 +75,12 @@ def _override_key(override: str) -> str:
     return override.lstrip("+~").split("=", 1)[0]
 
 
-def setter(files: Sequence[UserFile], overrides: Sequence[str], key: str) -> Optional[Tuple[UserFile, int]]:
+def setter(files: Sequence[UserFile], overrides: Sequence[str], key: str,
+           composed: Optional[DictConfig] = None) -> Optional[Tuple[UserFile, int]]:
     """The user's file, and its line, whose value of `key` the composed config holds: the last of
     `files` (in merge order) that sets it; None when the command line sets it (or a section above
-    it) or no file of the user's does."""
+    it), no file of the user's does, or `composed` holds another value than that file's (one of
+    rlnotes' own configs, merged after it, set the key again)."""
     if any(key == k or key.startswith(k + ".") for k in map(_override_key, overrides)):
         return None
     found = None
@@ -85,14 +88,30 @@ def setter(files: Sequence[UserFile], overrides: Sequence[str], key: str) -> Opt
         line = keys(file).get(key)
         if line is not None:
             found = (file, line)
+    if found is not None and composed is not None and _value(found[0], key) != _plain(
+            OmegaConf.select(composed, key, default=None)):
+        return None
     return found
 
 
-def value_source(message: str, files: Sequence[UserFile], overrides: Sequence[str]) -> Optional[str]:
-    """'FILE, line N' of the first key the error line names (`key=value`) whose value came from a
-    user's file; None when each came from the command line or rlnotes' own configs."""
+def _value(file: UserFile, key: str):
+    inside = key[len(file.package) + 1:] if file.package else key
+    try:
+        return _plain(OmegaConf.select(OmegaConf.load(file.path), inside, default=None))
+    except (OSError, ValueError, yaml.YAMLError):
+        return None
+
+
+def _plain(value):
+    return OmegaConf.to_container(value) if isinstance(value, (DictConfig, ListConfig)) else value
+
+
+def value_source(message: str, files: Sequence[UserFile], overrides: Sequence[str],
+                 composed: Optional[DictConfig] = None) -> Optional[str]:
+    """'FILE, line N' of the first key the error line names (`key=value`) whose value in `composed`
+    came from a user's file; None when each came from the command line or rlnotes' own configs."""
     for key in _NAMED.findall(message):
-        found = setter(files, overrides, key)
+        found = setter(files, overrides, key, composed)
         if found is not None:
             return f"{shown(found[0].path)}, line {found[1]}"
     return None
