@@ -11,6 +11,7 @@ from pathlib import Path
 
 import hydra as hydra_package
 import pytest
+import yaml
 from omegaconf import OmegaConf
 
 from rlnotes.commands import hydra
@@ -140,3 +141,28 @@ def test_a_run_in_process_leaves_the_callers_command_line_as_it_was(monkeypatch,
     argv = ["seed=3", f"hydra.run.dir={tmp_path}"]
     hydra.run(lambda cfg: seen.append(sys.argv[1:]), argv)
     assert seen == [argv] and sys.argv == ["my_script.py", "out.json"]
+
+
+def test_the_users_files_and_their_errors_read_as_the_adapter_expects(tmp_path):
+    """What rlnotes.commands.userfiles relies on: a composition's defaults list names each config
+    with its package, a --config-dir is a file source, an error while merging a file names it
+    ("In 'experiment/port': ...") with OmegaConf's section keys, and PyYAML's error comes through."""
+    (tmp_path / "experiment").mkdir()
+    port = tmp_path / "experiment" / "port.yaml"
+    port.write_text("# @package _global_\ntrainer:\n  steps: 7\n")
+    configs = loader(str(tmp_path))
+    files = hydra.user_files(configs, ["experiment=port"], "config")
+    assert files == [hydra.UserFile("experiment/port", port, "")], changed(
+        "ConfigLoader.compute_defaults_list or get_sources", f"the user's files read as {files}")
+    assert hydra.user_file(configs, "algo/grpo") is None and hydra.includes(configs, [], "config", "train_schema")
+    port.write_text("# @package _global_\ntrainer:\n  stpes: 7\n")
+    with pytest.raises(hydra.COMPOSE_ERRORS) as caught:
+        hydra.compose(configs, ["experiment=port"])
+    problem = hydra.read_error(caught.value)
+    assert (problem.kind, problem.key, problem.config) == ("unknown_key", "trainer.stpes", "experiment/port") \
+        and "steps" in problem.valid, changed("the text of an error in a config file, or its cause", str(problem))
+    port.write_text("# @package _global_\ntrainer:\n  steps: 3\n   batch_size: 2\n")
+    with pytest.raises(hydra.COMPOSE_ERRORS) as caught:
+        hydra.compose(configs, ["experiment=port"])
+    assert isinstance(caught.value, yaml.YAMLError) and caught.value.problem_mark.line == 3, changed(
+        "how a YAML syntax error in a config file comes out", repr(caught.value))
