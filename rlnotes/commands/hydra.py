@@ -1,6 +1,7 @@
-"""Everything the commands ask of Hydra, in one place: composing `conf/` before a run, reading
-Hydra's own flags and overrides, a sweep's members, the dirs a job will write, running the task,
-and reading Hydra's composition errors.
+"""Everything the commands ask of Hydra, in one place: composing `conf/` (and a user's
+--config-name file) before a run, which of a user's files a composition reads, reading Hydra's own
+flags and overrides, a sweep's members, the dirs a job will write, a config as --cfg prints it,
+running the task, and reading Hydra's composition errors.
 
 Most of it is Hydra's public API. What Hydra does not expose is used here alone, each use marked
 `# private:` with why; tests/test_hydra_adapter.py fails, naming the internal, if an installed
