@@ -299,3 +299,64 @@ def test_a_bug_mid_run_keeps_the_finished_steps(tmp_path, monkeypatch):
         train(cfg, run_dir, Console(file=io.StringIO()))
     assert [p.name for p in checkpoint.checkpoints(run_dir)] == ["step_000002"]
     assert checkpoint.verify(checkpoint.checkpoints(run_dir)[0]) is None
+
+
+# ---------------------------------------------------------------------------------------------
+# SIGHUP (a closed terminal or SSH session), a full disk mid-log, and paths the resume line must quote
+
+
+def hup_in_step(monkeypatch, call=3):
+    from rlnotes.runners import REGISTRY, grpo
+
+    real, calls = grpo.train_step, []
+
+    def step(ctx):
+        calls.append(1)
+        if len(calls) == call:
+            signal.raise_signal(signal.SIGHUP)
+        return real(ctx)
+
+    monkeypatch.setitem(REGISTRY, "grpo", dataclasses.replace(REGISTRY["grpo"], train_step=step))
+
+
+def test_sighup_saves_a_checkpoint_exits_129_and_prints_the_resume_command(tmp_path, monkeypatch, capsys):
+    """Before: SIGHUP's default action killed the run with no checkpoint of its last step and no
+    resume command. Now it stops the run as SIGTERM does."""
+    run_dir = tmp_path / "run"
+    with monkeypatch.context() as patch:
+        hup_in_step(patch)
+        code = main(["train", "trainer.steps=6", "trainer.save_every=100", "trainer.batch_size=4",
+                     "logging.progress=false", f"hydra.run.dir={run_dir}"])
+    err = capsys.readouterr().err
+    assert code == 129 and "SIGHUP at step 2: checkpoint saved to" in err and "rlnotes: interrupted (SIGHUP)" in err
+    assert [p.name for p in checkpoint.checkpoints(run_dir)] == ["step_000002"]
+    assert main(shlex.split(resume_line(err))[1:]) == 0
+    assert [r["step"] for r in rows(run_dir)] == list(range(1, 7))
+
+
+def test_sighup_ignored_by_nohup_stays_ignored(tmp_path, monkeypatch):
+    """A run started with `nohup` asked to outlive its terminal: its SIGHUP is left ignored."""
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        hup_in_step(monkeypatch)
+        run(tmp_path, "trainer.steps=4")
+        assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGHUP, previous)
+    assert [r["step"] for r in rows(tmp_path)] == [1, 2, 3, 4]
+
+
+def test_the_printed_resume_command_pastes_for_a_path_hydra_would_not_read_unquoted(tmp_path, monkeypatch, capsys):
+    """A run dir with a non-ASCII letter, `~`, a space and a quote: before, the printed command
+    named it unquoted for Hydra and failed with a lexer error when pasted."""
+    from rlnotes.run.signals import override_value
+
+    run_dir = tmp_path / "rün ~1 'q'"
+    with monkeypatch.context() as patch:
+        hup_in_step(patch)
+        code = main(["train", "trainer.steps=4", "trainer.batch_size=4", "logging.progress=false",
+                     f"hydra.run.dir={override_value(str(run_dir))}"])
+    err = capsys.readouterr().err
+    assert code == 129 and (run_dir / "checkpoints" / "step_000002").is_dir(), err
+    assert main(shlex.split(resume_line(err))[1:]) == 0, capsys.readouterr().err
+    assert [r["step"] for r in rows(run_dir)] == [1, 2, 3, 4]

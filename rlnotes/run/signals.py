@@ -1,4 +1,4 @@
-"""Stopping a run on a signal (SIGINT, SIGTERM) at a step boundary, and the command that resumes it.
+"""Stopping a run on a signal (SIGINT, SIGTERM, SIGHUP) at a step boundary, and the command that resumes it.
 
 The train loop saves the boundary state (rlnotes.run.checkpoint.capture) of the step where a signal
 stopped it; `resume_command` is the line that continues the run from there.
@@ -6,6 +6,7 @@ stopped it; `resume_command` is the line that continues the run from there.
 
 from __future__ import annotations
 
+import re
 import shlex
 import signal
 import threading
@@ -20,8 +21,13 @@ from rlnotes.core.errors import Interrupted
 from rlnotes.engine import distributed
 
 
+# The signals that stop a run with a checkpoint: Ctrl-C, a scheduler's or kill's SIGTERM, and the
+# SIGHUP of a closed terminal or SSH session (unless the run was started ignoring it, as under nohup).
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
 class StopSignals:
-    """SIGINT (Ctrl-C) and SIGTERM while training, and while the stop saves.
+    """SIGINT (Ctrl-C), SIGTERM and SIGHUP while training, and while the stop saves.
 
     A signal raises Interrupted at once when no optimizer update has run since the last
     completed step (`ctx.updating` is off): that step's checkpoint is then exact, and the partial
@@ -48,7 +54,9 @@ class StopSignals:
 
     def __enter__(self) -> "StopSignals":
         if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
+            for sig in STOP_SIGNALS:
+                if sig == signal.SIGHUP and signal.getsignal(sig) == signal.SIG_IGN:
+                    continue  # nohup: the user asked the run to outlive its terminal
                 self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
@@ -66,7 +74,10 @@ class StopSignals:
             self.writing = None
 
     def _say(self, text: str) -> None:
-        self.ctx.console.print(f"[yellow]{escape(text)}[/]", soft_wrap=True, highlight=False)
+        try:
+            self.ctx.console.print(f"[yellow]{escape(text)}[/]", soft_wrap=True, highlight=False)
+        except OSError:  # the terminal is gone (SIGHUP): the stop goes on without a word
+            pass
 
     def _handle(self, signum, frame) -> None:
         first, self.signum = self.signum is None, self.signum or signum
@@ -110,5 +121,21 @@ def resume_command(run_dir: Path) -> str:
         if hydra.job.config_name != "config":
             words += ["--config-name", hydra.job.config_name]
         overrides = [o for o in hydra.overrides.task if not o.startswith("trainer.resume=")]
-    words += [*overrides, "trainer.resume=auto", f"hydra.run.dir={run_dir}"]
+    words += [*overrides, "trainer.resume=auto", f"hydra.run.dir={override_value(str(run_dir))}"]
     return " ".join(w if w == "..." else shlex.quote(w) for w in words)
+
+
+# What Hydra's override grammar reads unquoted in a value (spaces too, but not at either end).
+_UNQUOTED = re.compile(r"[A-Za-z0-9_\-/+.%@:]+")
+
+
+def override_value(text: str) -> str:
+    """`text` as a value Hydra's override grammar reads back as `text`: as it is when every
+    character may stand unquoted, else in single quotes, a quote (and any backslashes before it)
+    and an interpolation's `${` escaped with a backslash. A path with another letter than ASCII's,
+    `~`, a space, a quote or brackets then survives a command line that is pasted."""
+    if _UNQUOTED.fullmatch(text):
+        return text
+    escaped = re.sub(r"(\\*)'", lambda m: m.group(1) * 2 + "\\'", text).replace("${", "\\${")
+    escaped = re.sub(r"(\\+)$", lambda m: m.group(1) * 2, escaped)  # else the last would escape the closing quote
+    return f"'{escaped}'"
