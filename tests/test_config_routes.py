@@ -145,7 +145,8 @@ def test_rlnotes_eval_checks_a_config_name_file_too(conf, capsys):
     (conf / "mine.yaml").write_text(MINE_HEAD + "eval:\n  size: 0\n")
     assert main(["eval", "--config-dir", "myconf", "--config-name", "mine"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("rlnotes: error: myconf/mine.yaml, line 6: eval.size=0 must be at least 1") and "\n" not in err
+    assert err.startswith("rlnotes: error: myconf/mine.yaml, line 6: eval.size=0 must be at least 1"), err
+    assert "\n" not in err
 
 
 def test_a_value_set_again_after_the_users_file_is_not_blamed_on_it(tmp_path):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import re
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -131,7 +131,8 @@ def yaml_error(error: yaml.YAMLError) -> str:
     shown_text = f": {text!r}" if text.strip() else ""
     hint = "; check its indentation: the keys of one section start in the same column" if "indent" in problem \
         or "mapping values" in problem or "block end" in problem else ""
-    return f"{shown(mark.name)}, line {mark.line + 1}: not valid YAML ({problem}, column {mark.column + 1}){shown_text}{hint}"
+    return (f"{shown(mark.name)}, line {mark.line + 1}: not valid YAML ({problem}, column {mark.column + 1})"
+            f"{shown_text}{hint}")
 
 
 def without_defaults(file: Path) -> str:
