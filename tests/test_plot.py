@@ -178,3 +178,35 @@ def test_plot_errors_are_one_line(tmp_path, monkeypatch, capsys):
     assert "missing is not a directory" in err[0] and "has no metrics.jsonl and no run dirs" in err[1]
     assert "--smooth 1.5 must be in [0, 1)" in err[2]
     assert err[3] == "rlnotes: error: rlnotes plot needs matplotlib; install it with: pip install 'rlnotes[plot]'"
+
+
+def test_figures_and_summaries_replace_a_link_planted_in_their_place(tmp_path):
+    """A figure or summary name in the out dir that is a link to a file of the user's: before,
+    savefig and the summary wrote through it (the user's file overwritten); now each is written
+    aside and renamed over the link, and the file it pointed to is kept."""
+    mine = tmp_path / "mine.txt"
+    mine.write_text("kept\n")
+    a = _run(tmp_path, "a", [{"step": 1, "reward/mean": 0.5}], ["seed=0"])
+    b = _run(tmp_path, "b", [{"step": 1, "reward/mean": 0.25}], ["seed=1"])
+    out = tmp_path / "figs"
+    out.mkdir()
+    for name in ("reward.png", "summary.md", "summary.csv"):
+        (out / name).symlink_to(mine)
+    plot([a, b], out=out)
+    assert mine.read_text() == "kept\n"
+    assert not any((out / name).is_symlink() for name in ("reward.png", "summary.md", "summary.csv"))
+    assert (out / "reward.png").read_bytes().startswith(PNG) and "reward/mean" in (out / "summary.md").read_text()
+
+
+def test_figures_are_not_written_into_a_runs_final_or_checkpoints(tmp_path, capsys):
+    """--out inside a run's final/ or checkpoints/: the run's next save or resume would delete them."""
+    from rlnotes.run import config_file
+    from tests.conftest import compose
+
+    run = _run(tmp_path, "run", [{"step": 1, "reward/mean": 0.5}])
+    config_file.write(run / "config.yaml", compose())
+    assert main(["plot", str(run), "--out", str(run / "final" / "figs")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"rlnotes: error: --out {run / 'final' / 'figs'} is inside {run / 'final'}, the final/ folder of "
+                   f"the run in {run}, which rlnotes replaces or prunes; choose a dir outside it"]
+    assert not (run / "final").exists()

@@ -14,6 +14,7 @@ matplotlib (the `plot` extra) draws through its Agg canvas, without pyplot's glo
 
 from __future__ import annotations
 
+import io
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List, Optional, Sequence, Tuple, Union
@@ -29,6 +30,7 @@ from rlnotes.commands.sweep import (
     write_summary,
 )
 from rlnotes.commands.usage import Parser, UsageError
+from rlnotes.run import files, places
 from rlnotes.run.records import (
     OPTUNA_FILE,
     Run,
@@ -104,6 +106,14 @@ def _finish(ax, title: str, n_runs: int) -> None:
         ax.legend(fontsize="small", loc="best")
 
 
+def _save(fig, path: Path) -> None:
+    """The figure as a PNG at `path`, written aside and renamed (rlnotes.run.files): never through a
+    link planted there, nor into a file a hard-linked copy of the run dir shares."""
+    image = io.BytesIO()
+    fig.savefig(image, format="png")
+    files.write_bytes(path, image.getvalue())
+
+
 def figure(runs: Sequence[Run], names: Sequence[str], metrics: Sequence[str], title: str, path: Path,
            smooth: float = 0.0) -> Optional[Path]:
     """One PNG of `metrics` overlaid for every run; None (nothing written) if no run logged them."""
@@ -114,7 +124,7 @@ def figure(runs: Sequence[Run], names: Sequence[str], metrics: Sequence[str], ti
         return None
     held_out = [m for m in metrics[1:] if any(run.series(m)[0] for run in runs)]
     _finish(ax, title + (f"  (dashed: {', '.join(held_out)})" if held_out else ""), len(runs))
-    fig.savefig(path)
+    _save(fig, path)
     return path
 
 
@@ -139,7 +149,7 @@ def plot_metrics(paths: Sequence[PathLike], metrics: Sequence[str], path: PathLi
         fig.suptitle(title)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
+    _save(fig, path)
     return path
 
 
@@ -166,7 +176,7 @@ def objective_figure(summary: Summary, sense: str, path: Path) -> Optional[Path]
     ax.set_title(f"objective by trial ({'higher' if sense == 'max' else 'lower'} is better)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small", loc="best")
-    fig.savefig(path)
+    _save(fig, path)
     return path
 
 
@@ -208,6 +218,9 @@ def plot(paths: Sequence[PathLike], out: Optional[PathLike] = None, sort_by: Opt
     if not any(run.rows for run in runs):
         raise RunError(f"the metrics.jsonl of {', '.join(map(str, run_dirs))} hold no rows yet")
     summary = summarize(runs, sort_by)
+    problem = places.enclosing(out)
+    if problem:  # the run's next save or resume would delete the figures with that folder
+        raise RunError(f"--out {problem}; choose a dir outside it")
     out.mkdir(parents=True, exist_ok=True)
     names = labels(runs)
     figures = [f for stem, title, metrics in FIGURES

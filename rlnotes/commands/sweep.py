@@ -7,6 +7,7 @@ conf/config.yaml) writes it into the sweep dir; `rlnotes plot` shows it for any 
 from __future__ import annotations
 
 import csv
+import io
 import math
 import sys
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from omegaconf import OmegaConf
 from rich.console import Console
 from rich.table import Table
 
+from rlnotes.run import files
 from rlnotes.run.records import (
     KEY_METRICS,
     OPTUNA_FILE,
@@ -204,11 +206,13 @@ def to_markdown(summary: Summary) -> str:
 
 
 def write_csv(summary: Summary, path: Path) -> Path:
-    """The summary's rows at full precision; an empty cell for a missing value."""
-    with Path(path).open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=summary.columns)
-        writer.writeheader()
-        writer.writerows({c: ("" if row[c] is None else row[c]) for c in summary.columns} for row in summary.rows)
+    """The summary's rows at full precision; an empty cell for a missing value. Written aside and
+    renamed (rlnotes.run.files), like every file of a summary: never through a link."""
+    text = io.StringIO(newline="")
+    writer = csv.DictWriter(text, fieldnames=summary.columns)
+    writer.writeheader()
+    writer.writerows({c: ("" if row[c] is None else row[c]) for c in summary.columns} for row in summary.rows)
+    files.write_text(path, text.getvalue())
     return Path(path)
 
 
@@ -217,7 +221,7 @@ def write_summary(summary: Summary, out_dir: Path, sections: Sequence[str] = ())
     out_dir = Path(out_dir)
     md = out_dir / "summary.md"
     note = f"sorted by {summary.sort_by}, best first\n\n" if summary.sort_by else ""
-    md.write_text(note + to_markdown(summary) + "".join(f"\n{section}" for section in sections))
+    files.write_text(md, note + to_markdown(summary) + "".join(f"\n{section}" for section in sections))
     return [md, write_csv(summary, out_dir / "summary.csv")]
 
 

@@ -46,18 +46,16 @@ from safetensors.torch import save_file
 from rlnotes.core.errors import ConfigError
 from rlnotes.engine.models import usual_modes
 from rlnotes.run import config_file
+# The names of a checkpoint's dir and files; a damaged checkpoint is renamed to DAMAGED + its name:
+# out of checkpoints(), kept for a look.
+from rlnotes.run.places import CHECKPOINTS, DAMAGED, MANIFEST, STATE  # noqa: F401 - CHECKPOINTS, STATE: checkpoint.X
 from rlnotes.run.steplogs import last_logged
 
-CHECKPOINTS = "checkpoints"
-MANIFEST = "manifest.json"
-STATE = "trainer_state.pt"
 # Format 2 adds the size and sha256 of every file and the last logged step. Format 1 checkpoints
 # still load: what they hold is checked (the files they need are there, the step fits its dir and
 # run), their bytes cannot be.
 FORMAT = 2
 READABLE_FORMATS = (1, 2)
-# A damaged checkpoint is renamed to this prefix + its name: out of checkpoints(), kept for a look.
-DAMAGED = "damaged_"
 # Context.cache entries a runner rebuilds on first use and that are not saved: DPO's reference
 # log-probs (a function of the fixed reference model and the data, and as large as the train set).
 RECOMPUTED = frozenset({"ref", "eval_ref"})

@@ -14,6 +14,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from rlnotes import __version__
+from rlnotes.run import files
 
 # The key of config.yaml's first line, `rlnotes_version: X.Y.Z`.
 VERSION_KEY = "rlnotes_version"
@@ -27,5 +28,6 @@ def recorded(cfg) -> DictConfig:
 
 
 def write(path: Path, cfg) -> None:
-    """Write `cfg` to `path` as a run's config.yaml (see `recorded`)."""
-    Path(path).write_text(OmegaConf.to_yaml(recorded(cfg)))
+    """Write `cfg` to `path` as a run's config.yaml (see `recorded`), aside and renamed into place
+    (rlnotes.run.files.write_text)."""
+    files.write_text(path, OmegaConf.to_yaml(recorded(cfg)))

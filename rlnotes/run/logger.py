@@ -24,6 +24,7 @@ from typing import Dict, List, Mapping, Optional, Sequence
 from rich.console import Console
 from rich.table import Table
 
+from rlnotes.run import files
 from rlnotes.run.diagnostics import Alert, Watcher
 from rlnotes.run.display import (
     live_progress,
@@ -69,7 +70,7 @@ class MetricsLogger:
                  print_every: Optional[int] = None, watcher: Optional[Watcher] = None):
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / "metrics.jsonl"
-        self.file = self.path.open("a")
+        self.file = files.append(self.path)  # never through a link, never into a hard-linked copy's file
         self.console, self.total = console, total_steps
         self.sinks = list(sinks)
         self.samples_every, self.samples_shown = samples_every, samples_shown
@@ -126,13 +127,13 @@ class MetricsLogger:
         """Show a diagnostic once, and append it to warnings.log."""
         self.alerts.append(alert)
         self.console.print(f"[yellow]warning at step {alert.step} ({alert.kind}):[/] {alert.message}", highlight=False)
-        with (self.run_dir / WARNINGS).open("a") as f:
+        with files.append(self.run_dir / WARNINGS) as f:
             f.write(f"step {alert.step} {alert.kind}: {alert.message}\n")
 
     def show_samples(self, step: int, samples: Mapping[str, Sequence]) -> None:
         width = max(60, min(self.console.width, 160))
         self.console.print(samples_table(step, samples, self.samples_shown, width))
-        with (self.run_dir / "samples.jsonl").open("a") as f:
+        with files.append(self.run_dir / "samples.jsonl") as f:
             extra = samples.get("extra") or {}
             for i in pick(len(samples["completions"]), self.samples_shown):
                 logged = {column: _clean(values[i]) for column, values in extra.items()}   # reward functions' log_extra

@@ -18,6 +18,8 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 import yaml
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
+from rlnotes.run import files
+
 METRICS_FILE = "metrics.jsonl"
 SWEEP_FILE = "multirun.yaml"
 OVERRIDES_FILE = Path(".hydra") / "overrides.yaml"
@@ -126,7 +128,7 @@ def write_result(run_dir: Path, status: str, objective: Tuple[str, str], value: 
     result = {"status": status, "objective": objective[0], "direction": objective[1],
               "value": value if value is not None and math.isfinite(value) else None, "error": error}
     Path(run_dir).mkdir(parents=True, exist_ok=True)
-    (Path(run_dir) / RESULT_FILE).write_text(json.dumps(result) + "\n")
+    files.write_text(Path(run_dir) / RESULT_FILE, json.dumps(result) + "\n")  # aside and renamed: never through a link
 
 
 def load_run(run_dir: Path) -> Run:

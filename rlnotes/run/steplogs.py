@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import List, Optional, Tuple
 
 from rlnotes.core.errors import ConfigError
+from rlnotes.run import files
 
 # Run logs whose lines each belong to a step (JSON rows with a "step", warnings.log's "step N ...");
 # lines after a resumed checkpoint's step are dropped.
@@ -79,7 +80,5 @@ def carry_logs(source_run: Optional[Path], run_dir: Path, step: int) -> List[str
             continue
         rows, torn = log_rows(source)
         notes += [torn] if torn else []
-        tmp = run_dir / f".{name}.tmp"
-        tmp.write_text("".join(line + "\n" for line, row in rows if row["step"] <= step))
-        os.replace(tmp, run_dir / name)
+        files.write_text(run_dir / name, "".join(line + "\n" for line, row in rows if row["step"] <= step))
     return notes

@@ -30,6 +30,7 @@ from rlnotes.data.fitting import fit_and_split
 from rlnotes.data.settings import system_prompt
 from rlnotes.data.tasks import TASK_REWARDS
 from rlnotes.engine.rollout import Rollout, encode_prompts, generate
+from rlnotes.run import files
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -145,13 +146,13 @@ def _sample_and_score(model, tokenizer, cfg, agents, batch: List[dict], n: int, 
 
 
 def write(evaluation: Evaluation, out_dir: Path, step: int, samples_name: Optional[str] = None) -> None:
-    """Append the metrics to out_dir/eval.jsonl and write the samples to out_dir/<samples_name>
-    (default eval/step_<step>.jsonl: one file per evaluation of a training run)."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with (out_dir / "eval.jsonl").open("a") as f:
-        f.write(json.dumps({"step": step, **evaluation.metrics}) + "\n")
+    """Write the samples to out_dir/<samples_name> (default eval/step_<step>.jsonl: one file per
+    evaluation of a training run), then append the metrics to out_dir/eval.jsonl (so a run's dir
+    never holds eval.jsonl without eval/). Written aside and renamed, or appended, never through a
+    link (rlnotes.run.files)."""
     samples = out_dir / (samples_name or f"eval/step_{step:06d}.jsonl")
     samples.parent.mkdir(parents=True, exist_ok=True)
-    with samples.open("w") as f:
-        for s in evaluation.samples:
-            f.write(json.dumps(s, default=str) + "\n")  # a column JSON cannot hold (a date) as its text
+    # A column JSON cannot hold (a date) is written as its text.
+    files.write_text(samples, "".join(json.dumps(s, default=str) + "\n" for s in evaluation.samples))
+    with files.append(out_dir / "eval.jsonl") as f:
+        f.write(json.dumps({"step": step, **evaluation.metrics}) + "\n")
