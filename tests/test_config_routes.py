@@ -93,6 +93,14 @@ def test_a_config_name_file_without_defaults_says_the_line_it_needs(conf, capsys
         "myconf/mine.yaml, line 3: algo.beta=-0.1")
 
 
+@pytest.mark.parametrize("body", ["trainer:\n  steps: 3\n", "defaults: [config, _self_]\ntrainer:\n  steps: 3\n"])
+def test_a_config_yaml_of_the_users_that_hides_rlnotes_own_says_to_rename_it(conf, capsys, body):
+    (conf / "config.yaml").write_text(body)  # listing `config` would list itself
+    err = refused(capsys, "--config-dir", "myconf")
+    assert err.startswith("myconf/config.yaml hides rlnotes' own config.yaml (a --config-dir is searched first): "
+                          "rename it"), err
+
+
 def test_each_sweep_member_is_checked_with_its_files(conf, capsys, tmp_path):
     (conf / "experiment" / "good.yaml").write_text("# @package _global_\noptim:\n  lr: 0.01\n")
     (conf / "experiment" / "bad.yaml").write_text("# @package _global_\noptim:\n  lr: 0.0\n")

@@ -81,11 +81,14 @@ def user_file(loader: ConfigLoaderImpl, config: str) -> Optional[Path]:
 
 def includes(loader: ConfigLoaderImpl, overrides: List[str], config_name: str, config: str) -> bool:
     """Whether composing `overrides` onto `config_name` reads `config` (train_schema: rlnotes' settings);
-    True when the defaults lists themselves fail (the composition's own error then speaks)."""
+    True when the defaults lists themselves fail (the composition's own error then speaks), False
+    when one of them lists itself (Hydra recurses until Python stops it)."""
     try:
         defaults = loader.compute_defaults_list(config_name, overrides, RunMode.RUN).defaults
     except COMPOSE_ERRORS:
         return True
+    except RecursionError:
+        return False
     return any(d.config_path == config for d in defaults)
 
 

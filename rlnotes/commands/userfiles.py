@@ -137,7 +137,10 @@ def yaml_error(error: yaml.YAMLError) -> str:
 
 def without_defaults(file: Path) -> str:
     """A primary config of the user's that composes none of rlnotes' settings (it has no defaults
-    list naming `config`)."""
+    list naming `config`, or it is named config.yaml and so hides rlnotes' own)."""
+    if file.stem == "config":
+        return (f"{shown(file)} hides rlnotes' own config.yaml (a --config-dir is searched first): rename it, e.g. "
+                f"to mine.yaml, start it with `defaults: [config, _self_]` and run it with --config-name mine")
     return (f"{shown(file)} does not start from rlnotes' settings: put `defaults: [config, _self_]` on its first "
             "line (rlnotes' config, then this file's values over it; docs/runs.md, 'Your own config file')")
 
