@@ -292,7 +292,9 @@ def test_a_crash_mid_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
 
 def test_resume_auto_without_a_checkpoint_starts_fresh(tmp_path):
     """A run that died before its first checkpoint: resume=auto starts over (one line says so)
-    and drops the dead attempt's rows instead of appending to them."""
+    and drops the dead attempt's rows instead of appending to them. (A run writes its config.yaml
+    before its first row: a dir of rows alone is not a run, and is refused.)"""
+    config_file.write(tmp_path / "config.yaml", compose("trainer.steps=2"))
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 9.0}\n{"step": 2, "loss": 9.0}\n')
     assert run(tmp_path, "trainer.steps=2", "trainer.resume=auto") == run(tmp_path / "fresh", "trainer.steps=2")
 

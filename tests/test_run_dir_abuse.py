@@ -460,3 +460,201 @@ def test_a_broken_line_inside_a_log_is_an_error_not_dropped(runs, tmp_path):
     with pytest.raises(ConfigError, match="metrics.jsonl line 2 is not a row of a step log"):
         run(run_dir, "trainer.steps=6", "trainer.resume=auto")
     assert snapshot(run_dir) == before
+
+
+# ---------------------------------------------------------------------------------------------
+# Links, hard-linked copies, and dirs that hold something else than a run: nothing outside the run
+# changes, and nothing but a run (or a new dir) is written into.
+
+
+@pytest.mark.parametrize("name", [".lock", "config.yaml", "metrics.jsonl", "result.json", "warnings.log",
+                                  "samples.jsonl", "checkpoints/step_000004/config.yaml"])
+def test_a_symlink_among_a_runs_files_is_refused_and_what_it_points_to_is_kept(runs, tmp_path, capsys, name):
+    """Before: a symlinked .lock was followed (its target truncated to the pid), and config.yaml and
+    result.json were written through links, overwriting whatever file of the user's they named."""
+    run_dir = copy_of(runs, "stopped", tmp_path)
+    target = tmp_path / "mine.txt"
+    target.write_text("the user's own file\n")
+    link = run_dir / name
+    if os.path.lexists(link):
+        link.unlink()
+    link.symlink_to(target)
+    before = snapshot(run_dir)
+    code, err = cli(capsys, run_dir, "trainer.steps=6", "trainer.resume=auto")
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"holds symbolic links among its files ({name} -> {target})" in err, err
+    assert target.read_text() == "the user's own file\n" and link.is_symlink() and snapshot(run_dir) == before
+    with pytest.raises(ConfigError, match="symbolic link"):  # in-process too, before the lock is taken
+        run(run_dir, "trainer.steps=6", "trainer.resume=auto")
+    assert target.read_text() == "the user's own file\n"
+
+
+def test_a_lock_file_that_is_a_link_or_a_dir_is_one_line(tmp_path):
+    """rundir.own on its own (a run dir checked before, then changed): the link is never followed, a
+    directory in its place is named; before, the link's target was truncated, the dir a traceback."""
+    target = tmp_path / "mine.txt"
+    target.write_text("kept\n")
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / rundir.LOCK).symlink_to(target)
+    with pytest.raises(ConfigError, match="is a symbolic link; rlnotes never writes through one"):
+        rundir.own(tmp_path / "a")
+    assert target.read_text() == "kept\n"
+    (tmp_path / "b" / rundir.LOCK).mkdir(parents=True)
+    with pytest.raises(ConfigError, match="is a directory, where rlnotes keeps the lock file"):
+        rundir.own(tmp_path / "b")
+
+
+def test_a_lock_dir_in_a_run_is_one_line_through_the_command(runs, tmp_path, capsys):
+    run_dir = copy_of(runs, "stopped", tmp_path)
+    (run_dir / rundir.LOCK).unlink()
+    (run_dir / rundir.LOCK).mkdir()
+    before = snapshot(run_dir)
+    code, err = cli(capsys, run_dir, "trainer.steps=6", "trainer.resume=auto")
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "is a directory, where rlnotes keeps" in err, err
+    assert snapshot(run_dir) == before
+
+
+def test_a_hard_linked_copy_resumed_leaves_the_original_as_it_was(runs, tmp_path, capsys):
+    """`cp -al RUN COPY`, then COPY trained longer: before, config.yaml, result.json, Hydra's train.log
+    and the lock were written in place, changing the original's files; now each is written aside and
+    renamed, and a file still shared is copied before it grows."""
+    original = copy_of(runs, "finished", tmp_path)
+    copy = tmp_path / "copy"
+    subprocess.run(["cp", "-al", str(original), str(copy)], check=True)
+    before, lock = snapshot(original), (original / rundir.LOCK).read_bytes()
+    code, err = cli(capsys, copy, "trainer.steps=8", "trainer.resume=auto")
+    assert code == 0, err
+    assert snapshot(original) == before and (original / rundir.LOCK).read_bytes() == lock
+    assert [r["step"] for r in rows(copy)] == list(range(1, 9)) and rows(original) == runs["finished"]
+
+
+@pytest.mark.parametrize("where, message", [
+    ("checkpoints/step_000006", "is a checkpoint, not a run dir; to continue its run: trainer.resume=auto "
+                                "hydra.run.dir={run}; to start a new run from it: trainer.resume={run}/checkpoints/"
+                                "step_000006 hydra.run.dir=NEW_DIR"),
+    ("final", "is a saved policy"),
+    ("checkpoints/mine", "is inside {run}/checkpoints, the checkpoints/ folder of the run in {run}"),
+    ("final/merged", "is inside {run}/final, a saved policy or checkpoint"),
+    ("eval/mine", "is inside {run}/eval, the eval/ folder of the run in {run}"),
+])
+def test_a_run_dir_in_a_checkpoint_a_policy_or_a_runs_folders_is_refused(runs, tmp_path, capsys, where, message):
+    """Before: hydra.run.dir=RUN/checkpoints/step_6 trainer.resume=auto trained a fresh run inside the
+    checkpoint (the next real resume found it damaged and fell back two steps); a run in RUN/final/
+    was deleted with final/ by the next resume."""
+    run_dir = copy_of(runs, "finished", tmp_path)
+    before = snapshot(run_dir)
+    for resume in ((), ("trainer.resume=auto",)):
+        code, err = cli(capsys, run_dir / where, "trainer.steps=8", *resume)
+        assert code == 2 and len(err.strip().splitlines()) == 1, err
+        assert message.format(run=run_dir) in err, err
+    assert snapshot(run_dir) == before
+
+
+@pytest.mark.parametrize("target", ["its own dir", "a new dir"])
+def test_resuming_with_fewer_steps_than_the_checkpoint_is_refused_before_anything_is_written(runs, tmp_path, capsys,
+                                                                                             target):
+    """Before: resuming step 4's checkpoint with trainer.steps=3 exited 0 and left a checkpoint past
+    trainer.steps, which never verified again."""
+    run_dir = copy_of(runs, "stopped", tmp_path)
+    before = snapshot(run_dir)
+    into, resume = ((run_dir, "trainer.resume=auto") if target == "its own dir" else
+                    (tmp_path / "new", f"trainer.resume={run_dir / 'checkpoints' / 'step_000004'}"))
+    code, err = cli(capsys, into, "trainer.steps=3", resume)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "step_000004 is at step 4, past trainer.steps=3; a run cannot be trained back: resume with " \
+           "trainer.steps=4 or more" in err.replace(f"{run_dir}/checkpoints/", ""), err
+    assert snapshot(run_dir) == before and not (tmp_path / "new").exists()
+
+
+def _fake_evaluation(d: Path):
+    """What `rlnotes eval` leaves: its config.yaml, eval.jsonl and samples.jsonl."""
+    d.mkdir()
+    from rlnotes.run import config_file
+    config_file.write(d / "config.yaml", compose())
+    (d / "eval.jsonl").write_text('{"step": 0, "eval/accuracy": 0.5}\n')
+    (d / "samples.jsonl").write_text('{"prompt": "p", "completion": "c"}\n')
+
+
+@pytest.mark.parametrize("contents, message", [
+    ({"eval.jsonl": '{"my": "data"}\n'}, "is not empty and holds no rlnotes run (eval.jsonl)"),
+    ({"samples.jsonl": '{"my": "data"}\n', "notes.txt": "x\n"}, "holds no rlnotes run (notes.txt, samples.jsonl)"),
+    ({"config.yaml": "lr: 3\n"}, "holds no rlnotes run (config.yaml)"),
+    ({"metrics.jsonl": '{"step": 1}\n'}, "holds no rlnotes run (metrics.jsonl)"),
+    (_fake_evaluation, "holds an evaluation (rlnotes eval's eval.jsonl, samples.jsonl), not a run"),
+])
+@pytest.mark.parametrize("resume", [(), ("trainer.resume=auto",)])
+def test_a_dir_that_holds_something_else_than_a_run_is_refused(tmp_path, capsys, contents, message, resume):
+    """Before: a dir holding a user's own eval.jsonl or samples.jsonl was taken as empty and the run's
+    rows were appended to them; a user's config.yaml was a "run", which resume=auto overwrote."""
+    run_dir = tmp_path / "dir"
+    if callable(contents):
+        contents(run_dir)
+    else:
+        run_dir.mkdir()
+        for name, text in contents.items():
+            (run_dir / name).write_text(text)
+    before = snapshot(run_dir)
+    code, err = cli(capsys, run_dir, "trainer.steps=1", *resume)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and message in err, err
+    assert snapshot(run_dir) == before
+
+
+@pytest.mark.parametrize("kind", ["a file", "read-only"])
+def test_a_run_dir_that_is_a_file_or_cannot_be_written_is_one_line(runs, tmp_path, capsys, monkeypatch, kind):
+    """Before: tracebacks (Hydra's, writing .hydra/ into a file's path or a read-only dir)."""
+    if kind == "a file":
+        run_dir = tmp_path / "file"
+        run_dir.write_text("mine\n")
+        expected = "is a file, not a dir"
+    else:
+        run_dir = copy_of(runs, "stopped", tmp_path)
+        for path in (run_dir, *run_dir.rglob("*")):
+            path.chmod(path.stat().st_mode & ~0o222)
+        if os.geteuid() == 0:  # root writes anyway: what a read-only file system answers
+            real = os.access
+            monkeypatch.setattr(os, "access", lambda p, mode, **kw: False if str(p).startswith(str(run_dir))
+                                and mode & os.W_OK else real(p, mode, **kw))
+        expected = "is not writable by this user"
+    before = snapshot(run_dir) if run_dir.is_dir() else run_dir.read_text()
+    code, err = cli(capsys, run_dir, "trainer.steps=6", "trainer.resume=auto")
+    assert code == 2 and len(err.strip().splitlines()) == 1 and expected in err, err
+    assert (snapshot(run_dir) if run_dir.is_dir() else run_dir.read_text()) == before
+    if run_dir.is_dir():
+        for path in (run_dir, *run_dir.rglob("*")):
+            path.chmod(path.stat().st_mode | 0o200)
+
+
+def test_a_second_sweep_into_a_sweep_dir_in_use_is_refused_before_it_writes(tmp_path, capsys):
+    """A first sweep in another process, paused after Hydra wrote its first member's .hydra/ and
+    before that member took its lock: before, a second sweep into the same dir passed every check
+    and rewrote the members' .hydra/ files (both summaries then labelled runs with overrides they
+    did not train with). Now the first holds the sweep dir's lock for its whole multirun."""
+    from rlnotes.commands import train as train_command
+
+    sweep = tmp_path / "sweep"
+    args = ["train", "-m", "trainer.steps=1", *SETTINGS, f"hydra.sweep.dir={sweep}"]
+    started, go = os.pipe(), os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            real = train_command.train_job
+
+            def paused(cfg):
+                os.write(started[1], b"x")
+                os.read(go[0], 1)
+                return real(cfg)
+            train_command.train_job = paused
+            code = main([*args, "seed=0,1"])
+        finally:
+            os._exit(code)
+    assert os.read(started[0], 1) == b"x"
+    before = snapshot(sweep)
+    assert main([*args, "seed=7,8"]) == 2
+    err = capsys.readouterr().err
+    assert f"{sweep} is in use by another rlnotes process (pid {pid}" in err and "hydra.sweep.dir=NEW_DIR" in err, err
+    assert len(err.strip().splitlines()) == 1 and snapshot(sweep) == before
+    os.write(go[1], b"xx")
+    assert os.waitpid(pid, 0)[1] == 0
+    assert main([*args, "seed=0,1"]) == 2  # then: its members hold runs
+    assert "already holds a run that finished at step 1" in capsys.readouterr().err

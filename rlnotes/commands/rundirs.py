@@ -16,6 +16,7 @@ from rlnotes.commands import hydra
 from rlnotes.commands.usage import UsageError
 from rlnotes.core.errors import ConfigError
 from rlnotes.run import rundir
+from rlnotes.run.signals import override_value
 
 # The algo= option a job chose, as conf/config.yaml's run and sweep dir patterns name it.
 ALGO_CHOICE = "${hydra.runtime.choices.algo}"
@@ -63,12 +64,15 @@ def run_dirs(jobs: list, multirun: bool) -> List[Optional[Path]]:
 def claim_run_dirs(jobs: list, multirun: bool, now) -> List[str]:
     """Refuse, before Hydra writes its .hydra/ files into a run dir, a command that would
     overwrite a run there or that another process is running in (rundir.check_run_dir,
-    rundir.own); a single run takes its dir's lock now and keeps it, a sweep's members each
-    take theirs when they start. Returns overrides: a command that resumes runs in their dirs
-    records itself in .hydra/resumed_<time>/, leaving the .hydra/ files of the command that
-    started them (even if the resume is refused later)."""
+    rundir.own); a single run takes its dir's lock now and keeps it, a sweep takes its sweep
+    dir's for the whole multirun (`claim_sweep_dir`) and its members each take theirs when they
+    start. Returns overrides: a command that resumes runs in their dirs records itself in
+    .hydra/resumed_<time>/, leaving the .hydra/ files of the command that started them (even if
+    the resume is refused later)."""
     held = []
     try:
+        if multirun:
+            claim_sweep_dir(jobs)
         for cfg, run_dir in zip(jobs, run_dirs(jobs, multirun)):
             if run_dir is None:
                 held.append(False)
@@ -84,6 +88,39 @@ def claim_run_dirs(jobs: list, multirun: bool, now) -> List[str]:
     return [f"hydra.output_subdir='.hydra/resumed_{now:%Y-%m-%d_%H-%M-%S}'"] if all(held) else []
 
 
+def sweep_dir_of(jobs: list) -> Optional[Path]:
+    """The sweep dir of a multirun's jobs (None for a pattern only Hydra's launcher resolves)."""
+    return hydra.job_dirs(jobs[:1], ("hydra.sweep.dir",))[0]
+
+
+def claim_sweep_dir(jobs: list) -> None:
+    """Take the sweep dir's lock for the whole multirun, so that two sweeps into one dir at once
+    cannot rewrite each other's members (their .hydra/ files, their runs) or summaries: the second
+    is refused in one line naming the first's pid. The dir must not be, or lie inside, a run, a
+    policy or a checkpoint, and must be writable."""
+    sweep = sweep_dir_of(jobs)
+    if sweep is None:
+        return
+    kind = rundir.contents(sweep)
+    if kind in ("file", "run", "evaluation", "checkpoint", "policy"):
+        raise ConfigError(f"hydra.sweep.dir={sweep} is {'a file' if kind == 'file' else f'a {kind} dir'}, not a sweep "
+                          "dir; start the sweep in another dir (hydra.sweep.dir=NEW_DIR)")
+    problem = rundir.enclosing(sweep)
+    if problem:
+        raise ConfigError(f"{problem}; start the sweep in another dir (hydra.sweep.dir=NEW_DIR)")
+    if not rundir.writable(sweep):
+        raise ConfigError(f"hydra.sweep.dir={sweep} is not writable by this user; start the sweep in another dir "
+                          "(hydra.sweep.dir=NEW_DIR)")
+    rundir.own(sweep, elsewhere="start this sweep in another dir (hydra.sweep.dir=NEW_DIR)", deep=False)
+
+
+def release_sweep_dir(jobs: list) -> None:
+    """Give up the sweep dir's lock (claim_sweep_dir) once the multirun is over."""
+    sweep = sweep_dir_of(jobs)
+    if sweep is not None:
+        rundir.release(sweep)
+
+
 def job_dir_override(run_dir) -> str:
-    """The override that runs a job in `run_dir`."""
-    return f"hydra.run.dir={quoted(str(run_dir))}"
+    """The override that runs a job in `run_dir` (a path, read literally)."""
+    return f"hydra.run.dir={override_value(str(run_dir))}"

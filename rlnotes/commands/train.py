@@ -26,7 +26,7 @@ from rlnotes.commands.launch import (
     rank_overrides,
     with_seeds,
 )
-from rlnotes.commands.rundirs import claim_run_dirs, pin_dirs
+from rlnotes.commands.rundirs import claim_run_dirs, pin_dirs, release_sweep_dir
 from rlnotes.commands.sweep import SweepSummary
 from rlnotes.commands.usage import UsageError
 from rlnotes.commands.validate import register, resolve_auto
@@ -57,19 +57,26 @@ def main(argv: List[str], checked: Optional[list] = None) -> int:
     `checked`: the command's jobs when they are checked already (rlnotes.commands.front)."""
     args = hydra.parse_args(argv)
     informational = args.help or args.hydra_help or args.cfg or args.info or args.shell_completion
+    jobs = []
     if not informational:
-        argv = _prepared(argv, args, checked)
-        if argv is None:
+        prepared = _prepared(argv, args, checked)
+        if prepared is None:
             return 1  # not reached: this process became torchrun
+        argv, jobs = prepared
     register()
     SweepSummary.failed = []
-    hydra.run(train_job, argv)
+    try:
+        hydra.run(train_job, argv)
+    finally:
+        if args.multirun and jobs:
+            release_sweep_dir(jobs)  # held for the whole multirun (claim_run_dirs)
     return 1 if SweepSummary.failed else 0  # every member ran; the summary names those that failed
 
 
-def _prepared(argv: List[str], args, checked: Optional[list]) -> Optional[List[str]]:
+def _prepared(argv: List[str], args, checked: Optional[list]) -> Optional[Tuple[List[str], list]]:
     """The command line Hydra runs, once every job is checked: its seeds, the settings its sweeper
-    and launcher need, the dirs pinned and claimed. Hands over to torchrun (hardware.nproc > 1)."""
+    and launcher need, the dirs pinned and claimed; and the jobs. Hands over to torchrun
+    (hardware.nproc > 1)."""
     jobs = checked if checked is not None else check_args(args)
     seeded = with_seeds(argv, args, jobs)
     if seeded is not None:
@@ -89,7 +96,7 @@ def _prepared(argv: List[str], args, checked: Optional[list]) -> Optional[List[s
         argv = [*argv, *pin_dirs(jobs, datetime.now())]
     if os.environ.get("RANK", "0") == "0":  # under torchrun rank 0 owns the run dir
         argv = [*argv, *claim_run_dirs(jobs, args.multirun, datetime.now())]
-    return argv
+    return argv, jobs
 
 
 def train_job(cfg) -> Optional[float]:
