@@ -658,3 +658,22 @@ def test_a_second_sweep_into_a_sweep_dir_in_use_is_refused_before_it_writes(tmp_
     assert os.waitpid(pid, 0)[1] == 0
     assert main([*args, "seed=0,1"]) == 2  # then: its members hold runs
     assert "already holds a run that finished at step 1" in capsys.readouterr().err
+
+
+def test_a_resume_on_rows_whose_content_changed_is_refused_before_anything_changes(tmp_path):
+    """The data file edited between stop and resume (same row count): before, the run went on
+    silently on other rows from the checkpoint's data position."""
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"Write the letter a {i}", "letter": "a"}) + "\n"
+                            for i in range(16)))
+    run_dir, settings = tmp_path / "run", (f"data.path={data}", "reward=letters", "trainer.steps=4")
+    run(run_dir, *settings)
+    data.write_text(data.read_text().replace("letter a 3", "letter a 33"))
+    before = snapshot(run_dir)
+    with pytest.raises(ConfigError, match="the train rows differ from those .*step_000004 was trained on \\(the same "
+                                          "16 rows, other content"):
+        run(run_dir, *settings[:2], "trainer.steps=6", "trainer.resume=auto")
+    assert snapshot(run_dir) == before
+    data.write_text(data.read_text().replace("letter a 33", "letter a 3"))  # put back: it resumes
+    assert [r["step"] for r in run(run_dir, *settings[:2], "trainer.steps=6", "trainer.resume=auto")] == list(
+        range(1, 7))

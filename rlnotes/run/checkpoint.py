@@ -12,7 +12,8 @@ A checkpoint is the state at the end of a step, after its metrics row was writte
                                  so such a checkpoint resumes on as many FSDP processes
   config.yaml                    the run's resolved config and rlnotes version (rlnotes.run.config_file)
   manifest.json                  step, skipped-update count, data position, heads, the step of the
-                                 last metrics.jsonl row, and the size and sha256 of every other
+                                 last metrics.jsonl row, the sha256 of the train rows (a resume on
+                                 other rows is refused), and the size and sha256 of every other
                                  file; written last
 
 It is written into a hidden temporary dir that is renamed into place (os.replace) only when
@@ -179,7 +180,7 @@ def write(ctx, boundary: Boundary, out: Path, shards: Optional[Shards] = None) -
                 "policy": "lora" if ctx.policy.uses_lora else "full", "heads": list(ctx.heads),
                 "sampler": boundary.sampler, "device": ctx.device.type,
                 "optimizer_shards": shards.world if shards.optimizer is not None else None,
-                "logged": last_logged(ctx.run_dir), "files": file_table(out)}
+                "logged": last_logged(ctx.run_dir), "rows_sha256": ctx.rows_sha256, "files": file_table(out)}
     (out / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
 
 

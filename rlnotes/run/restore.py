@@ -6,6 +6,8 @@ it (`load_policy`, `load_heads`, `load`).
 
 from __future__ import annotations
 
+import hashlib
+import json
 import random
 import shutil
 from pathlib import Path
@@ -233,8 +235,38 @@ def set_rng_state(state: Dict[str, object], generator: torch.Generator, device: 
 
 
 def set_sampler_state(sampler, state: Dict[str, int]) -> None:
+    _check_sampler(sampler, state)
+    sampler.load_state_dict(state)
+
+
+def _check_sampler(sampler, state: Dict[str, int]) -> None:
     if state["rows"] != len(sampler.rows) or state["seed"] != sampler.seed:
         raise ConfigError(f"trainer.resume: the checkpoint's data had {state['rows']} train rows shuffled with seed "
                           f"{state['seed']}, this run has {len(sampler.rows)} with seed {sampler.seed}; "
                           "resume with the checkpoint's data and seed settings")
-    sampler.load_state_dict(state)
+
+
+def rows_sha256(rows: List[dict]) -> str:
+    """The sha256 of the train rows in their order, each as sorted-key JSON (a value JSON cannot
+    hold as its text): the same file read the same way gives the same digest, any changed cell,
+    added, removed or reordered row another one."""
+    digest = hashlib.sha256()
+    for row in rows:
+        digest.update(json.dumps(row, sort_keys=True, default=str, ensure_ascii=False).encode())
+        digest.update(b"\n")
+    return digest.hexdigest()
+
+
+def check_data(path: Path, sampler, digest: Optional[str]) -> None:
+    """Refuse to resume the checkpoint at `path` on train rows other than those it was trained on: a
+    different count or seed (its data position would index other rows) or, with the same count, other
+    content (`digest`: rows_sha256 of this run's rows; a checkpoint from before the digest was kept
+    is not compared). Called before the run dir changes."""
+    manifest = read_manifest(path)
+    _check_sampler(sampler, manifest["sampler"])
+    saved = manifest.get("rows_sha256")
+    if saved is not None and digest is not None and saved != digest:
+        raise ConfigError(f"trainer.resume: the train rows differ from those {path} was trained on (the same "
+                          f"{len(sampler.rows)} rows, other content: the data file or a data setting changed since "
+                          "it was saved); resume with the data it was trained on, or start a new run in another dir "
+                          "(hydra.run.dir=NEW_DIR)")

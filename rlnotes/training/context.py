@@ -28,7 +28,7 @@ from rlnotes.engine.models import configure_backends, mixed_precision, resolve_d
 from rlnotes.engine.policy import Policy
 from rlnotes.engine.threads import set_threads
 from rlnotes.rewards.scoring import Rewards
-from rlnotes.run import config_file, restore
+from rlnotes.run import restore
 from rlnotes.run.diagnostics import (
     Settings,
     Watcher,
@@ -79,6 +79,9 @@ class Context:
     agents: Optional[Agents] = None
     # The SFT warm-up's order over the train rows (training.warmup), made on its first step.
     warmup_sampler: Optional[PromptSampler] = None
+    # The sha256 of the train rows in order (restore.rows_sha256), kept in each checkpoint: a resume on
+    # other rows is refused.
+    rows_sha256: Optional[str] = None
 
     def precision(self):
         """The forward passes' precision context (hardware.precision): bf16 autocast or nothing."""
@@ -114,8 +117,9 @@ def schedule(cfg):
 
 
 def setup(cfg, algo: Algorithm, run_dir: Path, console: Console, resume_from: Optional[Path] = None) -> Context:
-    """Seeds, device, policy/reference, data, rewards, optimizer and the metrics log. The weights of
-    `resume_from` are loaded before FSDP (hardware.strategy=fsdp) shards them."""
+    """Seeds, device, policy/reference, data, rewards and optimizer; writes nothing (the run's files
+    are opened by the train loop once a resumed checkpoint is known to fit: ctx.logger is a NullLogger
+    until then). The weights of `resume_from` are loaded before FSDP (hardware.strategy=fsdp) shards them."""
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     device = distributed.init(resolve_device(cfg.hardware.device))
@@ -144,10 +148,6 @@ def setup(cfg, algo: Algorithm, run_dir: Path, console: Console, resume_from: Op
     o = cfg.optim
     optimizer = torch.optim.AdamW(params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule(cfg))
-    run_dir.mkdir(parents=True, exist_ok=True)
-    main = distributed.is_main()  # rank 0 writes the run's files; with one process, this process
-    if main:
-        config_file.write(run_dir / "config.yaml", cfg)
     n_params = sum(p.numel() for p in params)
     console.print(f"[bold]rlnotes[/] {preset_name(cfg.algo)} on {cfg.model.name_or_path} "
                   f"({n_params:,} trainable parameters, {'LoRA' if policy.uses_lora else 'full'}"
@@ -159,16 +159,21 @@ def setup(cfg, algo: Algorithm, run_dir: Path, console: Console, resume_from: Op
                       f"{'prompts' if rewards else 'rows'} of a step", highlight=False)
     describe_steps(cfg, algo, len(train_rows), console)
     scorer = Rewards(checker_config(cfg), console) if cfg.trainer.eval_every and generates(cfg, algo) else None
-    logger = (MetricsLogger.for_run(cfg.logging, cfg.trainer.steps, run_dir, console,
-                                    sinks=open_sinks(cfg.logging, run_dir, OmegaConf.to_container(cfg, resolve=True)),
-                                    watcher=Watcher(Settings.of(cfg, algo))) if main else NullLogger())
     sampler_engine = rewards is not None and cfg.rollout.engine == "vllm"  # else the policy samples itself
     engine = vllm_engine.VLLMEngine(cfg, policy.tokenizer) if sampler_engine else None
     return Context(cfg=cfg, run_dir=run_dir, device=device, policy=policy, optimizer=optimizer, scheduler=scheduler,
                    sampler=PromptSampler(train_rows, cfg.trainer.batch_size, cfg.seed), eval_rows=eval_rows,
-                   rewards=rewards, logger=logger, console=console,
+                   rewards=rewards, logger=NullLogger(), console=console, rows_sha256=restore.rows_sha256(train_rows),
                    generator=torch.Generator(device).manual_seed(cfg.seed), scorer=scorer, engine=engine,
                    agents=agents)
+
+
+def open_logger(cfg, algo: Algorithm, run_dir: Path, console: Console) -> MetricsLogger:
+    """The run's metrics log (metrics.jsonl, the console, the trackers' sinks), opened once the run
+    may write its dir (rank 0 only: the others keep setup's NullLogger)."""
+    sinks = open_sinks(cfg.logging, run_dir, OmegaConf.to_container(cfg, resolve=True))
+    return MetricsLogger.for_run(cfg.logging, cfg.trainer.steps, run_dir, console, sinks=sinks,
+                                 watcher=Watcher(Settings.of(cfg, algo)))
 
 
 def describe_steps(cfg, algo: Algorithm, train_rows: int, console: Console) -> None:

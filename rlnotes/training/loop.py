@@ -16,9 +16,9 @@ from rich.markup import escape
 from rlnotes.core.algorithm import Algorithm
 from rlnotes.core.errors import SaveFailed
 from rlnotes.engine import distributed, fsdp
-from rlnotes.run import checkpoint, restore, rundir, signals, steplogs
+from rlnotes.run import checkpoint, config_file, files, restore, rundir, signals, steplogs
 from rlnotes.run.logger import passed_multiple
-from rlnotes.training.context import Context, add_head, setup
+from rlnotes.training.context import Context, add_head, open_logger, setup
 from rlnotes.training.sampling import eval_metrics
 from rlnotes.training.warmup import warming_up, warmup_step
 
@@ -58,6 +58,9 @@ def _train(cfg, algo: Algorithm, run_dir: Path, console: Console) -> Dict[str, f
     """
     resume_from = start_point(cfg, run_dir, console)
     ctx = setup(cfg, algo, run_dir, console, resume_from)
+    if resume_from is not None:
+        restore.check_data(resume_from, ctx.sampler, ctx.rows_sha256)  # before the run dir changes
+    open_run(ctx, algo, resume_from)
     if resume_from is not None:
         resume(ctx, resume_from)
     ctx.logger.begin(ctx.step)  # the progress bar, speed and schedules start here
@@ -107,38 +110,54 @@ def _train(cfg, algo: Algorithm, run_dir: Path, console: Console) -> Dict[str, f
 
 
 def start_point(cfg, run_dir: Path, console: Console) -> Optional[Path]:
-    """The checkpoint trainer.resume names, with the run's step logs cut back to its step; None to
-    start fresh. Runs before any model loads, so a bad path fails at once. Rank 0 decides and
-    rewrites the logs; every rank resumes from the checkpoint it names."""
+    """The checkpoint trainer.resume names; None to start fresh. Runs before any model loads, so a
+    bad path fails at once, and changes nothing in the run dir but its lock (and a damaged
+    checkpoint set aside). Rank 0 decides; every rank resumes from the checkpoint it names."""
     return distributed.broadcast(_start_point(cfg, run_dir, console) if distributed.is_main() else None)
 
 
 def _start_point(cfg, run_dir: Path, console: Console) -> Optional[Path]:
+    rundir.check_run_dir(run_dir, cfg.trainer.resume, cfg.trainer.steps)  # before the lock file is made in it
     rundir.own(run_dir)  # the only process in this dir until train ends (the CLI may have taken it already)
-    rundir.check_run_dir(run_dir, cfg.trainer.resume, cfg.trainer.steps)
+    rundir.check_run_dir(run_dir, cfg.trainer.resume, cfg.trainer.steps)  # again, now that no one else writes it
     notes: List[str] = []
     path = restore.locate(cfg.trainer.resume, run_dir, notes)
-    if path is None:
-        if cfg.trainer.resume == "auto":
-            console.print(f"trainer.resume=auto: no checkpoint in {escape(str(run_dir / checkpoint.CHECKPOINTS))}; "
-                          "starting at step 0 (to resume a run, pass its dir: hydra.run.dir=RUN_DIR)", highlight=False)
-            notes += steplogs.carry_logs(None, run_dir, -1)  # rows of an attempt that saved nothing
-        for note in notes:
-            console.print(f"[yellow]{escape(note)}[/]", highlight=False)
-        return None
-    step = checkpoint.read_manifest(path)["step"]
-    changed = restore.check_config(path, cfg)
-    notes += steplogs.carry_logs(path.parent.parent, run_dir, step)
     for note in notes:
         console.print(f"[yellow]{escape(note)}[/]", highlight=False)
-    dropped = restore.drop_later(run_dir, step)
-    console.print(f"resuming from {escape(str(path))} at step {step}"
-                  + (f"; later checkpoints dropped: {', '.join(p.name for p in dropped)}" if dropped else ""),
-                  highlight=False)
+    if path is None:
+        return None
+    step = checkpoint.read_manifest(path)["step"]
+    rundir.check_steps(step, path, cfg.trainer.steps)
+    changed = restore.check_config(path, cfg)
     if changed:
         console.print(f"[yellow]settings differ from the checkpoint's run:[/] {escape('; '.join(changed))}",
                       highlight=False)
     return path
+
+
+def open_run(ctx: Context, algo: Algorithm, resume_from: Optional[Path]) -> None:
+    """Once the model and data are loaded and the checkpoint fits them: the run's step logs cut back to
+    the checkpoint's step (or emptied for a fresh start of resume=auto), its later checkpoints dropped,
+    its config.yaml written and its metrics log opened. Rank 0 writes; the other ranks log nothing."""
+    if not distributed.is_main():
+        return
+    cfg, run_dir, console = ctx.cfg, ctx.run_dir, ctx.console
+    notes: List[str] = []
+    if resume_from is None and cfg.trainer.resume == "auto":
+        console.print(f"trainer.resume=auto: no checkpoint in {escape(str(run_dir / checkpoint.CHECKPOINTS))}; "
+                      "starting at step 0 (to resume a run, pass its dir: hydra.run.dir=RUN_DIR)", highlight=False)
+        notes += steplogs.carry_logs(None, run_dir, -1)  # rows of an attempt that saved nothing
+    if resume_from is not None:
+        step = checkpoint.read_manifest(resume_from)["step"]
+        notes += steplogs.carry_logs(resume_from.parent.parent, run_dir, step)
+        dropped = restore.drop_later(run_dir, step)
+        console.print(f"resuming from {escape(str(resume_from))} at step {step}"
+                      + (f"; later checkpoints dropped: {', '.join(p.name for p in dropped)}" if dropped else ""),
+                      highlight=False)
+    for note in notes:
+        console.print(f"[yellow]{escape(note)}[/]", highlight=False)
+    config_file.write(run_dir / "config.yaml", cfg)
+    ctx.logger = open_logger(cfg, algo, run_dir, console)
 
 
 def resume(ctx: Context, path: Path) -> None:
