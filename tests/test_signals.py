@@ -346,6 +346,52 @@ def test_sighup_ignored_by_nohup_stays_ignored(tmp_path, monkeypatch):
     assert [r["step"] for r in rows(tmp_path)] == [1, 2, 3, 4]
 
 
+class FullFile(io.StringIO):
+    """A file whose disk fills up: every write after the first `rows` raises ENOSPC."""
+
+    def __init__(self, real, rows):
+        super().__init__()
+        self.real, self.rows = real, rows
+
+    def write(self, text):
+        if self.rows == 0:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        self.rows -= 1
+        return self.real.write(text)
+
+    def flush(self):
+        self.real.flush()
+
+    def close(self):
+        self.real.close()
+
+
+def test_a_full_disk_while_a_metrics_row_is_written_is_one_line_and_resumes(tmp_path, monkeypatch, capsys):
+    """Before: a traceback (OSError from metrics.jsonl's write). Now the line a full disk during a
+    checkpoint gives: what was kept and the command that resumes once there is space."""
+    from rlnotes.run import logger
+
+    real_append = logger.files.append
+    monkeypatch.setattr(logger.files, "append", lambda path: FullFile(real_append(path), 3)
+                        if path.name == "metrics.jsonl" else real_append(path))
+    run_dir = tmp_path / "run"
+    args = ["train", "trainer.steps=6", "trainer.save_every=2", "trainer.batch_size=4", "logging.progress=false",
+            f"hydra.run.dir={run_dir}"]
+    with pytest.raises(SystemExit) as exit_:
+        main(args)
+    assert exit_.value.code == 1
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("rlnotes: error:")]
+    assert lines == [f"rlnotes: error: no space left on device while writing the run's files in {run_dir}; the "
+                     "previous checkpoints are kept (the latest: step_000002): free space and resume with: rlnotes "
+                     "train trainer.steps=6 trainer.save_every=2 trainer.batch_size=4 logging.progress=false "
+                     f"trainer.resume=auto hydra.run.dir={run_dir}"], err
+    assert "Traceback" not in err
+    monkeypatch.setattr(logger.files, "append", real_append)
+    assert main(shlex.split(lines[0].rpartition("resume with: ")[2])[1:]) == 0
+    assert [r["step"] for r in rows(run_dir)] == list(range(1, 7))
+
+
 def test_the_printed_resume_command_pastes_for_a_path_hydra_would_not_read_unquoted(tmp_path, monkeypatch, capsys):
     """A run dir with a non-ASCII letter, `~`, a space and a quote: before, the printed command
     named it unquoted for Hydra and failed with a lexer error when pasted."""

@@ -168,7 +168,10 @@ class MetricsLogger:
             self.progress.stop()
             self.progress = None
         if not self.file.closed:
-            self.file.close()
+            try:
+                self.file.close()
+            except OSError:  # a row the disk had no room for: the write already raised, and said so
+                pass
             for sink in self.sinks:
                 sink.close()
 

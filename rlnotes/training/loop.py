@@ -5,7 +5,6 @@ behind; then the final policy. The first sft_warmup.steps steps are supervised (
 
 from __future__ import annotations
 
-import errno
 import time
 from pathlib import Path
 from typing import Dict, List, Optional
@@ -42,9 +41,14 @@ def held_out(ctx: Context, algo: Algorithm) -> Dict[str, float]:
 
 def train(cfg, algo: Algorithm, run_dir: Path, console: Console) -> Dict[str, float]:
     """`_train` as the owner of `run_dir` (start_point takes its lock on rank 0; see rundir.own),
-    which it gives up when the run ends, however it ends."""
+    which it gives up when the run ends, however it ends. A full disk is one line (SaveFailed)
+    wherever the run was writing: a row of metrics.jsonl, samples, an evaluation, config.yaml."""
     try:
         return _train(cfg, algo, run_dir, console)
+    except OSError as e:
+        if not files.is_full(e):
+            raise
+        raise SaveFailed(disk_full(run_dir, f"writing the run's files in {run_dir}")) from None
     finally:
         rundir.release(run_dir)
 
@@ -193,14 +197,19 @@ def save_checkpoint(ctx: Context, boundary: checkpoint.Boundary) -> Optional[Pat
     try:
         return checkpoint.save(ctx, boundary, ctx.cfg.trainer.keep_last, shards)
     except OSError as e:
-        if e.errno != errno.ENOSPC:
+        if not files.is_full(e):
             raise
         target = checkpoint.checkpoint_dir(ctx.run_dir, boundary.step)
-        kept = checkpoint.checkpoints(ctx.run_dir)
-        raise SaveFailed(f"no space left on device while saving checkpoint {target.name} to {target.parent}; "
-                            + (f"the previous checkpoints are kept (the latest: {kept[-1].name})" if kept else
-                               "there is no earlier checkpoint") + ": free space and resume with: "
-                            + signals.resume_command(ctx.run_dir)) from None
+        raise SaveFailed(disk_full(ctx.run_dir, f"saving checkpoint {target.name} to {target.parent}")) from None
+
+
+def disk_full(run_dir: Path, doing: str) -> str:
+    """The line for a run stopped by a full disk while `doing` something: the checkpoints kept
+    and the command that resumes once there is space."""
+    kept = checkpoint.checkpoints(run_dir)
+    return (f"no space left on device while {doing}; "
+            + (f"the previous checkpoints are kept (the latest: {kept[-1].name})" if kept else
+               "there is no earlier checkpoint") + ": free space and resume with: " + signals.resume_command(run_dir))
 
 
 def _latest_checkpoint(run_dir: Path) -> str:
