@@ -147,7 +147,8 @@ def test_eval_command_uses_the_runs_file_reward_and_system_prompt(tmp_path, monk
                  "data.system_prompt=Be brief.", "trainer.steps=1", "trainer.batch_size=4", "logging.progress=false",
                  f"hydra.run.dir={run_dir}"]) == 0
     out = tmp_path / "ev"
-    assert main(["eval", f"eval.policy={run_dir}/final", f"eval.out={out}"]) == 0, capsys.readouterr().err
+    trust = "eval.trust_run_code=true"  # the run names its own reward module: this user's own run
+    assert main(["eval", f"eval.policy={run_dir}/final", f"eval.out={out}", trust]) == 0, capsys.readouterr().err
     assert json.loads((out / "eval.jsonl").read_text())["eval/reward"] == pytest.approx(0.25)
     samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
     assert len(samples) == 2 and all(s["prompt"][0]["content"].startswith("Say a") for s in samples)  # 10% of 20
@@ -156,7 +157,7 @@ def test_eval_command_uses_the_runs_file_reward_and_system_prompt(tmp_path, monk
     used = OmegaConf.load(out / "config.yaml")
     assert used.data.system_prompt == "Be brief." and used.reward.target == "evalmod_run_reward.quarter"
     assert main(["eval", f"eval.policy={run_dir}/final", f"eval.out={tmp_path / 'ev2'}", "eval.reward=letter_share",
-                 "data.system_prompt=null"]) == 0
+                 "data.system_prompt=null", trust]) == 0
     used = OmegaConf.load(tmp_path / "ev2" / "config.yaml")
     assert used.data.system_prompt is None and used.eval.reward == "letter_share"
     held_out = tmp_path / "held_out.jsonl"  # a file of its own for the run's data=file: its rows, the run's reward
@@ -164,7 +165,7 @@ def test_eval_command_uses_the_runs_file_reward_and_system_prompt(tmp_path, monk
                                 + "\n" for i in range(3)))
     capsys.readouterr()
     assert main(["eval", f"eval.policy={run_dir}/final", f"eval.out={tmp_path / 'ev3'}",
-                 f"data.eval_path={held_out}"]) == 0, capsys.readouterr().err
+                 f"data.eval_path={held_out}", trust]) == 0, capsys.readouterr().err
     said = capsys.readouterr()
     assert f"3 eval rows (from {held_out})" in said.err, said.err
     assert f"on{held_out}(3completions)" in "".join(said.out.split())  # the table's title, however it wraps

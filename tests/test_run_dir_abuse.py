@@ -677,3 +677,105 @@ def test_a_resume_on_rows_whose_content_changed_is_refused_before_anything_chang
     data.write_text(data.read_text().replace("letter a 33", "letter a 3"))  # put back: it resumes
     assert [r["step"] for r in run(run_dir, *settings[:2], "trainer.steps=6", "trainer.resume=auto")] == list(
         range(1, 7))
+
+
+# ---------------------------------------------------------------------------------------------
+# rlnotes eval: a dir of its own, never a run's, and no code of a run it was not told to trust.
+
+
+def evaluate(capsys, *overrides: str) -> tuple:
+    """`rlnotes eval` in this process: (exit code, stderr)."""
+    code = main(["eval", "eval.size=4", *overrides])
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("out", ["{run}", "{run}/eval/final", "{run}/mine", "{run}/final", "{run}/checkpoints/e"])
+def test_an_evaluation_into_a_run_is_refused(runs, tmp_path, capsys, monkeypatch, out):
+    """Before: eval.out=RUN_DIR deleted the run's eval.jsonl history and overwrote its samples.jsonl and
+    config.yaml; the default (RUN/eval/final) was shared by every evaluation of the policy."""
+    import rlnotes.commands.eval as eval_command
+
+    run_dir = copy_of(runs, "finished", tmp_path)
+    before = snapshot(run_dir)
+    monkeypatch.setattr(eval_command.Policy, "from_saved", lambda *a: pytest.fail("the model loaded"))
+    code, err = evaluate(capsys, f"eval.policy={run_dir}/final", f"eval.out={out.format(run=run_dir)}")
+    assert code == 2 and len(err.strip().splitlines()) == 1 and err.startswith("rlnotes: error: eval.out"), err
+    assert snapshot(run_dir) == before
+
+
+def test_evaluations_of_one_policy_each_get_a_dir_of_their_own_outside_the_run(runs, tmp_path, capsys, monkeypatch):
+    """Two evaluations of one policy, and a third told to write where the first did: before, each
+    overwrote the one before it under RUN/eval/final."""
+    run_dir = copy_of(runs, "finished", tmp_path)
+    before = snapshot(run_dir)
+    monkeypatch.chdir(tmp_path)
+    assert evaluate(capsys, f"eval.policy={run_dir}/final")[0] == 0
+    assert evaluate(capsys, f"eval.policy={run_dir}/final", "eval.greedy=false", "eval.samples_per_prompt=2")[0] == 0
+    first, second = sorted((tmp_path / "outputs" / "eval").iterdir())
+    assert len((first / "samples.jsonl").read_text().splitlines()) == 4
+    assert len((second / "samples.jsonl").read_text().splitlines()) == 8
+    kept = snapshot(first)
+    code, err = evaluate(capsys, f"eval.policy={run_dir}/final", f"eval.out={first}")
+    assert code == 2 and f"eval.out={first} holds another evaluation" in err, err
+    assert snapshot(first) == kept and snapshot(run_dir) == before
+
+
+def test_an_evaluation_that_cannot_write_fails_before_the_model_loads(runs, tmp_path, capsys, monkeypatch):
+    """Before: the whole evaluation ran, then a traceback writing its first file."""
+    import rlnotes.commands.eval as eval_command
+
+    monkeypatch.setattr(eval_command.Policy, "from_saved", lambda *a: pytest.fail("the model loaded"))
+    (tmp_path / "file").write_text("mine\n")
+    code, err = evaluate(capsys, f"eval.policy={runs['root']}/finished/final", f"eval.out={tmp_path / 'file'}")
+    assert code == 2 and "is a file; choose a new or empty dir" in err, err
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o555)
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode, **kw: False if str(p).startswith(str(locked))
+                        and mode & os.W_OK else real(p, mode, **kw))  # as for root on a read-only file system
+    code, err = evaluate(capsys, f"eval.policy={runs['root']}/finished/final", f"eval.out={locked / 'out'}")
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "is not writable by this user" in err, err
+    assert (tmp_path / "file").read_text() == "mine\n" and list(locked.iterdir()) == []
+
+
+def test_a_checkpoint_pruned_while_it_is_evaluated_is_one_line(runs, tmp_path, capsys, monkeypatch):
+    """The run that saved it prunes it (trainer.keep_last) while rlnotes eval loads it: before, a
+    traceback from the loader; now one line naming the cause, and the evaluation's dir is removed."""
+    import rlnotes.commands.eval as eval_command
+
+    run_dir = copy_of(runs, "stopped", tmp_path)
+    real = eval_command.Policy.from_saved
+
+    def pruned_meanwhile(model, path, device):
+        shutil.rmtree(path)
+        return real(model, path, device)
+
+    monkeypatch.setattr(eval_command.Policy, "from_saved", pruned_meanwhile)
+    out = tmp_path / "ev"
+    code, err = evaluate(capsys, f"eval.policy={run_dir}/checkpoints/step_000002", f"eval.out={out}")
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "step_000002 was removed while it loaded (its run's trainer.keep_last prunes" in err
+    assert not out.exists()
+
+
+def test_evaluating_a_shared_run_imports_none_of_its_code_unless_trusted(runs, tmp_path, capsys, monkeypatch):
+    """A run dir someone else wrote, whose config.yaml names a reward in a file there: before,
+    rlnotes eval imported and ran it, and wrote into the shared dir. Now it is named and refused
+    unless eval.trust_run_code=true, and the shared dir is never written either way."""
+    shared = copy_of(runs, "finished", tmp_path)
+    marker = tmp_path / "imported"
+    (shared / "score.py").write_text(f"open({str(marker)!r}, 'w').close()\n"
+                                     "def score(completions, **kwargs):\n    return [0.5] * len(completions)\n")
+    config = (shared / "config.yaml").read_text()
+    (shared / "config.yaml").write_text(config.replace("  target: null", f"  target: {shared}/score.py:score"))
+    assert f"target: {shared}/score.py:score" in (shared / "config.yaml").read_text()
+    before = snapshot(shared)
+    monkeypatch.chdir(tmp_path)
+    code, err = main(["eval", f"eval.policy={shared}/final", "eval.size=2"]), capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"names code that this evaluation would import and run (reward.target={shared}/score.py:score); add " \
+           "eval.trust_run_code=true if you trust that run" in err, err
+    assert not marker.exists() and snapshot(shared) == before
+    code = main(["eval", f"eval.policy={shared}/final", "eval.size=2", "eval.trust_run_code=true"])
+    assert code == 0 and marker.exists() and snapshot(shared) == before

@@ -283,9 +283,13 @@ class EvalConfig:
     # The scoring function (a built-in reward or an import path); null = the task's own checker
     # (e.g. number_match for arith), so shaping terms of the training reward do not count.
     reward: Optional[str] = None
-    # Where `rlnotes eval` writes eval.jsonl and samples.jsonl; null = <policy>/../eval/<policy name>,
-    # or outputs/eval/<time> for the base model.
+    # Where `rlnotes eval` writes config.yaml, eval.jsonl and samples.jsonl: a new or empty dir
+    # outside any run; null = a new outputs/eval/<time> (never the policy's run dir).
     out: Optional[str] = None
+    # Whether `rlnotes eval` may import the code that eval.policy's run config names (its reward
+    # functions, tools, environment, tool-call parser): true only for a run you trust; false
+    # refuses such a run in one line naming that code.
+    trust_run_code: bool = False
 
 
 @dataclass
