@@ -134,3 +134,32 @@ def test_a_tiny_adapter_names_its_base_and_exports_without_its_run(tmp_path, mon
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     expected = _logprobs(policy.model, policy.tokenizer)
     torch.testing.assert_close(_logprobs(model, AutoTokenizer.from_pretrained(out)), expected, atol=1e-5, rtol=0)
+
+
+def _hashes(root: Path) -> dict:
+    import hashlib
+
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("inside", ["final/merged", "checkpoints/merged", "interrupted/m", "eval/m"])
+def test_an_export_into_a_policy_dir_or_a_runs_folders_is_refused(tmp_path, capsys, inside):
+    """Before: `rlnotes export RUN/final RUN/final/merged` was accepted, and the next resume of the
+    run deleted the export with final/ (checkpoints/ is pruned, interrupted/ replaced the same way)."""
+    run, _ = _trained_run(tmp_path)
+    before = _hashes(run)
+    assert main(["export", str(run / "final"), str(run / inside)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"rlnotes: error: OUT_DIR {run / inside} is inside "), err
+    assert err[0].endswith("and would go with it; choose an OUT_DIR outside it")
+    assert _hashes(run) == before and not (run / inside).exists()
+
+
+def test_exporting_a_run_dir_names_the_policy_to_pass(tmp_path, capsys):
+    """Before: a traceback from the tokenizer loader, ending in advice to install sentencepiece."""
+    run, _ = _trained_run(tmp_path)
+    assert main(["export", str(run), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"rlnotes: error: POLICY_DIR={run} is a run's dir, not a policy it saved; give {run / 'final'}"]
+    assert not (tmp_path / "out").exists()

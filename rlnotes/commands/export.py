@@ -29,7 +29,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from rlnotes.commands.usage import Parser, UsageError
 from rlnotes.core.errors import ConfigError
 from rlnotes.core.schema import ModelConfig
+from rlnotes.engine.model_files import check_policy_dir
 from rlnotes.engine.models import load_base, usual_modes
+from rlnotes.run import rundir
 
 ADAPTER_FILE = "adapter_config.json"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -98,8 +100,14 @@ def _quiet() -> Iterator[None]:
 
 
 def _target(out_dir: Path) -> None:
+    """Refuse an OUT_DIR that is not new or empty, or that lies inside a saved policy, a checkpoint
+    or a run's checkpoints/, final/, interrupted/ or eval/ (rlnotes.run.rundir.enclosing): the next
+    resume or save of that run would delete the export with them."""
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise ConfigError(f"{out_dir} already exists and is not an empty dir; choose a new OUT_DIR or remove it")
+    problem = rundir.enclosing(out_dir)
+    if problem:
+        raise ConfigError(f"OUT_DIR {problem}, and would go with it; choose an OUT_DIR outside it")
 
 
 def export(policy_dir: Union[str, Path], out_dir: Union[str, Path], dtype: str = "float32", console=None) -> Path:
@@ -108,6 +116,7 @@ def export(policy_dir: Union[str, Path], out_dir: Union[str, Path], dtype: str =
     policy_dir, out_dir = Path(policy_dir), Path(out_dir)
     if not policy_dir.is_dir():
         raise ConfigError(f"{policy_dir} is not a directory; pass RUN_DIR/final (or a checkpoint dir)")
+    check_policy_dir(policy_dir, "POLICY_DIR")  # a run dir instead of its final/: named, with what to pass
     if dtype not in DTYPES:
         raise ConfigError(f"dtype={dtype!r} is not valid; choose one of: {', '.join(DTYPES)}")
     _target(out_dir)
