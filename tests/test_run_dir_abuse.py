@@ -1,8 +1,17 @@
 """A run dir abused as a careful user (or a cluster) might: reused, shared by two processes, killed
 at each phase of a run, its checkpoints corrupted, truncated or deleted file by file, a manifest
-that lies about its step, a torn metrics line. Each test hashes what the earlier run wrote and
-checks that nothing of it is lost or silently changed: a command that would overwrite it is
-refused in one line, and a damaged checkpoint is named and set aside, never deleted or used."""
+that lies about its step, a torn metrics line, links and hard-linked copies among its files, dirs
+that are not a run given as one, and evaluations pointed at it. Each test hashes what the earlier
+run wrote and checks that nothing of it is lost or silently changed: a command that would
+overwrite it is refused in one line, and a damaged checkpoint is named and set aside, never
+deleted or used.
+
+94 abuses (test cases), by section: reusing a run or sweep dir 11; two processes 2; SIGKILL at
+each phase 8; damaged checkpoints 28; torn step logs 5; links, hard-linked copies, lock files,
+checkpoints, policies, run folders, files, unwritable and not-a-run dirs given as run dirs, fewer
+steps than the checkpoint, a second sweep into a sweep dir in use, changed data 31; rlnotes eval
+into a run, into another evaluation, unwritable, of a pruned checkpoint, of a shared run's code 9.
+"""
 
 import hashlib
 import json
