@@ -6,11 +6,12 @@ run wrote and checks that nothing of it is lost or silently changed: a command t
 overwrite it is refused in one line, and a damaged checkpoint is named and set aside, never
 deleted or used.
 
-94 abuses (test cases), by section: reusing a run or sweep dir 11; two processes 2; SIGKILL at
+95 abuses (test cases), by section: reusing a run or sweep dir 11; two processes 2; SIGKILL at
 each phase 8; damaged checkpoints 28; torn step logs 5; links, hard-linked copies, lock files,
 checkpoints, policies, run folders, files, unwritable and not-a-run dirs given as run dirs, fewer
 steps than the checkpoint, a second sweep into a sweep dir in use, changed data 31; rlnotes eval
-into a run, into another evaluation, unwritable, of a pruned checkpoint, of a shared run's code 9.
+into a run, into another evaluation, from inside a run, unwritable, of a pruned checkpoint, of a shared
+run's code 10.
 """
 
 import hashlib
@@ -713,20 +714,38 @@ def test_an_evaluation_into_a_run_is_refused(runs, tmp_path, capsys, monkeypatch
 
 
 def test_evaluations_of_one_policy_each_get_a_dir_of_their_own_outside_the_run(runs, tmp_path, capsys, monkeypatch):
-    """Two evaluations of one policy, and a third told to write where the first did: before, each
-    overwrote the one before it under RUN/eval/final."""
+    """Two evaluations of one policy started in the same second, and a third told to write where the
+    first did: before, each overwrote the one before it under RUN/eval/final."""
+    import rlnotes.commands.eval as eval_command
+
     run_dir = copy_of(runs, "finished", tmp_path)
     before = snapshot(run_dir)
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(eval_command.time, "strftime", lambda *a: "2026-12-04_12-00-00")
     assert evaluate(capsys, f"eval.policy={run_dir}/final")[0] == 0
     assert evaluate(capsys, f"eval.policy={run_dir}/final", "eval.greedy=false", "eval.samples_per_prompt=2")[0] == 0
     first, second = sorted((tmp_path / "outputs" / "eval").iterdir())
+    assert (first.name, second.name) == ("2026-12-04_12-00-00", "2026-12-04_12-00-00-1")
     assert len((first / "samples.jsonl").read_text().splitlines()) == 4
     assert len((second / "samples.jsonl").read_text().splitlines()) == 8
     kept = snapshot(first)
     code, err = evaluate(capsys, f"eval.policy={run_dir}/final", f"eval.out={first}")
     assert code == 2 and f"eval.out={first} holds another evaluation" in err, err
     assert snapshot(first) == kept and snapshot(run_dir) == before
+
+
+def test_an_evaluation_started_inside_a_run_dir_does_not_write_there(runs, tmp_path, capsys, monkeypatch):
+    """rlnotes eval started from inside a run dir (its default outputs/eval/<time> is relative):
+    before the default moved out of RUN/eval/, nothing stopped it from writing into the run."""
+    import rlnotes.commands.eval as eval_command
+
+    run_dir = copy_of(runs, "finished", tmp_path)
+    before = snapshot(run_dir)
+    monkeypatch.chdir(run_dir)
+    monkeypatch.setattr(eval_command.Policy, "from_saved", lambda *a: pytest.fail("the model loaded"))
+    code, err = evaluate(capsys, "eval.policy=final")
+    assert code == 2 and len(err.strip().splitlines()) == 1 and f"is inside the run dir {run_dir}" in err, err
+    assert snapshot(run_dir) == before and not (run_dir / "outputs").exists()
 
 
 def test_an_evaluation_that_cannot_write_fails_before_the_model_loads(runs, tmp_path, capsys, monkeypatch):

@@ -199,15 +199,12 @@ def claim_out(given: Optional[str]) -> Tuple[Path, bool]:
     """The evaluation's own dir, and whether this call made it: eval.out (a new or empty dir outside
     every run, saved policy and checkpoint), else a new outputs/eval/<time>. Claimed before anything
     loads by an empty eval.jsonl made there exclusively, so that an unwritable dir fails at once and
-    a second evaluation into it (even one started at the same time) is refused."""
+    a second evaluation into it (even one started at the same time) is refused. The default is made
+    exclusively too, with -1, -2, ... added to a time another evaluation took."""
     if given is None:
-        stamp = Path("outputs") / "eval" / time.strftime("%Y-%m-%d_%H-%M-%S")
-        out, n = stamp, 1
-        while out.exists():
-            out, n = stamp.with_name(f"{stamp.name}-{n}"), n + 1
-    else:
-        out = Path(given)
-        _check_out(out)
+        return _new_out(Path("outputs") / "eval" / time.strftime("%Y-%m-%d_%H-%M-%S")), True
+    out = Path(given)
+    _check_out(out)
     made = not out.exists()
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -219,6 +216,28 @@ def claim_out(given: Optional[str]) -> Tuple[Path, bool]:
         raise ConfigError(f"eval.out={out} cannot be written ({e.strerror}); choose a dir you can write "
                           "(eval.out=DIR)") from None
     return out, made
+
+
+def _new_out(stamp: Path) -> Path:
+    """A new dir named `stamp` (or stamp-1, stamp-2, ... when taken), made by this call, with the empty
+    eval.jsonl that claims it; the working dir must not lie inside a run (the default is relative)."""
+    problem = rundir.enclosing(stamp) or _in_run(stamp)
+    if problem:
+        raise ConfigError(f"eval.out: {problem}; an evaluation never writes into a run's dir: choose a dir outside "
+                          "it (eval.out=DIR), or run rlnotes eval from another dir")
+    out, n = stamp, 1
+    while True:
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.mkdir()
+            break
+        except FileExistsError:
+            out, n = stamp.with_name(f"{stamp.name}-{n}"), n + 1
+        except OSError as e:
+            raise ConfigError(f"eval.out={out} cannot be written ({e.strerror}); choose a dir you can write "
+                              "(eval.out=DIR)") from None
+    (out / "eval.jsonl").touch()
+    return out
 
 
 def _check_out(out: Path) -> None:
