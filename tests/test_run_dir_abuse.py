@@ -6,10 +6,10 @@ run wrote and checks that nothing of it is lost or silently changed: a command t
 overwrite it is refused in one line, and a damaged checkpoint is named and set aside, never
 deleted or used.
 
-95 abuses (test cases), by section: reusing a run or sweep dir 11; two processes 2; SIGKILL at
+98 abuses (test cases), by section: reusing a run or sweep dir 11; two processes 2; SIGKILL at
 each phase 8; damaged checkpoints 28; torn step logs 5; links, hard-linked copies, lock files,
 checkpoints, policies, run folders, files, unwritable and not-a-run dirs given as run dirs, fewer
-steps than the checkpoint, a second sweep into a sweep dir in use, changed data 31; rlnotes eval
+steps than the checkpoint, a second sweep into a sweep dir in use or into a run, changed data 34; rlnotes eval
 into a run, into another evaluation, from inside a run, unwritable, of a pruned checkpoint, of a shared
 run's code 10.
 """
@@ -668,6 +668,18 @@ def test_a_second_sweep_into_a_sweep_dir_in_use_is_refused_before_it_writes(tmp_
     assert os.waitpid(pid, 0)[1] == 0
     assert main([*args, "seed=0,1"]) == 2  # then: its members hold runs
     assert "already holds a run that finished at step 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("where", ["{run}", "{run}/final", "{run}/checkpoints/sweep"])
+def test_a_sweep_into_a_run_a_policy_or_a_runs_folders_is_refused(runs, tmp_path, capsys, where):
+    """hydra.sweep.dir naming a run dir (or a place inside it): before, the members went into the run's
+    dir and the sweep's summary files and multirun.yaml over whatever it held."""
+    run_dir = copy_of(runs, "finished", tmp_path)
+    before = snapshot(run_dir)
+    code = main(["train", "-m", "seed=0,1", "trainer.steps=1", *SETTINGS, f"hydra.sweep.dir={where.format(run=run_dir)}"])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "hydra.sweep.dir=NEW_DIR" in err, err
+    assert snapshot(run_dir) == before
 
 
 def test_a_resume_on_rows_whose_content_changed_is_refused_before_anything_changes(tmp_path):
