@@ -849,8 +849,9 @@ def test_every_algorithm_runs_every_command_on_a_users_64_row_file(tmp_path, cap
             assert "user: Write the letter a" in err  # the conversation shown as its turns
     if generates:
         assert (run / "eval" / "step_000002.jsonl").is_file()
-        assert main(["eval", f"eval.policy={run}/final", "eval.size=4"]) == 0  # the run's file and reward
-        samples = [json.loads(line) for line in (run / "eval" / "final" / "samples.jsonl").read_text().splitlines()]
+        out = tmp_path / "evaluated"
+        assert main(["eval", f"eval.policy={run}/final", "eval.size=4", f"eval.out={out}"]) == 0  # its file and reward
+        samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
         assert len(samples) == 4 and all(s["letter"] == "a" for s in samples)
     else:
         assert main(["eval", f"eval.policy={run}/final"]) == 2
