@@ -360,6 +360,8 @@ OUTPUT_KEYS = ("hydra.run.dir", "hydra.sweep.dir", "eval.out")
 ALSO: List[Tuple[str, Tuple[str, ...], str]] = [
     (r"experiment=smollm2_arith seed=0 hydra\.run\.dir=runs/arith-0", ("seed=1", "hydra.run.dir=runs/arith-1"),
      "# and seed=1: the report after it reads runs/arith-1"),
+    (r"eval\.out=runs/arith-0-1digit", ("eval.policy=runs/arith-1/final", "eval.out=runs/arith-1-1digit"),
+     "# each seed: the report after it reads runs/arith-1-1digit"),
 ]
 
 # Documented commands that fail today, to be fixed where they are documented: (pattern, why, strict).

@@ -170,12 +170,17 @@ def test_smollm2_arith_report_of_a_tiny_run(tmp_path, monkeypatch, capsys):
     train(compose("experiment=smollm2_arith", "model=tiny", "trainer.steps=2", "sft_warmup.steps=1",
                   "trainer.eval_every=1", "eval.size=4", "data.train_size=16", "data.eval_size=4",
                   "logging.progress=false"), run, Console(quiet=True))
+    one_digit = tmp_path / "one-digit"  # what `rlnotes eval ... eval.out=DIR` writes: its metrics row
+    one_digit.mkdir()
+    (one_digit / "eval.jsonl").write_text(json.dumps({"step": 0, "eval/accuracy": 0.75}) + "\n")
     report = _script("smollm2_arith_report")
-    monkeypatch.setattr(sys, "argv", ["smollm2_arith_report.py", str(run), "--out", str(tmp_path / "fig.png")])
+    monkeypatch.setattr(sys, "argv", ["smollm2_arith_report.py", str(run), "--out", str(tmp_path / "fig.png"),
+                                      "--one-digit", str(one_digit)])
     report.main()
     out = capsys.readouterr().out
     assert (tmp_path / "fig.png").stat().st_size > 0
     assert f"## {run} (seed 0)" in out and "SFT warm-up: 1 steps" in out and "held-out problems fixed" in out
+    assert "one-digit accuracy after: 0.750" in out
 
 
 # --------------------------------------------------------------------------------------------- gpu_check.sh
