@@ -99,6 +99,10 @@ def _options(group):
     ("seed=1,2", "add -m"),
     ("algo.group_size=1", "GRPO needs at least 2"),
     ("trainer.batch_size=0", "trainer.batch_size=0 must be at least 1"),
+    # Values Hydra's grammar reads only quoted: the line gives the override as the shell should pass it.
+    ("hydra.run.dir=/tmp/ü/run", "only in quotes; give it as \"hydra.run.dir='/tmp/ü/run'\""),
+    ("hydra.run.dir=~/runs/a", f"give it as \"hydra.run.dir={os.path.expanduser('~/runs/a')}\""),
+    ("trainer.steps=[1,", "Hydra cannot read this override"),
 ])
 def test_a_wrong_override_fails_in_one_line(override, expected, capsys):
     assert main(["train", override]) == 2

@@ -395,7 +395,7 @@ def test_a_full_disk_while_a_metrics_row_is_written_is_one_line_and_resumes(tmp_
 def test_the_printed_resume_command_pastes_for_a_path_hydra_would_not_read_unquoted(tmp_path, monkeypatch, capsys):
     """A run dir with a non-ASCII letter, `~`, a space and a quote: before, the printed command
     named it unquoted for Hydra and failed with a lexer error when pasted."""
-    from rlnotes.run.signals import override_value
+    from rlnotes.core.overrides import override_value
 
     run_dir = tmp_path / "rün ~1 'q'"
     with monkeypatch.context() as patch:

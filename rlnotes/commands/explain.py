@@ -7,6 +7,9 @@ behind a run."""
 from __future__ import annotations
 
 import difflib
+import os
+import re
+import shlex
 from typing import List, Optional
 
 import yaml
@@ -14,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from rlnotes.commands import hydra, userfiles
 from rlnotes.core.errors import ConfigError
+from rlnotes.core.overrides import override_value
 
 # Said when a sweeper or launcher is not an option: the Hydra plugins rlnotes documents.
 SWEEP_EXTRA = (" (hydra/sweeper=optuna and hydra/launcher=joblib, submitit_local, submitit_slurm come with "
@@ -57,7 +61,27 @@ def explain(exc: BaseException, configs, overrides: List[str], config_name: str 
         return f"{problem.line}; to sweep over the values add -m (rlnotes train -m ...)"
     if problem.kind == "missing_value":
         return f"{key} is required; set it on the command line ({key}=...)"
+    if problem.kind == "unreadable":
+        return unreadable(problem.line, overrides)
     return problem.line + (f" (key: {key})" if key else "")
+
+
+def unreadable(line: str, overrides: List[str]) -> str:
+    """An override Hydra's grammar cannot read: where its value holds a character that may not stand
+    unquoted (a letter beyond ASCII, ~, a space), the override as the shell should pass it."""
+    named = next((o for o in overrides if o in line), None)
+    key, equals, value = (named or "").partition("=")
+    if value.startswith("~"):  # no shell expands ~ after key=: the home dir it meant
+        value = os.path.expanduser(value)
+    if not equals or (override_value(value) == value and not named.partition("=")[2].startswith("~")):
+        return f"{line.split(': ', 1)[-1] if named else line}: Hydra cannot read this override; see " \
+               "https://hydra.cc/docs/advanced/override_grammar/basic"
+    hydra_form = f"{key}={override_value(value)}"
+    # For the shell: in double quotes where nothing in it means something there, else shlex's form.
+    shell_form = f'"{hydra_form}"' if not re.search(r'["$`\\!]', hydra_form) else shlex.quote(hydra_form)
+    why = "Hydra reads a value with such characters only in quotes" if override_value(value) != value else \
+        "Hydra reads ~ only in quotes, and then as a dir named ~"
+    return f"{named}: {why}; give it as {shell_form}"
 
 
 def not_a_setting(key: str, valid: List[str]) -> str:

@@ -32,7 +32,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import IntervalSweep, Override
 from hydra.core.utils import setup_globals
-from hydra.errors import HydraException
+from hydra.errors import HydraException, OverrideParseException
 from hydra.types import RunMode
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict, read_write
 from omegaconf.errors import OmegaConfBaseException
@@ -232,7 +232,8 @@ BAD_VALUE = re.compile(r"(Value '.*?' (?:of type '\w+' )?could not be converted 
 @dataclass
 class Problem:
     """What a composition error says: its `kind` ("missing_option", "unknown_key", "bad_value",
-    "ambiguous", "missing_value" or "other"), the key or group and option it names, and a line."""
+    "ambiguous", "missing_value", "unreadable" (an override Hydra's grammar cannot read) or "other"),
+    the key or group and option it names, and a line."""
 
     kind: str
     line: str                      # the error's first line, or the part of it that says what is wrong
@@ -252,6 +253,8 @@ def read_error(exc: BaseException) -> Problem:
     config = IN_CONFIG.match(text)
     if config and cause is not None and str(cause).strip():  # the first line says only where
         first = str(cause).strip().splitlines()[0]
+    if isinstance(exc, OverrideParseException):  # its context is the parser's own, less telling, error
+        return Problem("unreadable", first)
     problem = _problem(text, full, first, cause or exc)
     problem.config = config.group(1) if config else None
     parent = getattr(cause or exc, "parent_node", None)  # an OmegaConf error's section

@@ -16,7 +16,7 @@ from rlnotes.commands import hydra
 from rlnotes.commands.usage import UsageError
 from rlnotes.core.errors import ConfigError
 from rlnotes.run import rundir
-from rlnotes.run.signals import override_value
+from rlnotes.core.overrides import override_value
 
 # The algo= option a job chose, as conf/config.yaml's run and sweep dir patterns name it.
 ALGO_CHOICE = "${hydra.runtime.choices.algo}"

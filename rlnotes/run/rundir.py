@@ -43,7 +43,7 @@ from rlnotes.run.places import (  # noqa: F401 - contents, enclosing, writable: 
     writable,
 )
 from rlnotes.run.restore import resolve
-from rlnotes.run.signals import override_value
+from rlnotes.core.overrides import override_value
 from rlnotes.run.steplogs import last_logged
 
 # What a run writes into its dir (Hydra's own .hydra/ and job log come before a run starts, so

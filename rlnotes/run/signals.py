@@ -6,7 +6,6 @@ stopped it; `resume_command` is the line that continues the run from there.
 
 from __future__ import annotations
 
-import re
 import shlex
 import signal
 import threading
@@ -18,6 +17,7 @@ from hydra.core.hydra_config import HydraConfig
 from rich.markup import escape
 
 from rlnotes.core.errors import Interrupted
+from rlnotes.core.overrides import override_value
 from rlnotes.engine import distributed
 
 
@@ -124,18 +124,3 @@ def resume_command(run_dir: Path) -> str:
     words += [*overrides, "trainer.resume=auto", f"hydra.run.dir={override_value(str(run_dir))}"]
     return " ".join(w if w == "..." else shlex.quote(w) for w in words)
 
-
-# What Hydra's override grammar reads unquoted in a value (spaces too, but not at either end).
-_UNQUOTED = re.compile(r"[A-Za-z0-9_\-/+.%@:]+")
-
-
-def override_value(text: str) -> str:
-    """`text` as a value Hydra's override grammar reads back as `text`: as it is when every
-    character may stand unquoted, else in single quotes, a quote (and any backslashes before it)
-    and an interpolation's `${` escaped with a backslash. A path with another letter than ASCII's,
-    `~`, a space, a quote or brackets then survives a command line that is pasted."""
-    if _UNQUOTED.fullmatch(text):
-        return text
-    escaped = re.sub(r"(\\*)'", lambda m: m.group(1) * 2 + "\\'", text).replace("${", "\\${")
-    escaped = re.sub(r"(\\+)$", lambda m: m.group(1) * 2, escaped)  # else the last would escape the closing quote
-    return f"'{escaped}'"
