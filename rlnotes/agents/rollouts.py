@@ -10,7 +10,8 @@ from typing import Dict, Optional, Sequence
 import torch
 
 from rlnotes.agents.conversation import Agents, Conversations
-from rlnotes.engine.episodes import context_length, generate_episodes
+from rlnotes.engine.episodes import generate_episodes
+from rlnotes.engine.models import context_length
 from rlnotes.engine.rollout import Rollout
 from rlnotes.rewards.scoring import Rewards
 

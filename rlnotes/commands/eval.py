@@ -35,9 +35,9 @@ from rlnotes.commands.check import check
 from rlnotes.core.errors import INPUT_ERROR, ConfigError
 from rlnotes.core.schema import saved_run_config
 from rlnotes.data.datasets import load_checked
-from rlnotes.data.fitting import max_positions
 from rlnotes.engine.models import (
     configure_backends,
+    context_length,
     load_base,
     mixed_precision,
     resolve_device,
@@ -187,7 +187,7 @@ def _evaluate(cfg, console, out: Path) -> Evaluation:
     threads = set_threads(cfg.hardware.threads, policy.model)
     if threads:
         console.print(threads, highlight=False)
-    rows = eval_rows(cfg, policy.tokenizer, max_positions(policy.model), console)
+    rows = eval_rows(cfg, policy.tokenizer, context_length(policy.model), console)
     start = time.perf_counter()
     with mixed_precision(cfg.hardware.precision, device):
         evaluation = evaluate(policy, cfg, rows, scorer)

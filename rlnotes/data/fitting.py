@@ -95,12 +95,6 @@ class PromptLengths:
         return None
 
 
-def max_positions(model) -> Optional[int]:
-    """The longest sequence the model takes (None when its config does not say)."""
-    config = model.config
-    return getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
-
-
 def fit_table(table: Table, d, lengths: PromptLengths, limit: Optional[int],
               max_new_tokens: Optional[int]) -> Tuple[Table, int, int]:
     """(table, rows dropped, rows truncated): prompts over data.max_prompt_len dropped, truncated or

@@ -31,14 +31,8 @@ from transformers import DynamicCache
 
 from rlnotes.engine.decoder import Step, decoding_step
 from rlnotes.engine.kvcache import plain_layers
+from rlnotes.engine.models import context_length
 from rlnotes.engine.rollout import Rollout, left_pad, next_tokens, prefill
-
-def context_length(model) -> Optional[int]:
-    """The most positions the model takes (its config's max_position_embeddings or n_positions;
-    None when it does not say)."""
-    config = model.config
-    return getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
-
 
 # respond(rows, turns, last) -> one observation per row: token ids to prefill, or None (the episode
 # ends). `turns` are the token ids of the turn each row's model just took (EOS included); `last`

@@ -190,6 +190,13 @@ def grouped_attention_on_cpu() -> None:
     sdpa_attention.use_gqa_in_sdpa = use_gqa
 
 
+def context_length(model) -> Optional[int]:
+    """The most positions the model takes (its config's max_position_embeddings or n_positions;
+    None when it does not say)."""
+    config = model.config
+    return getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+
+
 def linear_shape(module: torch.nn.Module) -> Optional[Tuple[int, int]]:
     """(inputs, outputs) of a linear layer (GPT-2's Conv1D holds its weight as [inputs, outputs]), else None."""
     if isinstance(module, torch.nn.Linear):

@@ -20,11 +20,11 @@ from rlnotes.agents.conversation import Agents
 from rlnotes.core.algorithm import Algorithm
 from rlnotes.core.schema import preset_name
 from rlnotes.data.datasets import load_checked, require_demonstrations
-from rlnotes.data.fitting import fit_and_split, max_positions
+from rlnotes.data.fitting import fit_and_split
 from rlnotes.data.sampler import PromptSampler
 from rlnotes.data.tasks import Row
 from rlnotes.engine import distributed, fsdp, vllm_engine
-from rlnotes.engine.models import configure_backends, mixed_precision, resolve_device
+from rlnotes.engine.models import configure_backends, context_length, mixed_precision, resolve_device
 from rlnotes.engine.policy import Policy
 from rlnotes.engine.threads import set_threads
 from rlnotes.rewards.scoring import Rewards
@@ -139,10 +139,10 @@ def setup(cfg, algo: Algorithm, run_dir: Path, console: Console, resume_from: Op
         restore.load_policy(policy, resume_from)
     if distributed.active() and cfg.hardware.strategy == "fsdp":
         shard_policy(policy)
-    train_rows, eval_rows = fit_and_split(data, cfg, policy.tokenizer, max_positions(policy.model), console,
+    train_rows, eval_rows = fit_and_split(data, cfg, policy.tokenizer, context_length(policy.model), console,
                                           samples=algo.samples)
     if cfg.eval.data:
-        eval_rows = held_out_rows(cfg, policy.tokenizer, max_positions(policy.model), console)
+        eval_rows = held_out_rows(cfg, policy.tokenizer, context_length(policy.model), console)
     params = policy.trainable_parameters()
     distributed.broadcast_parameters(params)  # every rank starts from rank 0's weights
     o = cfg.optim
