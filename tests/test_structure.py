@@ -3,6 +3,10 @@ imports nothing of rlnotes), no import circle, no function-local import of an rl
 except to defer a heavy optional dependency (said in a comment on that line), no comparison of
 algo.name outside the registry, and files and functions short enough to read.
 
+Figures it prints besides: each runner's import closure (the rlnotes modules importing it runs, and
+their share of the package's lines), the longest signatures, the modules that import the sampler
+only for a type, and the fields of the Context the runners share.
+
 Run as a script for the figures: python tests/test_structure.py
 """
 
@@ -18,8 +22,12 @@ FLOORS = {"core": 0, "notes": 1, "engine": 2, "rewards": 3, "agents": 4, "data":
           "runners": 8, "commands": 9, "__main__": 10, "__init__": 0}
 MAX_FILE_LINES = 400
 MAX_FUNCTION_LINES = 60
+MAX_PARAMETERS = 10  # a function's, outside rlnotes/notes (whose public equations take their symbols)
 # A function-local import of an rlnotes module must say why on its line: it defers this.
 DEFER_MARK = "optional"
+# The modules that sample: the shared types (a batch of samples, a prompt) must not live here.
+SAMPLER = ("rlnotes.engine.rollout", "rlnotes.engine.episodes", "rlnotes.engine.decoder",
+           "rlnotes.engine.vllm_engine")
 
 
 def modules() -> dict[str, Path]:
@@ -134,6 +142,123 @@ def long_functions() -> list[str]:
     return out
 
 
+def lines(path: Path) -> int:
+    return len(path.read_text().splitlines())
+
+
+def _type_checking(node: ast.If) -> bool:
+    return isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING" or \
+        isinstance(node.test, ast.Attribute) and node.test.attr == "TYPE_CHECKING"
+
+
+def _run_at_import(tree: ast.Module):
+    """The import statements a module runs when it is imported: module level, not under TYPE_CHECKING."""
+    todo = list(tree.body)
+    while todo:
+        node = todo.pop(0)
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        elif isinstance(node, ast.If) and not _type_checking(node):
+            todo += node.body + node.orelse
+        elif isinstance(node, ast.Try):
+            todo += node.body + node.orelse + node.finalbody + [n for h in node.handlers for n in h.body]
+
+
+def loaded(module: str) -> set[str]:
+    """The rlnotes modules that `import module` runs: its packages, what each imports at module level
+    (not inside a function, not under TYPE_CHECKING) and, for a package that imports every module of
+    its folder (pkgutil.iter_modules), those modules."""
+    known, seen, todo = modules(), set(), [module]
+    while todo:
+        m = todo.pop()
+        if m in seen or m not in known:
+            continue
+        seen.add(m)
+        parts = m.split(".")
+        todo += [".".join(parts[:i]) for i in range(1, len(parts))]
+        source = known[m].read_text()
+        for node in _run_at_import(ast.parse(source)):
+            if isinstance(node, ast.Import):
+                todo += [a.name for a in node.names]
+            elif node.module and node.level == 0:
+                todo += [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in known else node.module
+                         for a in node.names]
+        if known[m].name == "__init__.py" and "iter_modules(__path__)" in source:
+            todo += [k for k in known if k.rsplit(".", 1)[0] == m]
+    return seen
+
+
+def runners() -> list[str]:
+    return sorted(m for m, p in modules().items() if p.parent.name == "runners" and p.name != "__init__.py")
+
+
+def closure_share(module: str) -> float:
+    """The share of the package's lines that importing `module` runs."""
+    known = modules()
+    return sum(lines(known[m]) for m in loaded(module)) / sum(lines(p) for p in known.values())
+
+
+def signatures() -> list[tuple[int, str]]:
+    """(parameters, where) of every function, longest first; self and cls are not counted."""
+    out = []
+    for p in modules().values():
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                a = node.args
+                names = [x.arg for x in a.posonlyargs + a.args + a.kwonlyargs] + \
+                    [x.arg for x in (a.vararg, a.kwarg) if x is not None]
+                n = len(names) - (names[:1] in (["self"], ["cls"]))
+                out.append((n, f"{p.relative_to(ROOT.parent)}:{node.lineno} {node.name}"))
+    return sorted(out, key=lambda x: -x[0])
+
+
+def long_signatures() -> list[str]:
+    return [f"{where}: {n} parameters" for n, where in signatures()
+            if n > MAX_PARAMETERS and not where.startswith("rlnotes/notes/")]
+
+
+def _types(path: Path) -> set[str]:
+    """The classes and type aliases (X = Union[...], Callable[...], ...) a module defines."""
+    out = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.ClassDef):
+            out.add(node.name)
+        elif isinstance(node, ast.Assign) and isinstance(node.value, ast.Subscript):
+            out.update(t.id for t in node.targets if isinstance(t, ast.Name))
+    return out
+
+
+def sampler_type_imports() -> list[str]:
+    """Modules outside the sampler that import from it only classes and type aliases."""
+    known, out = modules(), []
+    for m, p in known.items():
+        if m in SAMPLER:
+            continue
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module in SAMPLER:
+                names = {a.name for a in node.names}
+                if names <= _types(known[node.module]):
+                    out.append(f"{p.relative_to(ROOT.parent)}:{node.lineno} imports {', '.join(sorted(names))} "
+                               f"from {node.module}")
+    return out
+
+
+def context_fields() -> dict[str, list[str]]:
+    """The fields of training.context.Context and of each dataclass of that module it holds."""
+    tree = ast.parse((ROOT / "training" / "context.py").read_text())
+    classes = {n.name: n for n in tree.body if isinstance(n, ast.ClassDef)}
+
+    def fields(name: str) -> list[tuple[str, str]]:
+        return [(n.target.id, ast.unparse(n.annotation)) for n in classes[name].body
+                if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)]
+
+    out = {"Context": [f for f, _ in fields("Context")]}
+    for _, annotation in fields("Context"):
+        if annotation in classes:
+            out[annotation] = [f for f, _ in fields(annotation)]
+    return out
+
+
 def test_every_module_is_on_a_floor():
     assert {part(m) for m in modules()} <= set(FLOORS)
 
@@ -169,7 +294,16 @@ if __name__ == "__main__":
     print(f"algo.name comparisons outside the registry: {len(algo_name_comparisons())}")
     print(f"largest file: {largest.relative_to(ROOT.parent)} ({len(largest.read_text().splitlines())} lines); "
           f"files over {MAX_FILE_LINES}: {len(long_files())}; functions over {MAX_FUNCTION_LINES}: {len(long_functions())}")
+    package = sum(lines(p) for p in modules().values())
+    for runner in runners():
+        found = loaded(runner)
+        print(f"import {runner}: {len(found)} modules, {sum(lines(modules()[m]) for m in found):,} of the "
+              f"package's {package:,} lines ({closure_share(runner):.0%})")
+    print("longest signatures: " + "; ".join(f"{where.split(' ')[-1]} {n}" for n, where in signatures()[:6])
+          + f"; over {MAX_PARAMETERS} outside rlnotes/notes: {len(long_signatures())}")
+    print(f"modules importing the sampler only for a type: {len(sampler_type_imports())}")
+    print("context: " + "; ".join(f"{name} {len(f)} fields" for name, f in context_fields().items()))
     if "-v" in sys.argv:
         for line in [*upward(), *undeferred_local_imports(), *algo_name_comparisons(), *long_files(),
-                     *long_functions(), *map(str, circles(graph()))]:
+                     *long_functions(), *map(str, circles(graph())), *long_signatures(), *sampler_type_imports()]:
             print(" ", line)
