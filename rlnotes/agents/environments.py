@@ -36,7 +36,7 @@ from typing import Callable, Dict, List, Optional, Tuple, Union
 from rlnotes.agents.builtin import ENVIRONMENTS
 from rlnotes.agents.tools import error_message, parse_tool_calls, run_tool_calls, tool_parser, tool_schema
 from rlnotes.core.errors import ConfigError
-from rlnotes.rewards.loading import accepted_names, first_line, resolve_callable
+from rlnotes.core.user_code import accepted_names, first_line, resolve_callable
 from rlnotes.rewards.watchdog import Finished, Watchdog, in_thread
 
 # Methods of a TRL-style environment that the model never calls as tools: TRL's reserved two.

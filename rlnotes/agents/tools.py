@@ -25,7 +25,7 @@ from transformers.utils import get_json_schema
 
 from rlnotes.agents.builtin import TOOLS
 from rlnotes.core.errors import ConfigError
-from rlnotes.rewards.loading import first_line, is_async, resolve_callable
+from rlnotes.core.user_code import first_line, is_async, resolve_callable
 from rlnotes.rewards.watchdog import Watchdog, in_thread
 
 # ---------------------------------------------------------------------------------------------

@@ -40,7 +40,8 @@ import torch
 from rich.markup import escape
 
 from rlnotes.rewards.calling import CallLog, Calls, Outcome, TrainerState
-from rlnotes.rewards.loading import RewardFn, build, first_line
+from rlnotes.core.user_code import first_line
+from rlnotes.rewards.loading import RewardFn, build
 from rlnotes.rewards.watchdog import Watchdog, say_on_stderr
 
 
