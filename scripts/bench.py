@@ -70,7 +70,7 @@ def run_one(name: str, steps: int) -> dict:
 
     from rlnotes.commands.check import check, loader
     from rlnotes.commands.train import train
-    from rlnotes.engine.rollout import encode_prompts
+    from rlnotes.engine.prompts import encode_prompts
     from rlnotes.runners import algorithm
     from rlnotes.training.context import setup
 

@@ -165,7 +165,7 @@ def prepare(model: str, out: Path, shapes: Dict[str, Shape], steps: int) -> dict
 
     from rlnotes.core.schema import TinyModelConfig
     from rlnotes.engine.models import smollm2_dir, tiny_model, tiny_tokenizer
-    from rlnotes.engine.rollout import encode_prompts
+    from rlnotes.engine.prompts import encode_prompts
 
     if model == "tiny":
         model_dir = out / "models" / "tiny"

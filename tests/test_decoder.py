@@ -24,7 +24,7 @@ from rlnotes.engine import packed
 from rlnotes.engine.decoder import Decoder, decoding_step, model_step
 from rlnotes.engine.episodes import generate_episodes
 from rlnotes.engine.models import tiny_tokenizer
-from rlnotes.engine.rollout import generate, prefill
+from rlnotes.engine.sampling.generate import generate, prefill
 
 SHAPE = dict(hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2,
              max_position_embeddings=256, initializer_range=0.3)
@@ -186,7 +186,7 @@ def test_smollm2_samples_the_same_through_either_step():
 
     from rlnotes.core.schema import ModelConfig
     from rlnotes.engine.policy import Policy
-    from rlnotes.engine.rollout import encode_prompts
+    from rlnotes.engine.prompts import encode_prompts
 
     policy = Policy.from_config(OmegaConf.structured(ModelConfig(name_or_path="smollm2-135m")), torch.device("cpu"))
     prompts = [[{"role": "user", "content": f"What is {a} + {b}?"}] for a, b in ((12, 30), (45, 17), (99, 1))]

@@ -19,7 +19,7 @@ from rlnotes.commands.cli import main
 from rlnotes.commands.launch import torchrun_command
 from rlnotes.commands.rundirs import stamp_dirs
 from rlnotes.engine import distributed
-from rlnotes.engine.rollout import (
+from rlnotes.engine.sampling.generate import (
     completion_keys,
     generate,
     keyed_uniform,

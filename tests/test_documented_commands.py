@@ -310,7 +310,7 @@ EXCEPTIONS: List[Tuple[str, str, str]] = [
 YAML_FILES: Dict[str, Tuple[str, str]] = {
     "functions:": ("myconf/reward/mix.yaml", "rlnotes train --config-dir myconf data=arith reward=mix"),
     "# @package _global_": ("conf/experiment/search.yaml", "rlnotes train -m --config-dir conf experiment=search"),
-    "# myconf/mine.yaml: GRPO on the arithmetic task, with my settings over rlnotes' defaults": (
+    "# myconf/mine.yaml: GRPO on the letter task, with my settings over rlnotes' defaults": (
         "myconf/mine.yaml", "rlnotes train --config-dir myconf --config-name mine"),
 }
 

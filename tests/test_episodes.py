@@ -10,7 +10,8 @@ from rlnotes.core.schema import TinyModelConfig
 from rlnotes.engine.episodes import generate_episodes
 from rlnotes.engine.models import tiny_model, tiny_tokenizer
 from rlnotes.engine.policy import sequence_logprobs
-from rlnotes.engine.rollout import completion_keys, encode_prompts
+from rlnotes.engine.prompts import encode_prompts
+from rlnotes.engine.sampling.generate import completion_keys
 
 PROMPTS = ["Write the letter a:", "What is 2+3?", "Hi"]
 

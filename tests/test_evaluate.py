@@ -14,7 +14,7 @@ from rlnotes.commands.cli import main
 from rlnotes.commands.train import train
 from rlnotes.engine.models import load_base
 from rlnotes.engine.policy import Policy
-from rlnotes.engine.rollout import encode_prompts
+from rlnotes.engine.prompts import encode_prompts
 from rlnotes.rewards.scoring import Rewards
 from rlnotes.training.evaluation import evaluate, pass_at_k
 from tests.conftest import compose

@@ -8,7 +8,8 @@ from omegaconf import OmegaConf
 from rlnotes.core.schema import ModelConfig
 from rlnotes.engine.merged import MergedLinear, lora_slots, merged_weight
 from rlnotes.engine.policy import Policy, sequence_logprobs
-from rlnotes.engine.rollout import encode_prompts, generate
+from rlnotes.engine.prompts import encode_prompts
+from rlnotes.engine.sampling.generate import generate
 
 PROMPTS = ["Write the letter a:", "What is 2+3?", "Hi"]
 

@@ -7,7 +7,8 @@ from omegaconf import OmegaConf
 from rlnotes.core.schema import TinyModelConfig
 from rlnotes.engine.models import tiny_model, tiny_tokenizer
 from rlnotes.engine.policy import sequence_logprobs
-from rlnotes.engine.rollout import encode_prompts, generate, next_tokens, top_p_filter
+from rlnotes.engine.prompts import encode_prompts
+from rlnotes.engine.sampling.generate import generate, next_tokens, top_p_filter
 
 PROMPTS = ["Write the letter a:", "What is 2+3?", "Hi"]
 

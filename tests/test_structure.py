@@ -26,7 +26,7 @@ MAX_PARAMETERS = 10  # a function's, outside rlnotes/notes (whose public equatio
 # A function-local import of an rlnotes module must say why on its line: it defers this.
 DEFER_MARK = "optional"
 # The modules that sample: the shared types (a batch of samples, a prompt) must not live here.
-SAMPLER = ("rlnotes.engine.rollout", "rlnotes.engine.episodes", "rlnotes.engine.decoder",
+SAMPLER = ("rlnotes.engine.sampling.generate", "rlnotes.engine.episodes", "rlnotes.engine.decoder",
            "rlnotes.engine.vllm_engine")
 
 

@@ -114,7 +114,7 @@ class StandIn:
         self.synced.append(step)
 
     def generate(self, prompts, group_size, seeds, device):
-        from rlnotes.engine.rollout import generate
+        from rlnotes.engine.sampling.generate import generate
 
         r, c = self.policy, self.cfg.rollout
         rollout = generate(r.model, r.tokenizer, prompts, group_size, c.max_new_tokens, c.temperature, c.top_p,
@@ -161,7 +161,7 @@ class FakeLLM:
     def generate(self, prompts, params, lora_request=None, use_tqdm=False):
         from types import SimpleNamespace as NS
 
-        from rlnotes.engine.rollout import generate
+        from rlnotes.engine.sampling.generate import generate
 
         outs = []
         for prompt, p in zip(prompts, params):
@@ -197,7 +197,8 @@ def test_vllm_samples_multi_turn_episodes_through_its_prefix_cache(fake_vllm):
     from rlnotes.core.schema import RolloutConfig, TinyModelConfig
     from rlnotes.engine.models import tiny_model, tiny_tokenizer
     from rlnotes.engine.policy import sequence_logprobs
-    from rlnotes.engine.rollout import completion_keys, encode_prompts
+    from rlnotes.engine.prompts import encode_prompts
+    from rlnotes.engine.sampling.generate import completion_keys
     from rlnotes.engine.vllm_engine import VLLMEngine
 
     tok = tiny_tokenizer()

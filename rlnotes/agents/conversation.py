@@ -9,7 +9,7 @@ alone. So an episode's token sequence is the template's rendering of the whole c
 except where the model's sampled tokens spell its text differently from how the tokenizer would
 (the tokens trained on are always the ones sampled). Without a chat template (model.chat_template
 false, or a tokenizer without one) the conversation is "role: content" lines, as
-rlnotes.engine.rollout.render_plain writes a prompt, and each model turn ends with its EOS token.
+rlnotes.engine.prompts.render_plain writes a prompt, and each model turn ends with its EOS token.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ import torch
 from rlnotes.agents.environments import EnvironmentFailure, Episode, load_environment
 from rlnotes.agents.tools import load_tools, template_takes_tools, tools_system_prompt
 from rlnotes.core.errors import ConfigError
-from rlnotes.engine.rollout import Rollout, as_messages, render_plain
+from rlnotes.engine.prompts import as_messages, render_plain
+from rlnotes.engine.rollout import Rollout
 from rlnotes.rewards.watchdog import Watchdog
 
 

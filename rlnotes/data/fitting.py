@@ -14,7 +14,7 @@ from rlnotes.core.errors import ConfigError
 from rlnotes.data.formats import ANSWER_COLUMNS, Table
 from rlnotes.data.settings import system_prompt
 from rlnotes.data.tasks import Row, Split
-from rlnotes.engine.rollout import Prompt, encode_prompts
+from rlnotes.engine.prompts import Prompt, encode_prompts
 
 # The most rows a file or hub dataset holds out for evaluation by default (default_held_out).
 DEFAULT_EVAL_ROWS = 200

@@ -24,7 +24,7 @@ from typing import Dict, List, Optional, Tuple
 
 from rlnotes.core.errors import ConfigError
 from rlnotes.data.tasks import Row
-from rlnotes.engine.rollout import Prompt
+from rlnotes.engine.prompts import Prompt
 
 # Columns each algorithm reads besides its reward's (the algorithms that sample read `prompt`).
 ANSWER_COLUMNS = ("completion", "chosen", "rejected")

@@ -32,7 +32,8 @@ from transformers import DynamicCache
 from rlnotes.engine.decoder import Step, decoding_step
 from rlnotes.engine.kvcache import plain_layers
 from rlnotes.engine.models import context_length
-from rlnotes.engine.rollout import Rollout, left_pad, next_tokens, prefill
+from rlnotes.engine.rollout import Rollout, left_pad
+from rlnotes.engine.sampling.generate import next_tokens, prefill
 
 # respond(rows, turns, last) -> one observation per row: token ids to prefill, or None (the episode
 # ends). `turns` are the token ids of the turn each row's model just took (EOS included); `last`
@@ -126,7 +127,7 @@ def generate_episodes(model, tokenizer, prompts: Sequence[Sequence[int]], group_
     at most `max_new_tokens` tokens and `max_episode_tokens` tokens after its prompt (the model's
     and the observations'; None: no bound but the turns), and within the model's context
     (context_length): a turn or an observation that would pass it ends the episode, truncated.
-    Sampling as rlnotes.engine.rollout.generate (`keys` count each episode's own model tokens,
+    Sampling as rlnotes.engine.sampling.generate.generate (`keys` count each episode's own model tokens,
     `fast_decode` as there). Returns the compacted episodes (module docstring)."""
     device = next(model.parameters()).device
     pad_id = tokenizer.pad_token_id

@@ -1,60 +1,15 @@
-"""The rollout engine shared by every runner that samples.
-
-G completions per prompt, batched with left-padded prompts and a KV cache. Each prompt is
-encoded once and its cache copied G times; a finished sequence leaves the batch, so no
-compute goes to padding after EOS. The log-prob of every sampled token, log softmax(z/T),
-comes out of the same pass that sampled it.
+"""A batch of samples, as every floor holds it: N = prompts x G completions, each prompt's G next to
+each other, prompts left-padded and completions right-padded. The sampler makes them
+(rlnotes.engine.sampling), the runners train on them, the rewards and the agents read them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Union
+from typing import List, Optional, Sequence
 
 import torch
-from transformers import DynamicCache
-
-from rlnotes.engine.decoder import decoding_step
-from rlnotes.engine.kvcache import GrowingLayer, plain_layers
-from rlnotes.engine.policy import position_ids, prompt_pass
-
-# A prompt: plain text, or a conversation of {"role": ..., "content": ...} messages.
-Prompt = Union[str, List[Dict[str, str]]]
-
-
-def as_messages(prompt: Prompt, system_prompt: Optional[str] = None) -> List[Dict[str, str]]:
-    """The prompt as chat messages: text becomes one user turn, and `system_prompt` opens the
-    conversation when it has no system turn of its own (the data's own system turn wins)."""
-    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-    if system_prompt and not any(m["role"] == "system" for m in messages):
-        messages = [{"role": "system", "content": system_prompt}] + messages
-    return messages
-
-
-def render_plain(prompt: Prompt, system_prompt: Optional[str] = None) -> str:
-    """The prompt as text for a model without a chat template: text as it is (after the system
-    prompt and a blank line, if there is one); a conversation as "role: content" lines and a last
-    "assistant:" line that cues the reply."""
-    if isinstance(prompt, str):
-        return f"{system_prompt}\n\n{prompt}" if system_prompt else prompt
-    return "\n".join([f"{m['role']}: {m['content']}" for m in as_messages(prompt, system_prompt)] + ["assistant:"])
-
-
-def encode_prompts(tokenizer, prompts: Sequence[Prompt], chat_template: bool = True,
-                   system_prompt: Optional[str] = None) -> List[List[int]]:
-    """Token ids of each prompt (text or messages): through the chat template with the generation
-    prompt when the tokenizer has one and `chat_template` is on, else as `render_plain` text. The
-    empty prompt of a plain-text row ({"text": ...}, trained on whole) is the start of a text: the
-    tokenizer's BOS (else its EOS, which ends the text before), no template."""
-    def encode(prompt: Prompt) -> List[int]:
-        if prompt == "":
-            return [tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id]
-        if chat_template and tokenizer.chat_template:
-            return list(tokenizer.apply_chat_template(as_messages(prompt, system_prompt), add_generation_prompt=True,
-                                                      tokenize=True, return_dict=True)["input_ids"])
-        return tokenizer(render_plain(prompt, system_prompt), add_special_tokens=False)["input_ids"]
-
-    return [encode(p) for p in prompts]
+import torch.nn.functional as F
 
 
 def left_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,165 +73,8 @@ class Rollout:
                        cut(self.completion_attn))
 
 
-def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Logits with everything outside the smallest set of mass >= top_p set to -inf."""
-    if top_p >= 1.0:
-        return logits
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    cum = sorted_logits.softmax(-1).cumsum(-1)
-    drop = cum - sorted_logits.softmax(-1) >= top_p   # mass before this token already reaches top_p
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
-
-
-# ---------------------------------------------------------------------------------------------
-# Keyed sampling (rollout.per_prompt_seed): the random number behind a completion's t-th token is
-# a hash of (the completion's key, t), so a completion is the same whichever other rows share its
-# batch, its process or its device. Integer hashing in int64 tensors gives the same bits on CPU and
-# GPU; no product exceeds 2^49, so nothing overflows.
-
-_M32 = 0xFFFFFFFF
-
-
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """(x * c) mod 2^32 for uint32 values held in int64, in two 16-bit halves."""
-    return ((x & 0xFFFF) * c + ((((x >> 16) * c) & 0xFFFF) << 16)) & _M32
-
-
-def mix32(x: torch.Tensor) -> torch.Tensor:
-    """A bijective 32-bit integer hash (Wellons' lowbias32): nearby inputs give unrelated outputs."""
-    x = x & _M32
-    x = _mul32(x ^ (x >> 16), 0x7FEB352D)
-    x = _mul32(x ^ (x >> 15), 0x846CA68B)
-    return x ^ (x >> 16)
-
-
-def completion_keys(seed: int, draw: Sequence[int], prompt_index: torch.Tensor, group_size: int) -> torch.Tensor:
-    """One key per completion, [P * G] prompt by prompt: a hash of the run's seed, the draw (e.g.
-    (step, round): which batch this is), the prompt's index in the global batch and the sample's
-    number within its group."""
-    h = mix32(torch.tensor(seed & _M32, dtype=torch.long))
-    for d in draw:
-        h = mix32(h ^ (d & _M32))
-    h = mix32(h ^ prompt_index.long())
-    return mix32(h.repeat_interleave(group_size) ^ torch.arange(group_size).repeat(len(prompt_index)))
-
-
-def keyed_uniform(keys: torch.Tensor, t: Union[int, torch.Tensor]) -> torch.Tensor:
-    """A uniform number in (0, 1) per key for token position t (float64); t an int, or one per key
-    (an episode's rows count their own tokens)."""
-    offset = mix32(torch.as_tensor(t, dtype=torch.long, device=keys.device) + 0x9E3779B9)
-    return (mix32(keys ^ offset).double() + 0.5) / 2.0**32
-
-
-def sample_inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
-    """Inverse-CDF sampling: token i of each row where the cumulative probability first reaches
-    that row's uniform number. probs [N, V] (rows need not sum to 1), uniform [N] in (0, 1) -> [N].
-    One number per row: torch.multinomial draws one per vocabulary entry (a tenth of a step's
-    generation time at a 49k vocabulary on a CPU)."""
-    cdf = probs.double().cumsum(-1)
-    target = uniform.to(cdf.device, torch.float64) * cdf[:, -1]
-    return torch.searchsorted(cdf, target[:, None]).squeeze(-1).clamp(max=probs.shape[-1] - 1)
-
-
-def sample_keyed(probs: torch.Tensor, keys: torch.Tensor, t: Union[int, torch.Tensor]) -> torch.Tensor:
-    """sample_inverse_cdf with each row's uniform number hashed from its key and t: probs [N, V],
-    keys [N] -> [N]."""
-    return sample_inverse_cdf(probs, keyed_uniform(keys, t))
-
-
-def next_tokens(scaled: torch.Tensor, top_p: float, greedy: bool, keys: Optional[torch.Tensor],
-                t: Union[int, torch.Tensor],
-                generator: Optional[torch.Generator]) -> torch.Tensor:
-    """Token t of each row [N] from its logits z / temperature [N, V]: the most likely (greedy), or
-    a draw from the top-p filtered softmax, keyed by `keys` [N] (sample_keyed) or from `generator`."""
-    if greedy:
-        return scaled.argmax(-1)
-    probs = top_p_filter(scaled, top_p).softmax(-1)
-    if keys is not None:
-        return sample_keyed(probs, keys, t)
-    device = generator.device if generator is not None else probs.device
-    return sample_inverse_cdf(probs, torch.rand(len(probs), generator=generator, device=device, dtype=torch.float64))
-
-
-def prefill(model, prompts: Sequence[Sequence[int]], pad_id: int, group_size: int, device, room: int = 0):
-    """Each prompt (token id lists) forwarded once (a prefix they all share once: policy.prompt_pass),
-    its KV cache and last logits then copied for its `group_size` samples: (prompt ids [N, P], mask
-    [N, P], the cache, the mask of the cache's columns [N, K], the logits of each row's first token
-    [N, V], the position of each row's next token [N]), N = prompts x group_size. `room`: the cache's
-    layers keep buffers with that many positions to spare for decoding (GrowingLayer), where every
-    layer is a plain one."""
-    prompt_ids, prompt_mask = (t.to(device) for t in left_pad(prompts, pad_id))
-    cache = DynamicCache(config=model.config)
-    if room and plain_layers(cache):
-        cache.layers = [GrowingLayer(room) for _ in cache.layers]
-    positions = position_ids(prompt_mask)
-    out, cache_mask = prompt_pass(model, prompt_ids, prompt_mask, positions, cache, logits_to_keep=1)
-    logits = out.logits[:, -1]
-    if group_size > 1:
-        cache.batch_repeat_interleave(group_size)
-        logits = logits.repeat_interleave(group_size, dim=0)
-        prompt_ids = prompt_ids.repeat_interleave(group_size, dim=0)
-        prompt_mask = prompt_mask.repeat_interleave(group_size, dim=0)
-        cache_mask = cache_mask.repeat_interleave(group_size, dim=0)
-    return prompt_ids, prompt_mask, cache, cache_mask, logits, positions[:, -1].repeat_interleave(group_size) + 1
-
-
-@torch.no_grad()
-def generate(model, tokenizer, prompts: Sequence[Sequence[int]], group_size: int, max_new_tokens: int,
-             temperature: float = 1.0, top_p: float = 1.0, generator: Optional[torch.Generator] = None,
-             eos_ids: Optional[Sequence[int]] = None, greedy: bool = False,
-             keys: Optional[torch.Tensor] = None, fast_decode: bool = True) -> Rollout:
-    """Sample `group_size` completions for each prompt (token id lists); `greedy` takes the most
-    likely token instead (the log-probs are then those of softmax(z / temperature)). With `keys`
-    (one per completion, from completion_keys) each token is drawn by sample_keyed instead of from
-    `generator`, so a completion does not depend on the rest of the batch. `fast_decode`: decode
-    with rlnotes' own step where the model is one it computes (rlnotes.engine.decoder)."""
-    device = next(model.parameters()).device
-    step = decoding_step(model, fast_decode)
-    pad_id = tokenizer.pad_token_id
-    eos = torch.tensor(eos_ids if eos_ids is not None else [tokenizer.eos_token_id], device=device)
-    prompt_ids, prompt_mask, cache, attn, logits, next_pos = prefill(model, prompts, pad_id, group_size, device,
-                                                                     room=max_new_tokens)
-    n = prompt_ids.shape[0]
-    tokens = torch.full((n, max_new_tokens), pad_id, dtype=torch.long, device=device)
-    logps = torch.zeros((n, max_new_tokens), device=device)
-    lengths = torch.full((n,), max_new_tokens, dtype=torch.long, device=device)
-    alive = torch.arange(n, device=device)     # rows still generating, as indices into the batch
-    width = attn.shape[1]
-    attn = torch.cat([attn, attn.new_ones((n, max_new_tokens))], dim=1)  # with the columns decoding adds
-    keys = keys.to(device) if keys is not None else None
-
-    for t in range(max_new_tokens):
-        scaled = logits.float() / temperature
-        logp = scaled.log_softmax(-1)
-        tok = next_tokens(scaled, top_p, greedy, keys[alive] if keys is not None else None, t, generator)
-        tokens[alive, t] = tok
-        logps[alive, t] = logp.gather(-1, tok[:, None]).squeeze(-1)
-        done = torch.isin(tok, eos)
-        lengths[alive[done]] = t + 1
-        if t == max_new_tokens - 1 or bool(done.all()):
-            break
-        if bool(done.any()):  # finished rows leave the batch and its cache
-            keep = (~done).nonzero().squeeze(-1)
-            cache.batch_select_indices(keep)
-            alive, attn, next_pos, tok = alive[keep], attn[keep], next_pos[keep], tok[keep]
-        logits = step(tok, attn[:, :width + t + 1], next_pos, cache)
-        next_pos = next_pos + 1
-
-    width = int(lengths.max())
-    mask = (torch.arange(width, device=device)[None] < lengths[:, None]).float()
-    tokens = tokens[:, :width].masked_fill(mask == 0, pad_id)
-    logps = logps[:, :width] * mask
-    truncated = ~torch.isin(tokens.gather(1, (lengths - 1)[:, None]).squeeze(-1), eos)
-    texts = tokenizer.batch_decode(tokens.tolist(), skip_special_tokens=True)
-    return Rollout(prompt_ids, prompt_mask, tokens, mask, logps, texts, truncated)
-
-
 def concat_rollouts(parts: Sequence[Rollout], pad_id: int) -> Rollout:
     """Rollouts stacked row-wise: prompts left-padded and completions right-padded to the widest."""
-    import torch.nn.functional as F
-
     p = max(r.prompt_ids.shape[1] for r in parts)
     t = max(r.completion_ids.shape[1] for r in parts)
     left = lambda x, value: F.pad(x, (p - x.shape[1], 0), value=value)  # noqa: E731

@@ -13,7 +13,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from rlnotes.engine.rollout import Prompt, encode_prompts, left_pad
+from rlnotes.engine.prompts import Prompt, encode_prompts
+from rlnotes.engine.rollout import left_pad
 from rlnotes.notes import masked_sum
 
 

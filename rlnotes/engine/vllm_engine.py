@@ -25,7 +25,8 @@ from rlnotes.engine import distributed
 from rlnotes.engine.episodes import EpisodeTokens, Respond, between_turns, budgets, episode_rollout
 from rlnotes.engine.models import SMOLLM2, smollm2_dir
 from rlnotes.engine.policy import embeddings_saved
-from rlnotes.engine.rollout import Rollout, left_pad, mix32
+from rlnotes.engine.rollout import Rollout, left_pad
+from rlnotes.engine.sampling.generate import mix32
 
 
 @dataclass

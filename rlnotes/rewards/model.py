@@ -24,7 +24,7 @@ from rlnotes.core.errors import ConfigError
 from rlnotes.core.schema import saved_run_config
 from rlnotes.engine.models import load_base
 from rlnotes.engine.policy import forward
-from rlnotes.engine.rollout import as_messages, render_plain
+from rlnotes.engine.prompts import as_messages, render_plain
 from rlnotes.engine.sequences import Sequences, encode
 
 HEAD = "reward_head"   # its name in Context.heads and its file name in final/
@@ -211,7 +211,7 @@ def _hf_scorer(path: Path, device: torch.device, batch_size: int) -> Scorer:
 def conversation_text(tokenizer, prompt, completion: str) -> str:
     """The text a Hugging Face reward model scores: [prompt messages or user: prompt, assistant:
     completion] through the chat template when the tokenizer has one, else the prompt as the
-    rollout engine renders plain text (rlnotes.engine.rollout.render_plain), then the completion."""
+    rollout engine renders plain text (rlnotes.engine.prompts.render_plain), then the completion."""
     if tokenizer.chat_template:
         messages = as_messages(prompt) + [{"role": "assistant", "content": completion}]
         return tokenizer.apply_chat_template(messages, tokenize=False)

@@ -29,7 +29,9 @@ from rlnotes.data.datasets import load_checked
 from rlnotes.data.fitting import fit_and_split
 from rlnotes.data.settings import system_prompt
 from rlnotes.data.tasks import TASK_REWARDS
-from rlnotes.engine.rollout import Rollout, encode_prompts, generate
+from rlnotes.engine.prompts import encode_prompts
+from rlnotes.engine.rollout import Rollout
+from rlnotes.engine.sampling.generate import generate
 from rlnotes.run import files
 
 

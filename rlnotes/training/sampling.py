@@ -16,7 +16,9 @@ from rlnotes.agents.rollouts import run_episodes, score_episodes
 from rlnotes.data.settings import system_prompt
 from rlnotes.data.tasks import Row
 from rlnotes.engine import distributed, fsdp
-from rlnotes.engine.rollout import Rollout, completion_keys, encode_prompts, generate
+from rlnotes.engine.prompts import encode_prompts
+from rlnotes.engine.rollout import Rollout
+from rlnotes.engine.sampling.generate import completion_keys, generate
 from rlnotes.notes import informative_groups, kl_penalty
 from rlnotes.notes.reinforce import kl_penalized_rewards, terminal_rewards
 from rlnotes.notes.tis import truncated_is_weights

@@ -11,7 +11,8 @@ from rich.console import Console
 from rlnotes.commands.train import train
 from rlnotes.data.datasets import load_task
 from rlnotes.engine.policy import Policy
-from rlnotes.engine.rollout import encode_prompts, generate
+from rlnotes.engine.prompts import encode_prompts
+from rlnotes.engine.sampling.generate import generate
 from tests.conftest import compose, record_passes
 
 
