@@ -210,3 +210,15 @@ def test_figures_are_not_written_into_a_runs_final_or_checkpoints(tmp_path, caps
     assert err == [f"rlnotes: error: --out {run / 'final' / 'figs'} is inside {run / 'final'}, the final/ folder of "
                    f"the run in {run}, which rlnotes replaces or prunes; choose a dir outside it"]
     assert not (run / "final").exists()
+
+
+def test_dirs_without_runs_among_several_are_left_out_and_named(tmp_path, capsys):
+    """`rlnotes plot outputs/DATE/*` picks up the dir of a run that stopped before its first step."""
+    a = _run(tmp_path, "a", [{"step": 1, "reward/mean": 0.5}])
+    b = _run(tmp_path, "b", [{"step": 1, "reward/mean": 0.7}])
+    stopped = tmp_path / "stopped"
+    (stopped / ".hydra").mkdir(parents=True)
+    assert main(["plot", str(a), str(stopped), str(b), "--out", str(tmp_path / "fig")]) == 0
+    out = capsys.readouterr().out
+    assert f"left out (no metrics.jsonl, no runs): {stopped}" in out and (tmp_path / "fig" / "reward.png").exists()
+    assert main(["plot", str(stopped), str(tmp_path / "stopped")]) == 2  # nothing but such dirs: the one-line error

@@ -36,6 +36,7 @@ from rlnotes.run.records import (
     Run,
     RunError,
     expand,
+    has_runs,
     is_sweep,
     labels,
     load_run,
@@ -209,7 +210,14 @@ def default_out(paths: Sequence[PathLike], run_dirs: Sequence[Path]) -> Path:
 def plot(paths: Sequence[PathLike], out: Optional[PathLike] = None, sort_by: Optional[str] = None,
          smooth: float = 0.0, console=None) -> PlotResult:
     """Figures of every run in `paths` (run dirs and sweep dirs) into `out`, and their summary table
-    printed (best first by `sort_by`); with several runs, also summary.md and summary.csv in `out`."""
+    printed (best first by `sort_by`); with several runs, also summary.md and summary.csv in `out`.
+    Among several dirs, those without runs (a run that stopped before its first step, as a shell
+    glob over outputs/ picks up) are left out, and the console names them."""
+    empty = [p for p in paths if Path(p).is_dir() and not has_runs(p)]
+    if empty and len(empty) < len(paths):
+        paths = [p for p in paths if p not in empty]
+        if console is not None:
+            console.print(f"left out (no metrics.jsonl, no runs): {', '.join(map(str, empty))}", highlight=False)
     run_dirs = expand(paths)
     chosen = out is None
     out = Path(out) if out is not None else default_out(paths, run_dirs)

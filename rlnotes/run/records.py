@@ -152,6 +152,12 @@ def sweep_members(sweep_dir: Path) -> List[Path]:
     return sorted(found, key=_member_order)
 
 
+def has_runs(path: Path) -> bool:
+    """Whether `path` is a run dir with metrics or a sweep dir with members (not, for instance, the
+    dir of a run that stopped before its first step)."""
+    return (Path(path) / METRICS_FILE).exists() or bool(sweep_members(path))
+
+
 def expand(paths: Iterable[Path]) -> List[Path]:
     """Run dirs from a mix of run dirs and sweep dirs, in the order given (a sweep's by job number)."""
     runs: List[Path] = []
