@@ -29,7 +29,7 @@ def test_console_script_trains_and_saves_a_loadable_adapter(tmp_path):
     from peft import PeftModel
 
     from rlnotes.core.schema import ModelConfig
-    from rlnotes.engine.models import load_base
+    from rlnotes.engine.model.loading import load_base
 
     base, _ = load_base(OmegaConf.structured(ModelConfig()))
     model = PeftModel.from_pretrained(base, tmp_path / "final")
@@ -106,6 +106,17 @@ def _options(group):
 ])
 def test_a_wrong_override_fails_in_one_line(override, expected, capsys):
     assert main(["train", override]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("rlnotes: error: ") and expected in err and "\n" not in err, err
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--confg-name", "mine"], "unrecognized arguments: --confg-name; did you mean --config-name?"),
+    (["--cfg", "jbo"], "invalid choice: 'jbo' (choose from 'job', 'hydra', 'all')"),
+    (["--config-dir"], "--config-dir/-cd: expected one argument"),
+])
+def test_a_wrong_flag_fails_in_one_line(argv, expected, capsys):
+    assert main(["train", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("rlnotes: error: ") and expected in err and "\n" not in err, err
 

@@ -11,6 +11,7 @@ Hydra changes one of them (a name, a signature, the text of an error read below)
 from __future__ import annotations
 
 import copy
+import difflib
 import os
 import re
 import sys
@@ -36,6 +37,8 @@ from hydra.errors import HydraException, OverrideParseException
 from hydra.types import RunMode
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict, read_write
 from omegaconf.errors import OmegaConfBaseException
+
+from rlnotes.commands.usage import UsageError
 
 CONFIG_MODULE = "rlnotes.conf"
 # What composing a config raises for a mistake in it (ValueError: a group set to null, logging=null;
@@ -109,10 +112,22 @@ def group_options(loader: ConfigLoaderImpl, group: str) -> List[str]:
 
 
 def parse_args(argv: List[str]):
-    """Hydra's flags and overrides of a command line (args.overrides, .multirun, .config_dir, .help...)."""
+    """Hydra's flags and overrides of a command line (args.overrides, .multirun, .config_dir, .help...).
+    A flag it does not know, or a value its flag does not take, is a UsageError of one line with the
+    closest flag, instead of argparse's usage block and exit."""
     # private: hydra.main's own parser, so the command reads its flags (-m, --cfg, --config-dir) as
     # Hydra will when it runs the command line.
-    return get_args_parser().parse_args(argv)
+    parser = get_args_parser()
+    flags = sorted(set(re.findall(r"(?<![\w-])--?[a-zA-Z][\w-]*", parser.format_usage())))
+
+    def error(message: str):
+        unknown = re.match(r"unrecognized arguments: (\S+)", message)
+        close = difflib.get_close_matches(unknown.group(1), flags, n=1) if unknown else []
+        hint = f"; did you mean {close[0]}?" if close else ""
+        raise UsageError(f"{message}{hint} (rlnotes train --help lists the flags)")
+
+    parser.error = error
+    return parser.parse_args(argv)
 
 
 def parse_overrides(overrides: Sequence[str]) -> List[Override]:
