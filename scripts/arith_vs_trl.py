@@ -196,8 +196,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         return trl_worker(json.loads(Path(args.worker).read_text()))
     if importlib.util.find_spec("trl") is None:  # before the rlnotes run, which takes an hour
         raise SystemExit('arith_vs_trl.py needs TRL 1.16 (pip extra bench): pip install -e ".[bench]"')
-    from rlnotes.engine.models import smollm2_dir
-    from rlnotes.engine.threads import auto_threads
+    from rlnotes.engine.model.loading import smollm2_dir
+    from rlnotes.engine.hardware.threads import auto_threads
 
     cfg, train, test = recipe(args.seed, args.overrides)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -141,8 +141,8 @@ def shared_prompt_ratio(threads: int, rounds: int, layers: int) -> None:
     import torch
     from peft import LoraConfig, get_peft_model
 
-    import rlnotes.engine.policy as policy
-    from rlnotes.engine.models import smollm2_shaped
+    import rlnotes.engine.policy.passes as policy
+    from rlnotes.engine.model.loading import smollm2_shaped
 
     torch.set_num_threads(threads)
     lora = LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],

@@ -1,5 +1,5 @@
 """Time a GRPO step at 1 thread and at all cores, for models of growing size: the measurement
-behind hardware.threads=auto (rlnotes.engine.threads.AUTO_ONE_THREAD_BELOW).
+behind hardware.threads=auto (rlnotes.engine.hardware.threads.AUTO_ONE_THREAD_BELOW).
 
     python scripts/bench_threads.py                          # tiny at widths 64 .. 1024
     python scripts/bench_threads.py --widths 64 512 --steps 15 --rounds 2
@@ -43,7 +43,7 @@ def parameters(overrides: list) -> int:
     from transformers.utils import logging
 
     from rlnotes.commands.check import loader
-    from rlnotes.engine.models import load_base
+    from rlnotes.engine.model.loading import load_base
 
     logging.disable_progress_bar()
     cfg = loader(None).load_configuration("config", overrides, RunMode.RUN)

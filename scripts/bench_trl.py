@@ -164,7 +164,7 @@ def prepare(model: str, out: Path, shapes: Dict[str, Shape], steps: int) -> dict
     from transformers import AutoTokenizer
 
     from rlnotes.core.schema import TinyModelConfig
-    from rlnotes.engine.models import smollm2_dir, tiny_model, tiny_tokenizer
+    from rlnotes.engine.model.loading import smollm2_dir, tiny_model, tiny_tokenizer
     from rlnotes.engine.prompts import encode_prompts
 
     if model == "tiny":

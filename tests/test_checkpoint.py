@@ -199,7 +199,7 @@ def test_a_checkpoint_is_a_loadable_adapter_with_its_state(tmp_path):
     from peft import PeftModel
     from safetensors.torch import load_file
 
-    from rlnotes.engine.models import load_base
+    from rlnotes.engine.model.loading import load_base
 
     cfg = compose("logging.progress=false", "trainer.steps=2")
     train(cfg, tmp_path, Console(quiet=True))

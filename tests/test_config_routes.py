@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from rlnotes.commands.cli import main
-from rlnotes.engine.policy import Policy
+from rlnotes.engine.policy.policy import Policy
 
 MINE_HEAD = "defaults:\n  - config\n  - _self_\n\n"
 

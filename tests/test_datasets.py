@@ -23,7 +23,7 @@ from rlnotes.data.datasets import (
 )
 from rlnotes.data.fitting import PromptLengths, fit_and_split
 from rlnotes.data.reading import hub_reachable
-from rlnotes.engine.models import tiny_tokenizer
+from rlnotes.engine.model.loading import tiny_tokenizer
 from rlnotes.engine.prompts import encode_prompts, render_plain
 from rlnotes.runners import REGISTRY
 from tests.conftest import compose

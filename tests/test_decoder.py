@@ -20,10 +20,10 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from rlnotes.engine import packed
-from rlnotes.engine.decoder import Decoder, decoding_step, model_step
-from rlnotes.engine.episodes import generate_episodes
-from rlnotes.engine.models import tiny_tokenizer
+from rlnotes.engine.model.loading import tiny_tokenizer
+from rlnotes.engine.policy import packed
+from rlnotes.engine.sampling.decoder import Decoder, decoding_step, model_step
+from rlnotes.engine.sampling.episodes import generate_episodes
 from rlnotes.engine.sampling.generate import generate, prefill
 
 SHAPE = dict(hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2,
@@ -185,7 +185,7 @@ def test_smollm2_samples_the_same_through_either_step():
     from omegaconf import OmegaConf
 
     from rlnotes.core.schema import ModelConfig
-    from rlnotes.engine.policy import Policy
+    from rlnotes.engine.policy.policy import Policy
     from rlnotes.engine.prompts import encode_prompts
 
     policy = Policy.from_config(OmegaConf.structured(ModelConfig(name_or_path="smollm2-135m")), torch.device("cpu"))
@@ -200,7 +200,7 @@ def test_smollm2_samples_the_same_through_either_step():
 
 
 def test_a_sharded_model_decodes_through_its_own_forward(monkeypatch):
-    from rlnotes.engine import decoder
+    from rlnotes.engine.sampling import decoder
 
     model = family_model("llama")
     monkeypatch.setattr(decoder, "is_sharded", lambda m: m is model)  # as FSDP's fully_shard would leave it

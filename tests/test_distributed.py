@@ -18,7 +18,7 @@ import torch
 from rlnotes.commands.cli import main
 from rlnotes.commands.launch import torchrun_command
 from rlnotes.commands.rundirs import stamp_dirs
-from rlnotes.engine import distributed
+from rlnotes.engine.hardware import distributed
 from rlnotes.engine.sampling.generate import (
     completion_keys,
     generate,
@@ -126,7 +126,7 @@ def test_a_keyed_completion_does_not_depend_on_its_batch():
     from omegaconf import OmegaConf
 
     from rlnotes.core.schema import ModelConfig
-    from rlnotes.engine.models import load_base
+    from rlnotes.engine.model.loading import load_base
 
     model, tok = load_base(OmegaConf.structured(ModelConfig()))
     prompts = [tok(p)["input_ids"] for p in ("Write a", "Write the letter b:", "c", "Write the letter d please:")]

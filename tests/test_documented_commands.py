@@ -427,7 +427,7 @@ class Fixtures:
         from omegaconf import OmegaConf
 
         from rlnotes.core.schema import ModelConfig
-        from rlnotes.engine.models import load_base
+        from rlnotes.engine.model.loading import load_base
 
         model, tokenizer = load_base(OmegaConf.structured(ModelConfig()))
         model.config.max_position_embeddings = 4096

@@ -1,4 +1,4 @@
-"""Multi-turn episodes (rlnotes.engine.episodes): the KV cache carried across turns gives the
+"""Multi-turn episodes (rlnotes.engine.sampling.episodes): the KV cache carried across turns gives the
 same tokens and log-probs as forwarding the whole compacted episode, the environment's tokens
 carry no loss, and every bound (turns, tokens, the episode budget) holds."""
 
@@ -7,10 +7,10 @@ import torch
 from omegaconf import OmegaConf
 
 from rlnotes.core.schema import TinyModelConfig
-from rlnotes.engine.episodes import generate_episodes
-from rlnotes.engine.models import tiny_model, tiny_tokenizer
-from rlnotes.engine.policy import sequence_logprobs
+from rlnotes.engine.model.loading import tiny_model, tiny_tokenizer
+from rlnotes.engine.policy.passes import sequence_logprobs
 from rlnotes.engine.prompts import encode_prompts
+from rlnotes.engine.sampling.episodes import generate_episodes
 from rlnotes.engine.sampling.generate import completion_keys
 
 PROMPTS = ["Write the letter a:", "What is 2+3?", "Hi"]
@@ -82,9 +82,9 @@ def naive_greedy(model, tok, prompt, respond_one, max_new_tokens, max_turns):
 @pytest.mark.parametrize("system", ["", "You are a careful assistant; answer in one word. "])
 def test_greedy_episodes_equal_a_slow_reference_without_cache(system, monkeypatch):
     """With a system prompt every prompt shares, forwarded once (its cache's padding in the middle)."""
-    import rlnotes.engine.policy
+    import rlnotes.engine.policy.passes
 
-    monkeypatch.setattr(rlnotes.engine.policy, "MIN_PREFIX_SAVING", 1)
+    monkeypatch.setattr(rlnotes.engine.policy.passes, "MIN_PREFIX_SAVING", 1)
     model, tok, _ = setup()
     prompts = encode_prompts(tok, [system + p for p in PROMPTS], chat_template=False)
     env = Scripted(tok)

@@ -12,8 +12,8 @@ from rich.console import Console
 
 from rlnotes.commands.cli import main
 from rlnotes.commands.train import train
-from rlnotes.engine.models import load_base
-from rlnotes.engine.policy import Policy
+from rlnotes.engine.model.loading import load_base
+from rlnotes.engine.policy.policy import Policy
 from rlnotes.engine.prompts import encode_prompts
 from rlnotes.rewards.scoring import Rewards
 from rlnotes.training.evaluation import evaluate, pass_at_k

@@ -10,7 +10,8 @@ from omegaconf import OmegaConf
 from rlnotes.commands.cli import main
 from rlnotes.commands.export import export
 from rlnotes.core.errors import ConfigError
-from rlnotes.engine.policy import Policy, sequence_logprobs
+from rlnotes.engine.policy.passes import sequence_logprobs
+from rlnotes.engine.policy.policy import Policy
 from tests.conftest import compose
 
 TEXTS = ["Write the letter a.\naaa", "Write b: bb", "What is 3+4?\n7"]

@@ -6,8 +6,9 @@ import torch
 from omegaconf import OmegaConf
 
 from rlnotes.core.schema import ModelConfig
-from rlnotes.engine.merged import MergedLinear, lora_slots, merged_weight
-from rlnotes.engine.policy import Policy, sequence_logprobs
+from rlnotes.engine.policy.merged import MergedLinear, lora_slots, merged_weight
+from rlnotes.engine.policy.passes import sequence_logprobs
+from rlnotes.engine.policy.policy import Policy
 from rlnotes.engine.prompts import encode_prompts
 from rlnotes.engine.sampling.generate import generate
 

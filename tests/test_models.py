@@ -8,10 +8,10 @@ import time
 import pytest
 import torch
 
-import rlnotes.engine.models as models
+import rlnotes.engine.model.loading as models
 from rlnotes.core.errors import ConfigError
 from rlnotes.core.schema import ModelConfig, TinyModelConfig
-from rlnotes.engine.models import (
+from rlnotes.engine.model.loading import (
     load_base,
     smollm2_gguf_path,
     tiny_model,
@@ -122,7 +122,7 @@ def no_network(monkeypatch):
     """Any connection attempt fails the test; the probe's results of earlier tests are forgotten."""
     import socket
 
-    from rlnotes.engine import model_files
+    from rlnotes.engine.model import sources
 
     def refuse(*args, **kwargs):
         raise AssertionError(f"a network request: {args}")
@@ -130,9 +130,9 @@ def no_network(monkeypatch):
     monkeypatch.setattr(socket, "create_connection", refuse)
     for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
         monkeypatch.delenv(var, raising=False)
-    model_files._probe.cache_clear()
+    sources._probe.cache_clear()
     yield
-    model_files._probe.cache_clear()
+    sources._probe.cache_clear()
 
 
 @pytest.mark.parametrize("name, says", [
@@ -270,7 +270,7 @@ def test_load_base_smollm2(tmp_path, monkeypatch):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
 def test_device_names_without_a_gpu():
-    from rlnotes.engine.models import resolve_device
+    from rlnotes.engine.hardware.devices import resolve_device
 
     assert resolve_device("auto") == torch.device("cpu") == resolve_device("cpu")
     with pytest.raises(ConfigError, match="torch sees no GPU; use hardware=cpu"):
@@ -278,7 +278,7 @@ def test_device_names_without_a_gpu():
 
 
 def test_bf16_precision_autocasts_matmuls_and_keeps_weights_float32():
-    from rlnotes.engine.models import mixed_precision
+    from rlnotes.engine.hardware.devices import mixed_precision
 
     a, b = torch.randn(4, 8), torch.randn(8, 3)
     with mixed_precision("bf16", torch.device("cpu")):
@@ -415,7 +415,7 @@ def test_a_load_that_fails_anyway_is_one_line(saved_tiny, tmp_path):
 
 
 def test_a_whole_model_dir_passes_the_checks(saved_tiny):
-    from rlnotes.engine.model_files import model_dir_problems
+    from rlnotes.engine.model.sources import model_dir_problems
 
     assert model_dir_problems(saved_tiny) == []
 
@@ -426,7 +426,7 @@ def test_grouped_attention_on_cpu_gives_the_same_log_probs_and_gradients(monkeyp
     from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.integrations import sdpa_attention
 
-    from rlnotes.engine.policy import sequence_logprobs
+    from rlnotes.engine.policy.passes import sequence_logprobs
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -470,7 +470,7 @@ def lora_config(**settings):
 def test_a_lora_rank_past_every_adapted_layer_is_one_line_before_the_adapter_is_made():
     """r = 100000 on a 64-wide model made 102M adapter weights (about 14 billion on SmolLM2, enough to
     exhaust memory); no layer can take an update of rank above min(inputs, outputs)."""
-    from rlnotes.engine.policy import Policy
+    from rlnotes.engine.policy.policy import Policy
 
     with pytest.raises(ConfigError) as err:
         Policy.from_config(lora_config(**{"lora.r": 100000}), torch.device("cpu"))
@@ -483,7 +483,7 @@ def test_a_lora_rank_past_every_adapted_layer_is_one_line_before_the_adapter_is_
 
 
 def test_lora_target_modules_that_name_no_layer_list_the_models_layers():
-    from rlnotes.engine.policy import Policy
+    from rlnotes.engine.policy.policy import Policy
 
     with pytest.raises(ConfigError) as err:
         Policy.from_config(lora_config(**{"lora.target_modules": ["qproj"]}), torch.device("cpu"))
@@ -494,7 +494,7 @@ def test_lora_target_modules_that_name_no_layer_list_the_models_layers():
 def test_adapted_layers_match_as_peft_matches_and_read_gpt2_conv1d_shapes():
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from rlnotes.engine.models import adapted_layers
+    from rlnotes.engine.model.loading import adapted_layers
 
     gpt2 = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=50, n_positions=16))
     assert adapted_layers(gpt2, ["c_attn"]) == {"transformer.h.0.attn.c_attn": (32, 96)}

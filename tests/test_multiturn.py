@@ -18,8 +18,8 @@ from rlnotes.commands.train import train
 from rlnotes.commands.usage import UsageError
 from rlnotes.core.errors import ConfigError
 from rlnotes.core.schema import ModelConfig, RewardConfig, RolloutConfig, TinyModelConfig
-from rlnotes.engine.models import load_base, tiny_model, tiny_tokenizer
-from rlnotes.engine.policy import sequence_logprobs
+from rlnotes.engine.model.loading import load_base, tiny_model, tiny_tokenizer
+from rlnotes.engine.policy.passes import sequence_logprobs
 from rlnotes.notes.grpo import grpo_loss
 from rlnotes.rewards.scoring import RewardFailure, Rewards
 from tests.conftest import compose
@@ -78,7 +78,7 @@ def test_smollm2s_template_and_tokenizer_agree_with_the_episode_tokens():
     not render tools, so their schemas make the system message, in place of its default one)."""
     from transformers import AutoTokenizer
 
-    from rlnotes.engine.models import smollm2_dir
+    from rlnotes.engine.model.loading import smollm2_dir
 
     tok = AutoTokenizer.from_pretrained(smollm2_dir())
     conv = Conversations(agents(tools=["calculator"], max_turns=3), tok, [{"prompt": "What is 123*45?"}], 1, True)

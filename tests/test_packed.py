@@ -1,4 +1,4 @@
-"""Sampling through linear layers packed for oneDNN (rlnotes.engine.packed): the plain layers' outputs,
+"""Sampling through linear layers packed for oneDNN (rlnotes.engine.policy.packed): the plain layers' outputs,
 the same completions, only the layers it pays for, and everything back in place after."""
 
 import pytest
@@ -6,9 +6,9 @@ import torch
 from test_merged import sample, trained_policy
 from test_shared_prompt import lora_smollm2_shaped
 
-from rlnotes.engine import packed
-from rlnotes.engine.merged import MergedLinear, lora_slots, merged_adapters
-from rlnotes.engine.packed import PackedLinear, packed_linears
+from rlnotes.engine.policy import packed
+from rlnotes.engine.policy.merged import MergedLinear, lora_slots, merged_adapters
+from rlnotes.engine.policy.packed import PackedLinear, packed_linears
 
 pytestmark = pytest.mark.skipif(not packed.available(), reason="this torch has no working oneDNN linear")
 

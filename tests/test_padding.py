@@ -1,4 +1,4 @@
-"""Position-wise layers skip padding (rlnotes.engine.padding): same outputs at real positions, same
+"""Position-wise layers skip padding (rlnotes.engine.policy.padding): same outputs at real positions, same
 gradients, and the skipped positions really are not computed."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import pytest
 import torch
 from test_shared_prompt import group_batch, lora_smollm2_shaped, tiny_policy
 
-from rlnotes.engine import padding
-from rlnotes.engine.padding import forward_real, position_wise, skip_padding
-from rlnotes.engine.policy import position_ids, sequence_logprobs
+from rlnotes.engine.policy import padding
+from rlnotes.engine.policy.padding import forward_real, position_wise, skip_padding
+from rlnotes.engine.policy.passes import position_ids, sequence_logprobs
 
 
 @pytest.fixture(autouse=True)

@@ -5,9 +5,10 @@ import torch
 from omegaconf import OmegaConf
 
 from rlnotes.core.schema import ModelConfig
-from rlnotes.engine.head import head_logprobs
-from rlnotes.engine.models import load_base
-from rlnotes.engine.policy import Policy, sequence_logprobs
+from rlnotes.engine.model.loading import load_base
+from rlnotes.engine.policy.head import head_logprobs
+from rlnotes.engine.policy.passes import sequence_logprobs
+from rlnotes.engine.policy.policy import Policy
 from rlnotes.engine.rollout import left_pad
 
 

@@ -1243,7 +1243,7 @@ def tiny_classifier(path, chat_template=None, num_labels=1):
     model would be."""
     from transformers import LlamaConfig, LlamaForSequenceClassification
 
-    from rlnotes.engine.models import tiny_tokenizer
+    from rlnotes.engine.model.loading import tiny_tokenizer
 
     tokenizer = tiny_tokenizer()
     tokenizer.chat_template = chat_template

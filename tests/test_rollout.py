@@ -5,8 +5,8 @@ import torch
 from omegaconf import OmegaConf
 
 from rlnotes.core.schema import TinyModelConfig
-from rlnotes.engine.models import tiny_model, tiny_tokenizer
-from rlnotes.engine.policy import sequence_logprobs
+from rlnotes.engine.model.loading import tiny_model, tiny_tokenizer
+from rlnotes.engine.policy.passes import sequence_logprobs
 from rlnotes.engine.prompts import encode_prompts
 from rlnotes.engine.sampling.generate import generate, next_tokens, top_p_filter
 
@@ -99,9 +99,9 @@ def test_sampled_tokens_follow_the_probabilities():
 
 
 def test_prompts_that_share_a_prefix_prefill_it_once_and_sample_the_same(monkeypatch):
-    """A system prompt every prompt starts with is forwarded once (policy.prompt_pass): the samples,
+    """A system prompt every prompt starts with is forwarded once (passes.prompt_pass): the samples,
     their log-probs and the rows' prompts are those of the plain prefill."""
-    import rlnotes.engine.policy
+    import rlnotes.engine.policy.passes
 
     model, tok, _ = setup()
     prompts = encode_prompts(tok, [f"You are a careful assistant; answer in one word. {p}" for p in PROMPTS],
@@ -110,7 +110,7 @@ def test_prompts_that_share_a_prefix_prefill_it_once_and_sample_the_same(monkeyp
     hook = model.get_input_embeddings().register_forward_hook(lambda m, args, out: fed.append(args[0].shape))
     runs = {}
     for saving in (float("inf"), 1):
-        monkeypatch.setattr(rlnotes.engine.policy, "MIN_PREFIX_SAVING", saving)
+        monkeypatch.setattr(rlnotes.engine.policy.passes, "MIN_PREFIX_SAVING", saving)
         fed.clear()
         runs[saving] = sample(model, tok, prompts, temperature=0.7)
         assert fed[0][0] == (3 if saving > 1 else 1)  # the prefill: every prompt whole, or the prefix once
@@ -126,7 +126,7 @@ def test_growing_cache_layer_holds_what_a_dynamic_layer_holds_and_decodes_in_pla
     repeated for a group, one position per step, finished rows dropped, and a pass past its room."""
     from transformers.cache_utils import DynamicLayer
 
-    from rlnotes.engine.kvcache import GrowingLayer
+    from rlnotes.engine.policy.kvcache import GrowingLayer
 
     g = torch.Generator().manual_seed(0)
     states = lambda rows, n: (torch.randn(rows, 2, n, 4, generator=g), torch.randn(rows, 2, n, 4, generator=g))  # noqa: E731
@@ -152,13 +152,13 @@ def test_growing_cache_layer_holds_what_a_dynamic_layer_holds_and_decodes_in_pla
 def test_rows_that_finish_early_keep_the_log_probs_of_a_training_pass(monkeypatch):
     """Sampling with rows leaving the batch as they end, and a cache that outgrows its room: every
     sampled token's log-prob is the one a whole-row forward pass gives."""
-    import rlnotes.engine.kvcache
+    import rlnotes.engine.policy.kvcache
 
     model, tok, prompts = setup()
     with torch.no_grad():
         model.lm_head.weight[tok.eos_token_id] = 0
-    original = rlnotes.engine.kvcache.GrowingLayer.__init__
-    monkeypatch.setattr(rlnotes.engine.kvcache.GrowingLayer, "__init__", lambda self, room: original(self, 2))
+    original = rlnotes.engine.policy.kvcache.GrowingLayer.__init__
+    monkeypatch.setattr(rlnotes.engine.policy.kvcache.GrowingLayer, "__init__", lambda self, room: original(self, 2))
     r = sample(model, tok, prompts, max_new_tokens=30, temperature=0.7)
     lengths = r.completion_mask.sum(-1)
     assert lengths.min() < lengths.max(), "the test needs rows that end at different steps"

@@ -30,7 +30,7 @@ from rich.console import Console
 from rlnotes.commands.cli import main
 from rlnotes.commands.train import train
 from rlnotes.core.errors import ConfigError
-from rlnotes.engine.policy import Policy
+from rlnotes.engine.policy.policy import Policy
 from rlnotes.run import checkpoint, restore, rundir, steplogs
 from rlnotes.run.logger import MetricsLogger
 from rlnotes.runners import grpo

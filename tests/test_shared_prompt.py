@@ -1,4 +1,4 @@
-"""Rows that share a prompt forward it once (policy.completion_states), and log-probs come from the
+"""Rows that share a prompt forward it once (passes.completion_states), and log-probs come from the
 hidden states chunk by chunk (head.head_logprobs): both give the log-probs, entropies, values and
 gradients of one plain forward pass with full logits, on the tiny model and on a SmolLM2-shaped one
 (GQA, tied embeddings), with LoRA, left padding, uneven completions, partial groups and shuffled rows."""
@@ -9,26 +9,21 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 from rlnotes.core.schema import ModelConfig
-from rlnotes.engine.critic import logprobs_and_values, values
-from rlnotes.engine.head import head_logprobs
-from rlnotes.engine.models import smollm2_shaped
-from rlnotes.engine.policy import (
-    Policy,
-    position_ids,
-    prompt_groups,
-    sequence_logprobs,
-    shared_prefix,
-)
+from rlnotes.engine.model.loading import smollm2_shaped
+from rlnotes.engine.policy.critic import logprobs_and_values, values
+from rlnotes.engine.policy.head import head_logprobs
+from rlnotes.engine.policy.passes import position_ids, prompt_groups, sequence_logprobs, shared_prefix
+from rlnotes.engine.policy.policy import Policy
 from rlnotes.engine.rollout import left_pad
 
 
 @pytest.fixture(autouse=True)
 def skip_any_padding(monkeypatch):
-    """Every pass here skips padding in its position-wise layers (rlnotes.engine.padding), however
+    """Every pass here skips padding in its position-wise layers (rlnotes.engine.policy.padding), however
     little that saves on these small models, so the equivalences below cover it too."""
-    import rlnotes.engine.padding
+    import rlnotes.engine.policy.padding
 
-    monkeypatch.setattr(rlnotes.engine.padding, "MIN_SAVING", 0)
+    monkeypatch.setattr(rlnotes.engine.policy.padding, "MIN_SAVING", 0)
 
 
 def tiny_policy(lora=True):
@@ -128,9 +123,9 @@ def test_shared_prefix_is_the_common_start_of_the_real_tokens():
 @pytest.fixture
 def any_prefix(monkeypatch):
     """Share a common prefix however few tokens it saves."""
-    import rlnotes.engine.policy
+    import rlnotes.engine.policy.passes
 
-    monkeypatch.setattr(rlnotes.engine.policy, "MIN_PREFIX_SAVING", 1)
+    monkeypatch.setattr(rlnotes.engine.policy.passes, "MIN_PREFIX_SAVING", 1)
 
 
 def equivalent_passes(model, ids, attn, mask) -> list:
@@ -179,7 +174,7 @@ def test_a_shared_prefix_on_a_smollm2_shaped_model_gives_the_plain_pass_and_valu
         out = model(input_ids=ids, attention_mask=attn, position_ids=position_ids(attn), use_cache=False,
                     output_hidden_states=True)
         expected = head(out.hidden_states[-1][:, -n - 1:-1]).squeeze(-1)
-        # at real positions: padding's hidden states are left unspecified (rlnotes.engine.padding)
+        # at real positions: padding's hidden states are left unspecified (rlnotes.engine.policy.padding)
         torch.testing.assert_close(values(model, head, ids, attn, n) * mask, expected * mask, atol=1e-5, rtol=1e-5)
 
 
@@ -269,10 +264,10 @@ def test_values_and_entropy_equal_the_plain_pass():
 def test_head_logprobs_chunks_and_matches_log_softmax(monkeypatch, chunk, rows, scale):
     # Blocks of positions (rows) and of vocabulary columns (chunk // rows: 1, 3, 2 or all 11, so the
     # last block is short), each raising or keeping the running maximum; large logits (scale) too.
-    import rlnotes.engine.head
+    import rlnotes.engine.policy.head
 
-    monkeypatch.setattr(rlnotes.engine.head, "LOGIT_CHUNK", chunk)
-    monkeypatch.setattr(rlnotes.engine.head, "LOGIT_ROWS", rows)
+    monkeypatch.setattr(rlnotes.engine.policy.head, "LOGIT_CHUNK", chunk)
+    monkeypatch.setattr(rlnotes.engine.policy.head, "LOGIT_ROWS", rows)
     head = torch.nn.Linear(4, 11).requires_grad_(False)
     hidden = (torch.randn(3, 5, 4) * scale).requires_grad_(True)
     tokens = torch.randint(0, 11, (3, 5))
@@ -326,13 +321,13 @@ def test_trainer_shared_prompt_switch_changes_no_metric(tmp_path, monkeypatch, a
 
     from rich.console import Console
 
-    import rlnotes.engine.policy
+    import rlnotes.engine.policy.passes
     from rlnotes.commands.train import train
     from tests.conftest import compose
 
     calls = []
-    real = rlnotes.engine.policy.prompt_groups
-    monkeypatch.setattr(rlnotes.engine.policy, "prompt_groups", lambda *a: calls.append(1) or real(*a))
+    real = rlnotes.engine.policy.passes.prompt_groups
+    monkeypatch.setattr(rlnotes.engine.policy.passes, "prompt_groups", lambda *a: calls.append(1) or real(*a))
     rows = {}
     for share in (True, False):
         calls.clear()
@@ -352,13 +347,13 @@ def test_under_fsdp_every_rank_runs_the_same_passes(monkeypatch, any_prefix, oth
     """FSDP's gathers go in lock step: the ranks agree on sharing (the plain pass when another rank's
     rows share no prompt), and no prefix pass runs (FSDP re-gathers weights for backward only through
     a layer's outputs)."""
-    import rlnotes.engine.policy
+    import rlnotes.engine.policy.passes
 
     model = tiny_policy()
     ids, attn, mask = group_batch(model.config.vocab_size, prefix=40)
-    monkeypatch.setattr(rlnotes.engine.policy, "is_sharded", lambda m: True)
+    monkeypatch.setattr(rlnotes.engine.policy.passes, "is_sharded", lambda m: True)
     other = lambda plan: plan if other_rank == "same" else (False, plan[1])  # noqa: E731
-    monkeypatch.setattr(rlnotes.engine.policy.distributed, "gather", lambda plan: [plan, other(plan)])
+    monkeypatch.setattr(rlnotes.engine.policy.passes.distributed, "gather", lambda plan: [plan, other(plan)])
     n = mask.shape[1]
     assert equivalent_passes(model, ids, attn, mask) == \
         ([(3, ids.shape[1] - n), (9, n - 1)] if other_rank == "same" else [tuple(ids.shape)])

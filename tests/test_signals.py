@@ -177,7 +177,7 @@ def test_a_stop_before_the_first_step_during_setup_and_in_the_updates_prints_the
         tmp_path, monkeypatch, capsys):
     """Every way a stop can happen, through the command: a stop while loading, in PPO's updates
     (two signals: the policy goes to interrupted/), and SIGTERM exits with 143."""
-    from rlnotes.engine import policy
+    from rlnotes.engine.policy import policy
     from rlnotes.runners import ppo
 
     def no_model(*args, **kwargs):

@@ -26,8 +26,10 @@ MAX_PARAMETERS = 10  # a function's, outside rlnotes/notes (whose public equatio
 # A function-local import of an rlnotes module must say why on its line: it defers this.
 DEFER_MARK = "optional"
 # The modules that sample: the shared types (a batch of samples, a prompt) must not live here.
-SAMPLER = ("rlnotes.engine.sampling.generate", "rlnotes.engine.episodes", "rlnotes.engine.decoder",
-           "rlnotes.engine.vllm_engine")
+SAMPLER = "rlnotes.engine.sampling"
+# The engine's own floors: the shared types and the hardware, then the model, the policy and its
+# passes, the sampler; a room of the engine imports only its own floor and those below.
+ENGINE_FLOORS = {"prompts": 0, "rollout": 0, "sequences": 0, "hardware": 0, "model": 1, "policy": 2, "sampling": 3}
 
 
 def modules() -> dict[str, Path]:
@@ -92,6 +94,17 @@ def circles(edges: dict[str, set[str]]) -> list[list[str]]:
         if v not in index:
             visit(v)
     return out
+
+
+def engine_room(module: str) -> str:
+    return module.split(".")[2]
+
+
+def engine_upward() -> list[str]:
+    """Imports from a room of the engine to a room on a higher engine floor."""
+    return [f"{m} -> {t}" for m, targets in graph().items() if part(m) == "engine" and m != "rlnotes.engine"
+            for t in sorted(targets) if part(t) == "engine" and t != "rlnotes.engine"
+            and ENGINE_FLOORS[engine_room(t)] > ENGINE_FLOORS[engine_room(m)]]
 
 
 def upward() -> list[str]:
@@ -232,10 +245,11 @@ def sampler_type_imports() -> list[str]:
     """Modules outside the sampler that import from it only classes and type aliases."""
     known, out = modules(), []
     for m, p in known.items():
-        if m in SAMPLER:
+        if m.startswith(SAMPLER):
             continue
         for node in ast.walk(ast.parse(p.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module in SAMPLER:
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith(SAMPLER + ".") \
+                    and node.module in known:
                 names = {a.name for a in node.names}
                 if names <= _types(known[node.module]):
                     out.append(f"{p.relative_to(ROOT.parent)}:{node.lineno} imports {', '.join(sorted(names))} "
@@ -261,6 +275,11 @@ def context_fields() -> dict[str, list[str]]:
 
 def test_every_module_is_on_a_floor():
     assert {part(m) for m in modules()} <= set(FLOORS)
+
+
+def test_every_room_of_the_engine_is_on_an_engine_floor_and_imports_only_down():
+    assert {engine_room(m) for m in modules() if part(m) == "engine" and m != "rlnotes.engine"} <= set(ENGINE_FLOORS)
+    assert engine_upward() == []
 
 
 def test_no_import_circle():
@@ -289,7 +308,7 @@ if __name__ == "__main__":
     largest = max(modules().values(), key=lambda p: len(p.read_text().splitlines()))
     print(f"modules: {len(modules())}; import circles: {len(circles(graph()))} "
           f"({', '.join(str(len(c)) for c in circles(graph())) or 'none'} modules)")
-    print(f"upward imports: {len(upward())}; function-local imports of rlnotes modules: {local_imports()} "
+    print(f"upward imports: {len(upward())} (in the engine: {len(engine_upward())}); function-local imports of rlnotes modules: {local_imports()} "
           f"({len(undeferred_local_imports())} not deferring an optional dependency)")
     print(f"algo.name comparisons outside the registry: {len(algo_name_comparisons())}")
     print(f"largest file: {largest.relative_to(ROOT.parent)} ({len(largest.read_text().splitlines())} lines); "
@@ -304,6 +323,6 @@ if __name__ == "__main__":
     print(f"modules importing the sampler only for a type: {len(sampler_type_imports())}")
     print("context: " + "; ".join(f"{name} {len(f)} fields" for name, f in context_fields().items()))
     if "-v" in sys.argv:
-        for line in [*upward(), *undeferred_local_imports(), *algo_name_comparisons(), *long_files(),
+        for line in [*upward(), *engine_upward(), *undeferred_local_imports(), *algo_name_comparisons(), *long_files(),
                      *long_functions(), *map(str, circles(graph())), *long_signatures(), *sampler_type_imports()]:
             print(" ", line)

@@ -7,7 +7,7 @@ import pytest
 import torch
 from rich.console import Console
 
-from rlnotes.engine.threads import AUTO_ONE_THREAD_BELOW, auto_threads, set_threads
+from rlnotes.engine.hardware.threads import AUTO_ONE_THREAD_BELOW, auto_threads, set_threads
 from tests.conftest import compose, set_step
 
 

@@ -13,7 +13,7 @@ import torch
 from omegaconf import open_dict
 
 from rlnotes.commands.cli import main
-from rlnotes.engine.vllm_engine import Sample, export_adapter, to_rollout
+from rlnotes.engine.sampling.vllm_engine import Sample, export_adapter, to_rollout
 from rlnotes.notes.tis import truncated_is_weights
 
 
@@ -29,7 +29,7 @@ def test_truncated_is_weights_by_hand():
 
 
 def test_vllm_outputs_become_a_rollout():
-    from rlnotes.engine.models import tiny_tokenizer
+    from rlnotes.engine.model.loading import tiny_tokenizer
 
     tok = tiny_tokenizer()
     a, b = tok("ab")["input_ids"], tok("b")["input_ids"]
@@ -49,8 +49,8 @@ def test_only_the_adapter_is_exported(tmp_path, monkeypatch):
     import peft.utils.save_and_load
     from peft import PeftModel
 
-    from rlnotes.engine.models import load_base
-    from rlnotes.engine.policy import Policy
+    from rlnotes.engine.model.loading import load_base
+    from rlnotes.engine.policy.policy import Policy
     from tests.conftest import compose
 
     def no_hub(*args, **kwargs):
@@ -132,7 +132,7 @@ def test_a_run_with_another_sampler_logs_the_mismatch_and_corrects_for_it(tmp_pa
     from rlnotes.commands.train import train
     from tests.conftest import compose
 
-    monkeypatch.setattr("rlnotes.engine.vllm_engine.VLLMEngine", StandIn)
+    monkeypatch.setattr("rlnotes.engine.sampling.vllm_engine.VLLMEngine", StandIn)
     rows = {}
     for tis_cap in (None, 1.02):
         cfg = compose("trainer.steps=2", "trainer.batch_size=4", "logging.progress=false")
@@ -195,11 +195,11 @@ def test_vllm_samples_multi_turn_episodes_through_its_prefix_cache(fake_vllm):
     from omegaconf import OmegaConf
 
     from rlnotes.core.schema import RolloutConfig, TinyModelConfig
-    from rlnotes.engine.models import tiny_model, tiny_tokenizer
-    from rlnotes.engine.policy import sequence_logprobs
+    from rlnotes.engine.model.loading import tiny_model, tiny_tokenizer
+    from rlnotes.engine.policy.passes import sequence_logprobs
     from rlnotes.engine.prompts import encode_prompts
     from rlnotes.engine.sampling.generate import completion_keys
-    from rlnotes.engine.vllm_engine import VLLMEngine
+    from rlnotes.engine.sampling.vllm_engine import VLLMEngine
 
     tok = tiny_tokenizer()
     torch.manual_seed(0)
@@ -240,7 +240,7 @@ def test_a_multi_turn_run_samples_with_vllm(tmp_path, monkeypatch, fake_vllm):
     from rich.console import Console
 
     from rlnotes.commands.train import train
-    from rlnotes.engine import vllm_engine
+    from rlnotes.engine.sampling import vllm_engine
     from tests.conftest import compose
 
     class Engine(vllm_engine.VLLMEngine):
@@ -253,7 +253,7 @@ def test_a_multi_turn_run_samples_with_vllm(tmp_path, monkeypatch, fake_vllm):
         def close(self):
             pass
 
-    monkeypatch.setattr("rlnotes.engine.vllm_engine.VLLMEngine", Engine)
+    monkeypatch.setattr("rlnotes.engine.sampling.vllm_engine.VLLMEngine", Engine)
     cfg = compose("trainer.steps=2", "trainer.batch_size=4", "logging.progress=false", "rollout=multi_turn",
                   "rollout.env=letters", "rollout.max_turns=2", "rollout.max_new_tokens=6",
                   "rollout.max_episode_tokens=64", "reward=env")

@@ -83,7 +83,7 @@ def _with_tools(messages: List[dict], schemas: List[dict]) -> List[dict]:
 
 class Conversations:
     """One batch of episodes, G per row: their environments, conversations and tool counters.
-    `respond` is what rlnotes.engine.episodes.generate_episodes calls between turns."""
+    `respond` is what rlnotes.engine.sampling.episodes.generate_episodes calls between turns."""
 
     def __init__(self, agents: Agents, tokenizer, rows: Sequence[dict], group_size: int, chat_template: bool,
                  system_prompt: Optional[str] = None):
@@ -156,7 +156,7 @@ class Conversations:
     # -- between turns -----------------------------------------------------------------------------
 
     def respond(self, rows: List[int], turns: List[List[int]], last: List[bool]) -> List[Optional[List[int]]]:
-        """The observations after the turns the model just took (rlnotes.engine.episodes.Respond)."""
+        """The observations after the turns the model just took (rlnotes.engine.sampling.episodes.Respond)."""
         out: List[Optional[List[int]]] = []
         for i, turn, final in zip(rows, turns, last):
             text = self.tokenizer.decode(turn, skip_special_tokens=True)

@@ -1,5 +1,5 @@
 """Sampling and scoring multi-turn episodes: the conversations of a batch run through the shared
-rollout engine's episode loop (rlnotes.engine.episodes), then scored by the reward functions,
+rollout engine's episode loop (rlnotes.engine.sampling.episodes), then scored by the reward functions,
 which see each whole episode, plus the environment's own reward.
 """
 
@@ -10,9 +10,9 @@ from typing import Dict, Optional, Sequence
 import torch
 
 from rlnotes.agents.conversation import Agents, Conversations
-from rlnotes.engine.episodes import generate_episodes
-from rlnotes.engine.models import context_length
+from rlnotes.engine.model.loading import context_length
 from rlnotes.engine.rollout import Rollout
+from rlnotes.engine.sampling.episodes import generate_episodes
 from rlnotes.rewards.scoring import Rewards
 
 

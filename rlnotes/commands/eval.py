@@ -35,15 +35,10 @@ from rlnotes.commands.check import check
 from rlnotes.core.errors import INPUT_ERROR, ConfigError
 from rlnotes.core.schema import saved_run_config
 from rlnotes.data.datasets import load_checked
-from rlnotes.engine.models import (
-    configure_backends,
-    context_length,
-    load_base,
-    mixed_precision,
-    resolve_device,
-)
-from rlnotes.engine.policy import Policy
-from rlnotes.engine.threads import set_threads
+from rlnotes.engine.hardware.devices import configure_backends, mixed_precision, resolve_device
+from rlnotes.engine.hardware.threads import set_threads
+from rlnotes.engine.model.loading import context_length, load_base
+from rlnotes.engine.policy.policy import Policy
 from rlnotes.rewards.builtin import REWARDS
 from rlnotes.rewards.scoring import RewardFailure, Rewards, TrainerState
 from rlnotes.run import config_file, files, rundir

@@ -29,8 +29,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from rlnotes.commands.usage import Parser, UsageError
 from rlnotes.core.errors import ConfigError
 from rlnotes.core.schema import ModelConfig
-from rlnotes.engine.model_files import check_policy_dir
-from rlnotes.engine.models import load_base, usual_modes
+from rlnotes.engine.model.loading import load_base, usual_modes
+from rlnotes.engine.model.sources import check_policy_dir
 from rlnotes.run import rundir
 
 ADAPTER_FILE = "adapter_config.json"

@@ -16,8 +16,8 @@ from rlnotes.commands import hydra
 from rlnotes.commands.rundirs import job_dir_override, pin_dirs
 from rlnotes.commands.usage import UsageError
 from rlnotes.core.errors import TrainingError
-from rlnotes.engine import distributed
-from rlnotes.engine.models import resolve_device
+from rlnotes.engine.hardware import distributed
+from rlnotes.engine.hardware.devices import resolve_device
 from rlnotes.run.records import objective_metric
 from rlnotes.runners import algorithm
 

@@ -31,7 +31,7 @@ from rlnotes.commands.sweep import SweepSummary
 from rlnotes.commands.usage import UsageError
 from rlnotes.commands.validate import register, resolve_auto
 from rlnotes.core.errors import INPUT_ERROR, ConfigError, SaveFailed, TrainingError
-from rlnotes.engine import distributed
+from rlnotes.engine.hardware import distributed
 from rlnotes.rewards.scoring import RewardFailure
 from rlnotes.run.checkpoint import checkpoints
 from rlnotes.run.records import (

@@ -34,7 +34,7 @@ from rlnotes.core.errors import ConfigError
 from rlnotes.core.schema import RewardFnConfig, TrainConfig
 from rlnotes.data.settings import check_data_config, file_from_path
 from rlnotes.data.tasks import TASK_REWARDS
-from rlnotes.engine.model_files import check_model_source
+from rlnotes.engine.model.sources import check_model_source
 from rlnotes.rewards.loading import check_reward_config
 from rlnotes.run.tracking import check_backends
 

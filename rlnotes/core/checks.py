@@ -17,7 +17,7 @@ from rlnotes.core.schema import TrainConfig
 SCHEDULES = ("constant", "linear", "cosine")
 PRECISIONS = ("fp32", "bf16")
 DEVICES = ("cpu", "cuda", "auto")
-# hardware.strategy: how several processes share a run (see rlnotes.engine.distributed).
+# hardware.strategy: how several processes share a run (see rlnotes.engine.hardware.distributed).
 STRATEGIES = ("ddp", "fsdp")
 # rollout.engine: what samples completions.
 ENGINES = ("hf", "vllm")

@@ -25,11 +25,11 @@ class RolloutConfig:
     # weights in extra memory while sampling. false samples through the adapter as it trains.
     merge_adapter: bool = True
     # Sample with copies of the large float32 linear layers' weights (the merged ones among them)
-    # reordered for oneDNN's matmul, on the CPU (rlnotes.engine.packed): the same outputs up to
+    # reordered for oneDNN's matmul, on the CPU (rlnotes.engine.policy.packed): the same outputs up to
     # rounding, faster generation, for those weights' size again in memory while sampling.
     # false: torch's default matmul (MKL).
     pack_weights: bool = True
-    # Decode Llama, Qwen2 and Mistral models with rlnotes' own step (rlnotes.engine.decoder: the
+    # Decode Llama, Qwen2 and Mistral models with rlnotes' own step (rlnotes.engine.sampling.decoder: the
     # layers' math as plain tensor operations) rather than the model's forward: the same logits up
     # to float32 rounding, without the Python around each call of the model's forward. false: the
     # model's forward.
@@ -46,7 +46,7 @@ class RolloutConfig:
     # it, correcting for vLLM's numerics differing from the trainer's; the mismatch is logged either way.
     tis_cap: Optional[float] = None
     # Model turns per episode; 1 = one completion per prompt. Multi-turn episodes (rollout=multi_turn;
-    # rlnotes.engine.episodes): turns of at most max_new_tokens each, with tool results or the
+    # rlnotes.engine.sampling.episodes): turns of at most max_new_tokens each, with tool results or the
     # environment's replies between them; rollout.tools and rollout.env need at least 2 (multi_turn sets 4).
     max_turns: int = 1
     # Tools the model may call: built-in names (calculator) or your functions, 'pkg.module:fn' or

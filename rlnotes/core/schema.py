@@ -151,7 +151,7 @@ class TrainerConfig:
     # (its G completions, a DPO pair) share it in the training, old-policy, reference and value passes:
     # P + G*R tokens instead of G*(P+R), with the same log-probs, values and gradients (to float
     # rounding); a prefix all the prompts of a pass share (a system prompt) goes once when it saves
-    # enough (policy.MIN_PREFIX_SAVING).
+    # enough (passes.MIN_PREFIX_SAVING).
     shared_prompt: bool = True
     # Steps per metrics row. Each row averages nothing: it is that step.
     log_every: int = 1
@@ -200,7 +200,7 @@ class HardwareConfig:
     # Torch threads per process; null = torch's default, auto = chosen from the model's size. A number
     # of intra-op threads; null: all cores (under torchrun the launcher's OMP_NUM_THREADS, which
     # `rlnotes train` sets to cores / processes); auto: one thread for a small model, where more only
-    # cost (rlnotes.engine.threads), else torch's default.
+    # cost (rlnotes.engine.hardware.threads), else torch's default.
     threads: Any = "auto"
     # How several processes share a run: ddp (each holds the whole model and trains on 1/N of every
     # batch; gradients summed across processes) or fsdp (FSDP2: parameters, gradients and optimizer

@@ -39,7 +39,7 @@ class Rollout:
     # `logprobs` then holds the trainer's own, recomputed. None: this engine sampled (they are equal).
     sampler_logprobs: Optional[torch.Tensor] = None
     # [N, T] 1 on every real token of a multi-turn episode: the model's turns and the environment's
-    # observations between them (rlnotes.engine.episodes). `completion_mask` then marks the model's
+    # observations between them (rlnotes.engine.sampling.episodes). `completion_mask` then marks the model's
     # tokens alone, the only ones that carry loss, KL, entropy and length. None: single turn (the same).
     completion_attn: Optional[torch.Tensor] = None
 

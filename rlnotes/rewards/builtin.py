@@ -237,7 +237,7 @@ def reward_model(prompts, completions, path, device="cpu", batch_size=16, **_) -
     Face sequence-classification model dir with one label (rlnotes.rewards.model). Loaded once on
     `device` (reward=model passes hardware.device: the training device), scored without
     gradients, `batch_size` sequences a pass."""
-    from rlnotes.engine.models import resolve_device  # optional: torch and transformers, for a reward model only
+    from rlnotes.engine.hardware.devices import resolve_device  # optional: torch and transformers, for a reward model only
     from rlnotes.rewards.model import load_scorer  # optional: as above
 
     dev = resolve_device(device)

@@ -22,8 +22,8 @@ from omegaconf import OmegaConf
 
 from rlnotes.core.errors import ConfigError
 from rlnotes.core.schema import saved_run_config
-from rlnotes.engine.models import load_base
-from rlnotes.engine.policy import forward
+from rlnotes.engine.model.loading import load_base
+from rlnotes.engine.policy.passes import forward
 from rlnotes.engine.prompts import as_messages, render_plain
 from rlnotes.engine.sequences import Sequences, encode
 

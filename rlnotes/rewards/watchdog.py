@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterator, Optional
 
-from rlnotes.engine import distributed
+from rlnotes.engine.hardware import distributed
 
 # The usual time of a call is the median of the last HANG_WINDOW calls of the same code (known
 # from its third call on). A call still running after HANG_FACTOR times that, and at least

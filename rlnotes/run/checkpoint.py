@@ -45,7 +45,7 @@ from omegaconf import OmegaConf
 from safetensors.torch import save_file
 
 from rlnotes.core.errors import ConfigError
-from rlnotes.engine.models import usual_modes
+from rlnotes.engine.model.loading import usual_modes
 from rlnotes.run import config_file
 # The names of a checkpoint's dir and files; a damaged checkpoint is renamed to DAMAGED + its name:
 # out of checkpoints(), kept for a look.

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 from rlnotes import __version__
 from rlnotes.core.errors import ConfigError
-from rlnotes.engine import distributed
+from rlnotes.engine.hardware import distributed
 from rlnotes.run import config_file
 from rlnotes.run.checkpoint import (
     CHECKPOINTS,

@@ -18,7 +18,7 @@ from rich.markup import escape
 
 from rlnotes.core.errors import Interrupted
 from rlnotes.core.overrides import override_value
-from rlnotes.engine import distributed
+from rlnotes.engine.hardware import distributed
 
 
 # The signals that stop a run with a checkpoint: Ctrl-C, a scheduler's or kill's SIGTERM, and the

@@ -23,7 +23,7 @@ from rlnotes.core.algorithm import Algorithm, Shape
 from rlnotes.core.errors import ConfigError
 from rlnotes.core.schema import AlgoConfig
 from rlnotes.data.tasks import Row
-from rlnotes.engine import distributed
+from rlnotes.engine.hardware import distributed
 from rlnotes.engine.sequences import Sequences, summed_logprobs
 from rlnotes.notes import DPO_LOSS_TYPES, dpo_implicit_rewards, dpo_loss
 from rlnotes.training.batching import micro_batches, row_totals

@@ -29,7 +29,7 @@ from rlnotes.core.algorithm import Algorithm, Shape
 from rlnotes.core.checks import model_token_limit, planned_world_size
 from rlnotes.core.errors import ConfigError
 from rlnotes.core.schema import AlgoConfig
-from rlnotes.engine import distributed
+from rlnotes.engine.hardware import distributed
 from rlnotes.engine.rollout import Rollout, concat_rollouts
 from rlnotes.notes import (
     AGGREGATIONS,

@@ -29,8 +29,8 @@ from rlnotes.core.algorithm import Algorithm, Shape
 from rlnotes.core.checks import model_token_limit, planned_world_size
 from rlnotes.core.errors import ConfigError
 from rlnotes.core.schema import AlgoConfig
-from rlnotes.engine import distributed
-from rlnotes.engine.critic import (
+from rlnotes.engine.hardware import distributed
+from rlnotes.engine.policy.critic import (
     explained_variance,
     logprobs_and_values,
     value_head,

@@ -20,7 +20,7 @@ import torch
 
 from rlnotes.core.algorithm import Algorithm, Shape
 from rlnotes.core.schema import AlgoConfig
-from rlnotes.engine import distributed
+from rlnotes.engine.hardware import distributed
 from rlnotes.engine.sequences import Sequences
 from rlnotes.notes import bradley_terry_loss
 from rlnotes.rewards.model import HEAD, make_head, sequence_rewards

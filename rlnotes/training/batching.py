@@ -14,8 +14,8 @@ from typing import Callable, List, Optional
 
 import torch
 
-from rlnotes.engine import distributed
-from rlnotes.engine.policy import prompt_groups
+from rlnotes.engine.hardware import distributed
+from rlnotes.engine.policy.passes import prompt_groups
 from rlnotes.engine.rollout import Rollout
 from rlnotes.notes import aggregation_divisor
 
@@ -46,7 +46,7 @@ def pass_tokens(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, real: torch
                 trimmed: bool = True) -> Callable[[torch.Tensor], int]:
     """The tokens a forward pass over rows `idx` of [left-padded prompt [N, P] | completion] forwards,
     padding included: its distinct prompts once each when rows share their prompt's pass
-    (trainer.shared_prompt: the groups of policy.prompt_groups) else every row's, plus each row's
+    (trainer.shared_prompt: the groups of passes.prompt_groups) else every row's, plus each row's
     completion as wide as the chunk's longest (`trimmed`: Rollout.select cuts the width to it) or all
     of `real`'s [N, T] width."""
     width = prompt_ids.shape[1]

@@ -23,10 +23,12 @@ from rlnotes.data.datasets import load_checked, require_demonstrations
 from rlnotes.data.fitting import fit_and_split
 from rlnotes.data.sampler import PromptSampler
 from rlnotes.data.tasks import Row
-from rlnotes.engine import distributed, fsdp, vllm_engine
-from rlnotes.engine.models import configure_backends, context_length, mixed_precision, resolve_device
-from rlnotes.engine.policy import Policy
-from rlnotes.engine.threads import set_threads
+from rlnotes.engine.hardware import distributed, fsdp
+from rlnotes.engine.hardware.devices import configure_backends, mixed_precision, resolve_device
+from rlnotes.engine.hardware.threads import set_threads
+from rlnotes.engine.model.loading import context_length
+from rlnotes.engine.policy.policy import Policy
+from rlnotes.engine.sampling import vllm_engine
 from rlnotes.rewards.scoring import Rewards
 from rlnotes.run import restore
 from rlnotes.run.diagnostics import (
@@ -73,7 +75,7 @@ class Context:
     scorer: Optional[Rewards] = None
     # The last sampled batch (prompts, completions, rewards: lists of N) for the samples table.
     samples: Optional[Dict[str, list]] = None
-    # The vLLM engine that samples when rollout.engine=vllm (rlnotes.engine.vllm_engine); None: the policy samples.
+    # The vLLM engine that samples when rollout.engine=vllm (rlnotes.engine.sampling.vllm_engine); None: the policy samples.
     engine: Optional[object] = None
     # Multi-turn settings, tools and environment (rollout.tools / rollout.env); None: one turn.
     agents: Optional[Agents] = None

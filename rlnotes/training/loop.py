@@ -14,7 +14,7 @@ from rich.markup import escape
 
 from rlnotes.core.algorithm import Algorithm
 from rlnotes.core.errors import SaveFailed
-from rlnotes.engine import distributed, fsdp
+from rlnotes.engine.hardware import distributed, fsdp
 from rlnotes.run import checkpoint, config_file, files, restore, rundir, signals, steplogs
 from rlnotes.run.logger import passed_multiple
 from rlnotes.training.context import Context, add_head, open_logger, setup

@@ -10,7 +10,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from rlnotes.data.settings import system_prompt
-from rlnotes.engine import distributed
+from rlnotes.engine.hardware import distributed
 from rlnotes.engine.sequences import Sequences, encode
 from rlnotes.notes import aggregate
 from rlnotes.training.batching import batch_totals, micro_batch_weight, micro_batches, pass_tokens, token_budget

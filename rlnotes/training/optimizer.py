@@ -8,7 +8,7 @@ from typing import Dict
 import torch
 
 from rlnotes.core.errors import TrainingError
-from rlnotes.engine import distributed
+from rlnotes.engine.hardware import distributed
 from rlnotes.training.context import Context
 
 

@@ -15,7 +15,7 @@ from rlnotes.agents.conversation import Conversations
 from rlnotes.agents.rollouts import run_episodes, score_episodes
 from rlnotes.data.settings import system_prompt
 from rlnotes.data.tasks import Row
-from rlnotes.engine import distributed, fsdp
+from rlnotes.engine.hardware import distributed, fsdp
 from rlnotes.engine.prompts import encode_prompts
 from rlnotes.engine.rollout import Rollout
 from rlnotes.engine.sampling.generate import completion_keys, generate

@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Dict
 
 from rlnotes.data.sampler import PromptSampler
-from rlnotes.engine import distributed
+from rlnotes.engine.hardware import distributed
 from rlnotes.training.context import Context, lr_lambda
 from rlnotes.training.offline import encode_rows, nll_backward
 from rlnotes.training.optimizer import optimizer_step

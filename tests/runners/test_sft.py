@@ -10,7 +10,7 @@ from rich.console import Console
 
 from rlnotes.commands.train import train
 from rlnotes.data.datasets import load_task
-from rlnotes.engine.policy import Policy
+from rlnotes.engine.policy.policy import Policy
 from rlnotes.engine.prompts import encode_prompts
 from rlnotes.engine.sampling.generate import generate
 from tests.conftest import compose, record_passes
@@ -26,7 +26,7 @@ def greedy(cfg, adapter_dir, prompts):
     """Near-greedy completions (temperature 1e-4) of the trained adapter."""
     from peft import PeftModel
 
-    from rlnotes.engine.models import load_base
+    from rlnotes.engine.model.loading import load_base
 
     base, tok = load_base(cfg.model)
     model = PeftModel.from_pretrained(base, adapter_dir).eval()

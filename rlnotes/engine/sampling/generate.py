@@ -13,10 +13,10 @@ from typing import Optional, Sequence, Union
 import torch
 from transformers import DynamicCache
 
-from rlnotes.engine.decoder import decoding_step
-from rlnotes.engine.kvcache import GrowingLayer, plain_layers
-from rlnotes.engine.policy import position_ids, prompt_pass
+from rlnotes.engine.policy.kvcache import GrowingLayer, plain_layers
+from rlnotes.engine.policy.passes import position_ids, prompt_pass
 from rlnotes.engine.rollout import Rollout, left_pad
+from rlnotes.engine.sampling.decoder import decoding_step
 
 
 def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -101,7 +101,7 @@ def next_tokens(scaled: torch.Tensor, top_p: float, greedy: bool, keys: Optional
 
 
 def prefill(model, prompts: Sequence[Sequence[int]], pad_id: int, group_size: int, device, room: int = 0):
-    """Each prompt (token id lists) forwarded once (a prefix they all share once: policy.prompt_pass),
+    """Each prompt (token id lists) forwarded once (a prefix they all share once: passes.prompt_pass),
     its KV cache and last logits then copied for its `group_size` samples: (prompt ids [N, P], mask
     [N, P], the cache, the mask of the cache's columns [N, K], the logits of each row's first token
     [N, V], the position of each row's next token [N]), N = prompts x group_size. `room`: the cache's
@@ -132,7 +132,7 @@ def generate(model, tokenizer, prompts: Sequence[Sequence[int]], group_size: int
     likely token instead (the log-probs are then those of softmax(z / temperature)). With `keys`
     (one per completion, from completion_keys) each token is drawn by sample_keyed instead of from
     `generator`, so a completion does not depend on the rest of the batch. `fast_decode`: decode
-    with rlnotes' own step where the model is one it computes (rlnotes.engine.decoder)."""
+    with rlnotes' own step where the model is one it computes (rlnotes.engine.sampling.decoder)."""
     device = next(model.parameters()).device
     step = decoding_step(model, fast_decode)
     pad_id = tokenizer.pad_token_id

@@ -1,6 +1,6 @@
 """FSDP2 (hardware.strategy=fsdp): a model's parameters sharded across the ranks, one unit per
 transformer block; its weights gathered whole for generation, and its full state gathered on
-rank 0 for a save. The optimizer state's shards are rlnotes.engine.distributed's.
+rank 0 for a save. The optimizer state's shards are rlnotes.engine.hardware.distributed's.
 """
 
 from __future__ import annotations

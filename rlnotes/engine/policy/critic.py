@@ -13,8 +13,8 @@ from typing import Optional
 
 import torch
 
-from rlnotes.engine.head import head_logprobs
-from rlnotes.engine.policy import completion_states
+from rlnotes.engine.policy.head import head_logprobs
+from rlnotes.engine.policy.passes import completion_states
 from rlnotes.notes import masked_mean
 
 

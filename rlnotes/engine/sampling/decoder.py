@@ -29,9 +29,9 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from rlnotes.engine.fsdp import is_sharded
-from rlnotes.engine.merged import MergedLinear
-from rlnotes.engine.packed import PackedLinear
+from rlnotes.engine.hardware.fsdp import is_sharded
+from rlnotes.engine.policy.merged import MergedLinear
+from rlnotes.engine.policy.packed import PackedLinear
 
 # The causal LMs whose decoder layers compute exactly the step above; their attention, MLP and norm
 # classes are checked too, so a subclass that changes one of them is not taken for the family.

@@ -21,11 +21,11 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from rlnotes.engine import distributed
-from rlnotes.engine.episodes import EpisodeTokens, Respond, between_turns, budgets, episode_rollout
-from rlnotes.engine.models import SMOLLM2, smollm2_dir
-from rlnotes.engine.policy import embeddings_saved
+from rlnotes.engine.hardware import distributed
+from rlnotes.engine.model.loading import SMOLLM2, smollm2_dir
+from rlnotes.engine.policy.policy import embeddings_saved
 from rlnotes.engine.rollout import Rollout, left_pad
+from rlnotes.engine.sampling.episodes import EpisodeTokens, Respond, between_turns, budgets, episode_rollout
 from rlnotes.engine.sampling.generate import mix32
 
 
@@ -136,7 +136,7 @@ class VLLMEngine:
     def generate_episodes(self, prompts: Sequence[Sequence[int]], group_size: int, respond: Respond, max_turns: int,
                           max_episode_tokens: Optional[int], keys: Optional[torch.Tensor],
                           device: torch.device) -> Rollout:
-        """Multi-turn episodes (rlnotes.engine.episodes) sampled by vLLM: each round, every running
+        """Multi-turn episodes (rlnotes.engine.sampling.episodes) sampled by vLLM: each round, every running
         episode's whole sequence so far is one request, and vLLM's prefix cache keeps the keys and
         values of what it has seen, so a round computes the new observation and turn. `keys` (one
         per episode, rollout.per_prompt_seed) seed each turn's draw with the turn's number."""

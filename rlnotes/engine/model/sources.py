@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 
 from rlnotes.core.errors import ConfigError
 
-TINY, SMOLLM2 = "tiny", "smollm2-135m"  # the models built in (see rlnotes.engine.models)
+TINY, SMOLLM2 = "tiny", "smollm2-135m"  # the models built in (see rlnotes.engine.model.loading)
 # The hub ids of the models rlnotes ships (lower case: the hub's ids ignore case) and their presets.
 SHIPPED = {"huggingfacetb/smollm2-135m-instruct": SMOLLM2}
 # Seconds to wait for the hub's host to accept a connection (name lookup included) before calling

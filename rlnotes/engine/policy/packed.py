@@ -6,7 +6,7 @@ faster on the CPUs measured, most at the few rows of a decoding step, and most o
 head. Each call costs oneDNN a fixed few microseconds more, so a small weight (below MIN_WEIGHTS
 elements: a tiny model's, or SmolLM2's 576 x 192 key and value maps) stays with MKL.
 
-While sampling, each such nn.Linear (the merged LoRA layers of rlnotes.engine.merged among them) is
+While sampling, each such nn.Linear (the merged LoRA layers of rlnotes.engine.policy.merged among them) is
 swapped for a PackedLinear holding the reordered copy, made afresh each time (the adapter changes
 every step, at the cost of the weights' size again in memory while sampling). The outputs are those
 of the plain layers up to float32 rounding (which may tip a sampled token where two are nearly tied).
@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from rlnotes.engine.merged import MergedLinear, swapped_in
+from rlnotes.engine.policy.merged import MergedLinear, swapped_in
 
 MIN_WEIGHTS = 2**17
 ROWS = 32  # the number of rows oneDNN lays the weight out for; as fast as MKL or faster from 1 to 1024 rows
