@@ -175,7 +175,8 @@ def test_a_shared_prefix_on_a_smollm2_shaped_model_gives_the_plain_pass_and_valu
                     output_hidden_states=True)
         expected = head(out.hidden_states[-1][:, -n - 1:-1]).squeeze(-1)
         # at real positions: padding's hidden states are left unspecified (rlnotes.engine.policy.padding)
-        torch.testing.assert_close(values(model, head, ids, attn, n) * mask, expected * mask, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(values(Policy(model, None), head, ids, attn, n) * mask, expected * mask,
+                                   atol=1e-5, rtol=1e-5)
 
 
 def test_shared_prompt_forward_runs_each_prompt_once():
@@ -251,13 +252,14 @@ def test_values_and_entropy_equal_the_plain_pass():
     params = [p for p in model.parameters() if p.requires_grad] + list(head.parameters())
     loss = lambda logp, v, ent: ((logp - 0.3 * v ** 2 + 0.1 * ent) * mask).sum()  # noqa: E731
     expected_grads = torch.autograd.grad(loss(expected_logp, expected_v, expected_ent), params)
-    logp, v, ent = logprobs_and_values(model, head, ids, attn, n, 0.8, entropy=True)
+    logp, v, ent = logprobs_and_values(Policy(model, None), head, ids, attn, n, 0.8, entropy=True)
     torch.testing.assert_close(logp, expected_logp, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(v * mask, expected_v * mask, atol=1e-5, rtol=1e-5)  # padding's is unspecified
     torch.testing.assert_close(ent, expected_ent, atol=1e-5, rtol=1e-5)
     assert_grads_close(torch.autograd.grad(loss(logp, v, ent), params), expected_grads)
     with torch.no_grad():
-        torch.testing.assert_close(values(model, head, ids, attn, n) * mask, expected_v * mask, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(values(Policy(model, None), head, ids, attn, n) * mask, expected_v * mask,
+                                   atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("chunk,rows,scale", [(22, 1024, 1.0), (6, 2, 1.0), (8, 4, 30.0), (10**6, 3, 30.0)])

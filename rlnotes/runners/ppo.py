@@ -130,9 +130,8 @@ def minibatch_loss(ctx: Context, b, adv, returns, old_values) -> PPOLoss:
     """PPO's loss on the rollout rows `b` (trimmed to width w), with its parts for the log."""
     cfg, algo = ctx.cfg, ctx.cfg.algo
     w = b.completion_ids.shape[1]
-    logp, v, entropy = logprobs_and_values(ctx.policy.model, ctx.heads["value_head"], b.input_ids, b.attention_mask,
-                                           w, cfg.rollout.temperature, entropy=algo.entropy_coef > 0,
-                                           share_prompts=ctx.policy.share_prompts)
+    logp, v, entropy = logprobs_and_values(ctx.policy, ctx.heads["value_head"], b.input_ids, b.attention_mask, w,
+                                           cfg.rollout.temperature, entropy=algo.entropy_coef > 0)
     tis = tis_weights(ctx, b)  # rollout.tis_cap: tokens vLLM sampled weigh min(pi_old / pi_vllm, C)
     return ppo_loss(logp, b.logprobs, adv if tis is None else adv * tis, v, old_values, returns, b.completion_mask,
                     clip_eps=algo.clip_eps, value_clip_eps=algo.value_clip_eps, vf_coef=algo.vf_coef,
@@ -159,8 +158,7 @@ def train_step(ctx: Context) -> Dict[str, float]:
     # 3. Per-token rewards: the outcome at the end, the KL penalty on every token.
     token_rewards, metrics["kl/ref"] = penalized_token_rewards(ctx, rollout, rewards, algo.beta, algo.kl_estimator)
     with ctx.timed("values"), torch.no_grad():
-        old_values = torch.cat([values(policy.model, head, input_ids[i], attention_mask[i], n, policy.share_prompts)
-                                for i in chunks])
+        old_values = torch.cat([values(policy, head, input_ids[i], attention_mask[i], n) for i in chunks])
 
     # 4. Generalized advantage estimation.
     adv, returns = gae(token_rewards, old_values, mask, algo.gamma, algo.lam)

@@ -130,8 +130,8 @@ def train_step(ctx: Context) -> Dict[str, float]:
             g = returns[idx, :w]
             adv = g - baseline[idx, None]
             if use_value:
-                logp, v, _ = logprobs_and_values(policy.model, ctx.heads["value_head"], b.input_ids,
-                                                 b.attention_mask, w, temperature, share_prompts=policy.share_prompts)
+                logp, v, _ = logprobs_and_values(policy, ctx.heads["value_head"], b.input_ids, b.attention_mask, w,
+                                                 temperature)
                 adv = adv - v.detach()
             else:
                 logp = policy.logprobs(b.input_ids, b.attention_mask, w, temperature)

@@ -134,9 +134,8 @@ def setup(cfg, algo: Algorithm, run_dir: Path, console: Console, resume_from: Op
                             "eval.generate" if cfg.trainer.eval_every and cfg.eval.generate else None)
         if cfg.sft_warmup.steps:
             require_demonstrations(data.train, cfg.sft_warmup.column, f"sft_warmup.steps={cfg.sft_warmup.steps}")
-        policy = Policy.from_config(cfg.model, device)
+        policy = Policy.from_config(cfg.model, device, share_prompts=cfg.trainer.shared_prompt)
     threads = set_threads(cfg.hardware.threads, policy.model)
-    policy.share_prompts = cfg.trainer.shared_prompt
     if resume_from is not None:
         restore.load_policy(policy, resume_from)
     if distributed.active() and cfg.hardware.strategy == "fsdp":

@@ -9,13 +9,16 @@ position whose logits predict token t.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
 from rlnotes.engine.policy.head import head_logprobs
 from rlnotes.engine.policy.passes import completion_states
 from rlnotes.notes import masked_mean
+
+if TYPE_CHECKING:
+    from rlnotes.engine.policy.policy import Policy
 
 
 def value_head(hidden_size: int, device: torch.device) -> torch.nn.Linear:
@@ -26,24 +29,28 @@ def value_head(hidden_size: int, device: torch.device) -> torch.nn.Linear:
     return head
 
 
-def logprobs_and_values(model, head, input_ids, attention_mask, n_completion: int, temperature: float = 1.0,
-                        entropy: bool = False, share_prompts: bool = True
+def logprobs_and_values(policy: Policy, head, input_ids, attention_mask, n_completion: int,
+                        temperature: float = 1.0, entropy: bool = False
                         ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-    """(log pi [B, n], V(s_t) [B, n], entropy H(pi(. | s_t)) [B, n] or None) from ONE forward pass.
+    """(log pi [B, n], V(s_t) [B, n], entropy H(pi(. | s_t)) [B, n] or None) from ONE forward pass
+    of the policy's model.
 
-    Rows are [left-padded prompt | completion], as for policy.sequence_logprobs (rows with the
-    same prompt share its pass when share_prompts); only the completion's real tokens reach the LM
-    head. The exact entropy needs a full softmax per token, so it is computed only when asked for.
+    Rows are [left-padded prompt | completion], as for passes.sequence_logprobs (rows with the
+    same prompt share its pass when the policy shares prompts); only the completion's real tokens
+    reach the LM head. The exact entropy needs a full softmax per token, so it is computed only when
+    asked for.
     """
-    hidden = completion_states(model, input_ids, attention_mask, n_completion, share_prompts)
+    model = policy.model
+    hidden = completion_states(model, input_ids, attention_mask, n_completion, policy.share_prompts)
     logp, ent = head_logprobs(hidden, model.get_output_embeddings(), input_ids[:, -n_completion:], temperature,
                               entropy, real=attention_mask[:, -n_completion:].bool())
     return logp, _values(head, hidden), ent
 
 
-def values(model, head, input_ids, attention_mask, n_completion: int, share_prompts: bool = True) -> torch.Tensor:
+def values(policy: Policy, head, input_ids, attention_mask, n_completion: int) -> torch.Tensor:
     """V(s_t) [B, n] alone: no position reaches the LM head."""
-    return _values(head, completion_states(model, input_ids, attention_mask, n_completion, share_prompts))
+    return _values(head, completion_states(policy.model, input_ids, attention_mask, n_completion,
+                                           policy.share_prompts))
 
 
 def _values(head: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:

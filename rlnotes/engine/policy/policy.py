@@ -36,12 +36,14 @@ class Policy:
         self.share_prompts = share_prompts
 
     @classmethod
-    def from_config(cls, cfg, device: torch.device) -> "Policy":
+    def from_config(cls, cfg, device: torch.device, share_prompts: bool = True) -> "Policy":
+        """The policy of the model section `cfg`, its reference beside it; `share_prompts`:
+        trainer.shared_prompt (rows with the same prompt forward it once)."""
         base, tokenizer = load_base(cfg)
         base.to(device)
         if cfg.lora is None:
             reference = copy.deepcopy(base).eval().requires_grad_(False)
-            return cls(base, tokenizer, reference)
+            return cls(base, tokenizer, reference, share_prompts)
         from peft import LoraConfig, get_peft_model
 
         check_lora(base, cfg.lora)
@@ -49,7 +51,7 @@ class Policy:
         lora = LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
                           target_modules=targets[0] if targets == ["all-linear"] else targets,
                           task_type="CAUSAL_LM")
-        return cls(get_peft_model(base, lora), tokenizer)
+        return cls(get_peft_model(base, lora), tokenizer, share_prompts=share_prompts)
 
     @classmethod
     def from_saved(cls, cfg, path: Path, device: torch.device) -> "Policy":
