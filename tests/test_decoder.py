@@ -25,6 +25,7 @@ from rlnotes.engine.policy import packed
 from rlnotes.engine.sampling.decoder import Decoder, decoding_step, model_step
 from rlnotes.engine.sampling.episodes import generate_episodes
 from rlnotes.engine.sampling.generate import generate, prefill
+from rlnotes.engine.sampling.settings import EpisodeLimits, SamplingSettings
 
 SHAPE = dict(hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2,
              max_position_embeddings=256, initializer_range=0.3)
@@ -89,8 +90,8 @@ def test_generate_samples_what_the_models_forward_samples(family, greedy):
     model = family_model(family)
     tokenizer = tiny_tokenizer()
     def run(fast, eos):
-        return generate(model, tokenizer, PROMPTS, 3, 10, generator=torch.Generator().manual_seed(1), eos_ids=eos,
-                        greedy=greedy, fast_decode=fast)
+        return generate(model, tokenizer, PROMPTS, 3, SamplingSettings(10, greedy=greedy, fast_decode=fast),
+                        torch.Generator().manual_seed(1), eos_ids=eos)
 
     free = run(False, [-1]).completion_ids  # tokens that end some rows early and others late
     runs = [run(fast, [int(free[0, 2]), int(free[-1, 6])]) for fast in (True, False)]
@@ -131,8 +132,8 @@ def test_episodes_decode_the_same_through_either_step():
         return [None if stop else [20 + len(turn) % 5, 21] for turn, stop in zip(turns, last)]
 
     def run(fast, eos):
-        return generate_episodes(model, tokenizer, PROMPTS, 2, respond, max_new_tokens=6, max_turns=3,
-                                 generator=torch.Generator().manual_seed(2), eos_ids=eos, fast_decode=fast)
+        return generate_episodes(model, tokenizer, PROMPTS, 2, respond, SamplingSettings(6, fast_decode=fast),
+                                 EpisodeLimits(3), torch.Generator().manual_seed(2), eos_ids=eos)
 
     free = run(False, [-1]).completion_ids  # one turn each, cut at max_new_tokens
     ours, theirs = [run(fast, [int(free[0, 1]), int(free[3, 2])]) for fast in (True, False)]
@@ -193,8 +194,9 @@ def test_smollm2_samples_the_same_through_either_step():
     ids = encode_prompts(policy.tokenizer, prompts)
     for greedy in (True, False):
         with policy.sampling() as model:
-            ours, theirs = [generate(model, policy.tokenizer, ids, 2, 16, generator=torch.Generator().manual_seed(0),
-                                     greedy=greedy, fast_decode=fast) for fast in (True, False)]
+            ours, theirs = [generate(model, policy.tokenizer, ids, 2, SamplingSettings(16, greedy=greedy,
+                                                                                       fast_decode=fast),
+                                     torch.Generator().manual_seed(0)) for fast in (True, False)]
         assert torch.equal(ours.completion_ids, theirs.completion_ids) and ours.texts == theirs.texts
         torch.testing.assert_close(ours.logprobs, theirs.logprobs, atol=1e-4, rtol=1e-4)
 

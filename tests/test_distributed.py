@@ -26,6 +26,7 @@ from rlnotes.engine.sampling.generate import (
     mix32,
     sample_keyed,
 )
+from rlnotes.engine.sampling.settings import SamplingSettings
 from tests.conftest import RLNOTES
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -131,10 +132,11 @@ def test_a_keyed_completion_does_not_depend_on_its_batch():
     model, tok = load_base(OmegaConf.structured(ModelConfig()))
     prompts = [tok(p)["input_ids"] for p in ("Write a", "Write the letter b:", "c", "Write the letter d please:")]
     keys = completion_keys(3, (1, 0), torch.arange(4), 2)
-    whole = generate(model, tok, prompts, 2, 8, keys=keys)
-    halves = [generate(model, tok, prompts[i:i + 2], 2, 8, keys=keys[2 * i:2 * i + 4]) for i in (0, 2)]
+    whole = generate(model, tok, prompts, 2, SamplingSettings(8), keys=keys)
+    halves = [generate(model, tok, prompts[i:i + 2], 2, SamplingSettings(8), keys=keys[2 * i:2 * i + 4])
+              for i in (0, 2)]
     assert whole.texts == halves[0].texts + halves[1].texts
-    other = generate(model, tok, prompts, 2, 8, keys=completion_keys(4, (1, 0), torch.arange(4), 2))
+    other = generate(model, tok, prompts, 2, SamplingSettings(8), keys=completion_keys(4, (1, 0), torch.arange(4), 2))
     assert other.texts != whole.texts
 
 

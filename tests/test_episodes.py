@@ -12,6 +12,7 @@ from rlnotes.engine.policy.passes import sequence_logprobs
 from rlnotes.engine.prompts import encode_prompts
 from rlnotes.engine.sampling.episodes import generate_episodes
 from rlnotes.engine.sampling.generate import completion_keys
+from rlnotes.engine.sampling.settings import EpisodeLimits, SamplingSettings
 
 PROMPTS = ["Write the letter a:", "What is 2+3?", "Hi"]
 
@@ -41,10 +42,12 @@ class Scripted:
         return out
 
 
-def run(model, tok, prompts, respond, seed=0, **kw):
-    args = dict(group_size=2, max_new_tokens=10, max_turns=3, temperature=1.0) | kw
-    return generate_episodes(model, tok, prompts, respond=respond, generator=torch.Generator().manual_seed(seed),
-                             **args)
+def run(model, tok, prompts, respond, seed=0, group_size=2, max_turns=3, max_episode_tokens=None, keys=None,
+        **kw):
+    settings = SamplingSettings(**(dict(max_new_tokens=10, temperature=1.0) | kw))
+    return generate_episodes(model, tok, prompts, group_size, respond, settings,
+                             EpisodeLimits(max_turns, max_episode_tokens), torch.Generator().manual_seed(seed),
+                             keys=keys)
 
 
 def test_sampled_logprobs_equal_a_forward_pass_of_the_whole_episode():

@@ -11,6 +11,7 @@ from rlnotes.engine.policy.passes import sequence_logprobs
 from rlnotes.engine.policy.policy import Policy
 from rlnotes.engine.prompts import encode_prompts
 from rlnotes.engine.sampling.generate import generate
+from rlnotes.engine.sampling.settings import SamplingSettings
 
 PROMPTS = ["Write the letter a:", "What is 2+3?", "Hi"]
 
@@ -32,7 +33,8 @@ def trained_policy(targets=("all-linear",), seed=0):
 def sample(policy, merge, seed=0, pack=True, **kw):
     ids = encode_prompts(policy.tokenizer, PROMPTS, chat_template=False)
     with policy.sampling(merge, pack) as model:
-        return generate(model, policy.tokenizer, ids, 4, 12, generator=torch.Generator().manual_seed(seed), **kw)
+        return generate(model, policy.tokenizer, ids, 4, SamplingSettings(12, **kw),
+                        torch.Generator().manual_seed(seed))
 
 
 def test_merged_weight_is_w_plus_scaled_b_a():
@@ -62,7 +64,8 @@ def test_the_adapter_changes_the_samples_so_the_comparison_means_something():
     policy = trained_policy()
     with policy.reference() as ref:
         ids = encode_prompts(policy.tokenizer, PROMPTS, chat_template=False)
-        base = generate(ref, policy.tokenizer, ids, 4, 12, generator=torch.Generator().manual_seed(0), greedy=True)
+        base = generate(ref, policy.tokenizer, ids, 4, SamplingSettings(12, greedy=True),
+                        torch.Generator().manual_seed(0))
     assert not torch.equal(base.completion_ids, sample(policy, True, greedy=True).completion_ids)
 
 

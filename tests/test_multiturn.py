@@ -20,6 +20,8 @@ from rlnotes.core.errors import ConfigError
 from rlnotes.core.schema import ModelConfig, RewardConfig, RolloutConfig, TinyModelConfig
 from rlnotes.engine.model.loading import load_base, tiny_model, tiny_tokenizer
 from rlnotes.engine.policy.passes import sequence_logprobs
+from rlnotes.engine.prompts import PromptFormat
+from rlnotes.engine.sampling.settings import SamplingSettings
 from rlnotes.notes.grpo import grpo_loss
 from rlnotes.rewards.scoring import RewardFailure, Rewards
 from tests.conftest import compose
@@ -60,7 +62,7 @@ def play(conversations, tok, replies):
 
 def test_episode_tokens_equal_the_chat_templates_rendering_of_the_conversation():
     tok = templated_tokenizer()
-    conv = Conversations(agents(tools=["calculator"], max_turns=3), tok, [{"prompt": "What is 123*45?"}], 1, True)
+    conv = Conversations(agents(tools=["calculator"], max_turns=3), tok, [{"prompt": "What is 123*45?"}], 1)
     ids = play(conv, tok, [CALL % "123*45", "It is 5535."])
     messages = conv.messages[0]
     assert [m["role"] for m in messages] == ["system", "user", "assistant", "tool", "assistant"]
@@ -81,7 +83,7 @@ def test_smollm2s_template_and_tokenizer_agree_with_the_episode_tokens():
     from rlnotes.engine.model.loading import smollm2_dir
 
     tok = AutoTokenizer.from_pretrained(smollm2_dir())
-    conv = Conversations(agents(tools=["calculator"], max_turns=3), tok, [{"prompt": "What is 123*45?"}], 1, True)
+    conv = Conversations(agents(tools=["calculator"], max_turns=3), tok, [{"prompt": "What is 123*45?"}], 1)
     ids = play(conv, tok, [CALL % "123*45", "123*45 = 5535"])
     rendered = tok.apply_chat_template(conv.messages[0], tokenize=False)
     end = rendered.rindex(tok.eos_token) + len(tok.eos_token)
@@ -92,7 +94,7 @@ def test_smollm2s_template_and_tokenizer_agree_with_the_episode_tokens():
 def test_without_a_chat_template_observations_are_role_lines_after_the_models_eos():
     tok = tiny_tokenizer()
     conv = Conversations(agents(env="letters", max_turns=2), tok, [{"prompt": "Write the letter a:", "letter": "a"}],
-                         1, chat_template=False)
+                         1, PromptFormat(chat_template=False))
     ids = play(conv, tok, ["xy", "aa"])
     text = tok.decode(ids)
     assert text == "user: Write the letter a:\nassistant:xy<eos>\nuser: Now write the letter a:\nassistant:aa<eos>"
@@ -113,9 +115,8 @@ def test_reward_functions_get_whole_episodes_and_the_environments():
     torch.manual_seed(0)
     model = tiny_model(OmegaConf.structured(TinyModelConfig()), len(tok)).eval()
     rows = [{"prompt": [{"role": "user", "content": "Write the letter b:"}], "letter": "b"}]
-    conv, rollout = run_episodes(agents(env="letters", max_turns=2), model, tok, rows, 2,
-                                 OmegaConf.structured(RolloutConfig(max_new_tokens=4)), False, None,
-                                 torch.Generator().manual_seed(0))
+    conv, rollout = run_episodes(agents(env="letters", max_turns=2), model, tok, rows, 2, SamplingSettings(4),
+                                 PromptFormat(chat_template=False), torch.Generator().manual_seed(0))
     rewards = Rewards(OmegaConf.structured(RewardConfig(name="custom", target="tests.test_multiturn:judge")))
     totals, metrics = score_episodes(rewards, rows, conv, rollout, 2)
     SEEN = rewards.fns[0].fn.__globals__["SEEN"]  # the module as the reward loader imported it
@@ -147,8 +148,8 @@ def test_a_nan_or_inf_environment_reward_gets_the_fallback_or_stops_the_run_in_o
     torch.manual_seed(0)
     model = tiny_model(OmegaConf.structured(TinyModelConfig()), len(tok)).eval()
     rows = [{"prompt": "a", "score": 2.0}, {"prompt": "b", "score": float("nan")}, {"prompt": "c", "score": -math.inf}]
-    rollout_cfg = OmegaConf.structured(RolloutConfig(max_new_tokens=4))
-    conv, rollout = run_episodes(agents(env="scores"), model, tok, rows, 2, rollout_cfg, False, None,
+    plain = PromptFormat(chat_template=False)
+    conv, rollout = run_episodes(agents(env="scores"), model, tok, rows, 2, SamplingSettings(4), plain,
                                  torch.Generator().manual_seed(0))
     console = FakeConsole()
     rewards = Rewards(OmegaConf.structured(RewardConfig(name="env", fallback=-1.0)), console)
@@ -156,7 +157,7 @@ def test_a_nan_or_inf_environment_reward_gets_the_fallback_or_stops_the_run_in_o
     assert totals.tolist() == [2.0, 2.0, -1.0, -1.0, -1.0, -1.0]
     assert metrics["reward/failures"] == 4 and metrics["reward/env"] == pytest.approx(0.0)
     assert console.printed == ["[yellow]environment Scores gave the reward nan for 4 of 6 samples; they get -1.0[/]"]
-    conv, rollout = run_episodes(agents(env="scores"), model, tok, rows[1:2], 2, rollout_cfg, False, None)
+    conv, rollout = run_episodes(agents(env="scores"), model, tok, rows[1:2], 2, SamplingSettings(4), plain)
     with pytest.raises(RewardFailure) as err:
         score_episodes(rewards, rows[1:2], conv, rollout, 2)
     assert str(err.value) == ("environment Scores gave no finite reward for any sample of the batch (nan); fix its "
@@ -182,8 +183,8 @@ def test_a_reset_text_past_the_models_context_is_one_line_before_any_pass(monkey
     model = tiny_model(OmegaConf.structured(TinyModelConfig()), len(tok)).eval()
     monkeypatch.setattr(model, "forward", None)   # no pass may run
     with pytest.raises(EnvironmentFailure) as err:
-        run_episodes(agents(env="long_start"), model, tok, [{"prompt": "Hi"}], 2,
-                     OmegaConf.structured(RolloutConfig(max_new_tokens=16)), False, None)
+        run_episodes(agents(env="long_start"), model, tok, [{"prompt": "Hi"}], 2, SamplingSettings(16),
+                     PromptFormat(chat_template=False))
     assert re.fullmatch(r"environment LongStart.reset made episode 0's prompt \d+ tokens; with "
                         r"rollout.max_new_tokens=16 it exceeds the model's 512 positions; make what reset returns "
                         r"shorter", str(err.value))
@@ -204,9 +205,8 @@ def test_the_loss_has_no_gradient_through_the_environments_tokens():
     with torch.no_grad():  # turns that end (EOS's logit scaled up): every seed 0-9 gives episodes with an observation
         model.lm_head.weight[tok.eos_token_id] = 20 * model.lm_head.weight[75]
     rows = [{"prompt": "Write the letter a:", "letter": "a"}] * 2
-    _, r = run_episodes(agents(env="letters", max_turns=2), model, tok, rows, 4,
-                        OmegaConf.structured(RolloutConfig(max_new_tokens=6)), False, None,
-                        torch.Generator().manual_seed(1))
+    _, r = run_episodes(agents(env="letters", max_turns=2), model, tok, rows, 4, SamplingSettings(6),
+                        PromptFormat(chat_template=False), torch.Generator().manual_seed(1))
     observed = r.completion_attn.bool() & ~r.completion_mask.bool()
     assert observed.any()
     embeddings = model.get_input_embeddings()
@@ -311,7 +311,7 @@ def test_where_the_template_renders_the_tools_the_samples_prompt_names_them_firs
     tok = templated_tokenizer()
     tok.chat_template = "{% if tools %}{{ '<bos>system\n' + (tools | tojson) + '<eos>\n' }}{% endif %}" + CHATML
     conv = Conversations(agents(env="tests.trl_environments:CounterResetEnv", max_turns=3), tok,
-                         [{"prompt": "Count."}], 2, True)
+                         [{"prompt": "Count."}], 2)
     assert conv.template_tools is not None
     tools, user = conv.prompts()[0]
     assert tools["role"] == "tools" and json.loads(tools["content"])["function"]["name"] == "increment"
@@ -325,7 +325,7 @@ def test_where_the_template_renders_the_tools_the_samples_prompt_names_them_firs
 def test_trls_environment_examples_run_their_tools_in_an_episode(env, call, result, reward):
     tok = templated_tokenizer()
     row = {**trl_rows(env)[2], "prompt": [{"role": "user", "content": "Go."}]}
-    conv = Conversations(agents(env=f"tests.trl_environments:{env}", max_turns=3), tok, [row], 1, True)
+    conv = Conversations(agents(env=f"tests.trl_environments:{env}", max_turns=3), tok, [row], 1)
     play(conv, tok, [f"<tool_call>\n{call}\n</tool_call>", "Done."])
     assert conv.messages[0][3] == {"role": "tool", "name": call.split('"')[3], "content": result}
     assert conv.env_rewards().tolist() == pytest.approx([reward])

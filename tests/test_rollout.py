@@ -9,6 +9,7 @@ from rlnotes.engine.model.loading import tiny_model, tiny_tokenizer
 from rlnotes.engine.policy.passes import sequence_logprobs
 from rlnotes.engine.prompts import encode_prompts
 from rlnotes.engine.sampling.generate import generate, next_tokens, top_p_filter
+from rlnotes.engine.sampling.settings import SamplingSettings
 
 PROMPTS = ["Write the letter a:", "What is 2+3?", "Hi"]
 
@@ -19,9 +20,9 @@ def setup(seed=0):
     return model, tok, encode_prompts(tok, PROMPTS, chat_template=False)
 
 
-def sample(model, tok, prompts, seed=0, **kw):
-    args = dict(group_size=4, max_new_tokens=12, temperature=1.0, top_p=1.0) | kw
-    return generate(model, tok, prompts, generator=torch.Generator().manual_seed(seed), **args)
+def sample(model, tok, prompts, seed=0, group_size=4, **kw):
+    settings = SamplingSettings(**(dict(max_new_tokens=12, temperature=1.0, top_p=1.0) | kw))
+    return generate(model, tok, prompts, group_size, settings, torch.Generator().manual_seed(seed))
 
 
 def test_same_seed_same_samples_other_seed_other_samples():

@@ -230,30 +230,34 @@ def long_signatures() -> list[str]:
             if n > MAX_PARAMETERS and not where.startswith("rlnotes/notes/")]
 
 
-def _types(path: Path) -> set[str]:
-    """The classes and type aliases (X = Union[...], Callable[...], ...) a module defines."""
-    out = set()
-    for node in ast.parse(path.read_text()).body:
-        if isinstance(node, ast.ClassDef):
-            out.add(node.name)
-        elif isinstance(node, ast.Assign) and isinstance(node.value, ast.Subscript):
-            out.update(t.id for t in node.targets if isinstance(t, ast.Name))
-    return out
+def _annotation_only(tree: ast.Module) -> set[str]:
+    """The names a module uses in annotations and nowhere else."""
+    annotations = [n for n in ast.walk(tree) if isinstance(n, ast.arg) and n.annotation] + \
+        [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.returns] + \
+        [n for n in ast.walk(tree) if isinstance(n, ast.AnnAssign)]
+    inside = set()
+    for node in annotations:
+        annotation = node.returns if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) else node.annotation
+        inside |= {id(n) for n in ast.walk(annotation)}
+    used = [n for n in ast.walk(tree) if isinstance(n, ast.Name)]
+    return {n.id for n in used if id(n) in inside} - {n.id for n in used if id(n) not in inside}
 
 
 def sampler_type_imports() -> list[str]:
-    """Modules outside the sampler that import from it only classes and type aliases."""
+    """Modules outside the sampler (rlnotes.engine.sampling) that import from it, when imported
+    (not under TYPE_CHECKING), only names they use in annotations."""
     known, out = modules(), []
     for m, p in known.items():
         if m.startswith(SAMPLER):
             continue
-        for node in ast.walk(ast.parse(p.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith(SAMPLER + ".") \
-                    and node.module in known:
-                names = {a.name for a in node.names}
-                if names <= _types(known[node.module]):
+        tree = ast.parse(p.read_text())
+        types_only = _annotation_only(tree)
+        for node in _run_at_import(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith(SAMPLER + "."):
+                names = {a.asname or a.name for a in node.names}
+                if names <= types_only:
                     out.append(f"{p.relative_to(ROOT.parent)}:{node.lineno} imports {', '.join(sorted(names))} "
-                               f"from {node.module}")
+                               f"from {node.module} for annotations only")
     return out
 
 
@@ -299,6 +303,16 @@ def test_no_algo_name_comparison_outside_the_registry():
     assert algo_name_comparisons() == []
 
 
+def test_no_function_takes_more_than_ten_parameters_outside_the_notes():
+    """A function that reads more wants a small typed bundle (the notes' public equations take their symbols)."""
+    assert long_signatures() == []
+
+
+def test_no_module_imports_the_sampler_only_for_a_type():
+    """The types every floor needs (a batch of samples, a prompt) live outside the sampler."""
+    assert sampler_type_imports() == []
+
+
 def test_files_and_functions_are_short():
     assert long_files() == []
     assert long_functions() == []
@@ -308,8 +322,8 @@ if __name__ == "__main__":
     largest = max(modules().values(), key=lambda p: len(p.read_text().splitlines()))
     print(f"modules: {len(modules())}; import circles: {len(circles(graph()))} "
           f"({', '.join(str(len(c)) for c in circles(graph())) or 'none'} modules)")
-    print(f"upward imports: {len(upward())} (in the engine: {len(engine_upward())}); function-local imports of rlnotes modules: {local_imports()} "
-          f"({len(undeferred_local_imports())} not deferring an optional dependency)")
+    print(f"upward imports: {len(upward())} (in the engine: {len(engine_upward())}); function-local imports of "
+          f"rlnotes modules: {local_imports()} ({len(undeferred_local_imports())} not deferring an optional dependency)")
     print(f"algo.name comparisons outside the registry: {len(algo_name_comparisons())}")
     print(f"largest file: {largest.relative_to(ROOT.parent)} ({len(largest.read_text().splitlines())} lines); "
           f"files over {MAX_FILE_LINES}: {len(long_files())}; functions over {MAX_FUNCTION_LINES}: {len(long_functions())}")

@@ -115,9 +115,10 @@ class StandIn:
 
     def generate(self, prompts, group_size, seeds, device):
         from rlnotes.engine.sampling.generate import generate
+        from rlnotes.engine.sampling.settings import SamplingSettings
 
         r, c = self.policy, self.cfg.rollout
-        rollout = generate(r.model, r.tokenizer, prompts, group_size, c.max_new_tokens, c.temperature, c.top_p,
+        rollout = generate(r.model, r.tokenizer, prompts, group_size, SamplingSettings.of(c),
                            torch.Generator().manual_seed(seeds[0] if seeds else 0))
         rollout.sampler_logprobs = (rollout.logprobs - self.offset) * rollout.completion_mask
         return rollout
@@ -162,12 +163,14 @@ class FakeLLM:
         from types import SimpleNamespace as NS
 
         from rlnotes.engine.sampling.generate import generate
+        from rlnotes.engine.sampling.settings import SamplingSettings
 
         outs = []
         for prompt, p in zip(prompts, params):
             self.requests.append(list(prompt["prompt_token_ids"]))
-            r = generate(self.model, self.tokenizer, [prompt["prompt_token_ids"]], p["n"], p["max_tokens"],
-                         p["temperature"], p["top_p"], torch.Generator().manual_seed(p["seed"] or 0))
+            r = generate(self.model, self.tokenizer, [prompt["prompt_token_ids"]], p["n"],
+                         SamplingSettings(p["max_tokens"], p["temperature"], p["top_p"]),
+                         torch.Generator().manual_seed(p["seed"] or 0))
             completions = []
             for k, ids in enumerate(r.token_lists()):
                 logps = [{t: NS(logprob=float(lp))} for t, lp in zip(ids, r.logprobs[k].tolist())]
@@ -199,6 +202,7 @@ def test_vllm_samples_multi_turn_episodes_through_its_prefix_cache(fake_vllm):
     from rlnotes.engine.policy.passes import sequence_logprobs
     from rlnotes.engine.prompts import encode_prompts
     from rlnotes.engine.sampling.generate import completion_keys
+    from rlnotes.engine.sampling.settings import EpisodeLimits
     from rlnotes.engine.sampling.vllm_engine import VLLMEngine
 
     tok = tiny_tokenizer()
@@ -218,7 +222,7 @@ def test_vllm_samples_multi_turn_episodes_through_its_prefix_cache(fake_vllm):
 
     prompts = encode_prompts(tok, ["Write the letter a:", "Hi"], chat_template=False)
     keys = completion_keys(0, (0, 0), torch.arange(2), 3)
-    r = engine.generate_episodes(prompts, 3, respond, 3, 40, keys, torch.device("cpu"))
+    r = engine.generate_episodes(prompts, 3, respond, EpisodeLimits(3, 40), keys, torch.device("cpu"))
     model_tokens, real = r.completion_mask.bool(), r.completion_attn.bool()
     assert (real & ~model_tokens).any() and int(real.sum(-1).max()) <= 40
     # each request is the episode's whole sequence so far: the prompt, its turns and observations

@@ -23,19 +23,20 @@ import torch
 from rlnotes.agents.environments import EnvironmentFailure, Episode, load_environment
 from rlnotes.agents.tools import load_tools, template_takes_tools, tools_system_prompt
 from rlnotes.core.errors import ConfigError
-from rlnotes.engine.prompts import as_messages, render_plain
+from rlnotes.engine.prompts import PromptFormat, as_messages, render_plain
 from rlnotes.engine.rollout import Rollout
+from rlnotes.engine.sampling.settings import EpisodeLimits
 from rlnotes.rewards.watchdog import Watchdog
 
 
 @dataclass(frozen=True)
 class Agents:
-    """A run's multi-turn settings (the rollout section), its tools and environment loaded once."""
+    """A run's tools and environment, loaded once, how their calls are made (the rollout section's
+    multi-turn keys), and how long an episode may run (limits)."""
     tools: tuple
     env_factory: Optional[Callable]
-    max_turns: int
+    limits: EpisodeLimits
     max_tool_calls: int
-    max_episode_tokens: Optional[int]
     tool_format: str
     tool_timeout: Optional[float]
     env_timeout: Optional[float] = None
@@ -51,9 +52,8 @@ class Agents:
             return None
         tools = tuple(load_tools(list(rollout.tools)))
         env = load_environment(rollout.env, rollout.env_style) if rollout.env else None
-        return cls(tools, env, rollout.max_turns, rollout.max_tool_calls,
-                   rollout.max_episode_tokens, rollout.tool_format, rollout.tool_timeout, rollout.env_timeout,
-                   rollout.env_style)
+        return cls(tools, env, EpisodeLimits.of(rollout), rollout.max_tool_calls, rollout.tool_format,
+                   rollout.tool_timeout, rollout.env_timeout, rollout.env_style)
 
     def episode(self) -> Episode:
         return Episode(list(self.tools), self.env_factory, self.max_tool_calls, self.tool_format, self.tool_timeout,
@@ -85,10 +85,10 @@ class Conversations:
     """One batch of episodes, G per row: their environments, conversations and tool counters.
     `respond` is what rlnotes.engine.sampling.episodes.generate_episodes calls between turns."""
 
-    def __init__(self, agents: Agents, tokenizer, rows: Sequence[dict], group_size: int, chat_template: bool,
-                 system_prompt: Optional[str] = None):
+    def __init__(self, agents: Agents, tokenizer, rows: Sequence[dict], group_size: int,
+                 prompt_format: PromptFormat = PromptFormat()):
         self.agents, self.tokenizer, self.group_size = agents, tokenizer, group_size
-        self.templated = bool(chat_template and tokenizer.chat_template)
+        self.templated = bool(prompt_format.chat_template and tokenizer.chat_template)
         self.episodes = [agents.episode() for _ in range(len(rows) * group_size)]
         # Every episode has the same tools (its environment's methods are bound to it, their schemas alike).
         schemas = self.episodes[0].schemas if self.episodes else []
@@ -98,7 +98,7 @@ class Conversations:
         for i, episode in enumerate(self.episodes):
             row = rows[i // group_size]
             start = episode.start(row)
-            messages = _with_start(as_messages(row["prompt"], system_prompt), start)
+            messages = _with_start(as_messages(row["prompt"], prompt_format.system_prompt), start)
             if schemas and self.template_tools is None:
                 messages = _with_tools(messages, schemas)
             self.messages.append(messages)

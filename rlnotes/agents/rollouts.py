@@ -5,38 +5,39 @@ which see each whole episode, plus the environment's own reward.
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Sequence
+from typing import TYPE_CHECKING, Dict, Optional, Sequence
 
 import torch
 
 from rlnotes.agents.conversation import Agents, Conversations
 from rlnotes.engine.model.loading import context_length
+from rlnotes.engine.prompts import PromptFormat
 from rlnotes.engine.rollout import Rollout
 from rlnotes.engine.sampling.episodes import generate_episodes
 from rlnotes.rewards.scoring import Rewards
 
+if TYPE_CHECKING:
+    from rlnotes.engine.sampling.settings import SamplingSettings
 
-def run_episodes(agents: Agents, model, tokenizer, rows: Sequence[dict], group_size: int, rollout_cfg,
-                 chat_template: bool, system_prompt: Optional[str], generator: Optional[torch.Generator] = None,
-                 keys: Optional[torch.Tensor] = None, greedy: bool = False,
-                 max_new_tokens: Optional[int] = None, engine=None) -> tuple[Conversations, Rollout]:
-    """`group_size` episodes per row (each row's next to each other): (their conversations, the
-    rollout of their compacted token sequences). rollout_cfg: the rollout section (temperature,
-    top_p, max_new_tokens per turn unless `max_new_tokens` is given). `engine`: a vLLM engine that
-    samples instead of the model (rollout.engine=vllm; the rollout then carries its log-probs as
-    sampler_logprobs, for the trainer to recompute its own)."""
-    conversations = Conversations(agents, tokenizer, rows, group_size, chat_template, system_prompt)
+
+def run_episodes(agents: Agents, model, tokenizer, rows: Sequence[dict], group_size: int,
+                 sampling: SamplingSettings, prompt_format: PromptFormat,
+                 generator: Optional[torch.Generator] = None, keys: Optional[torch.Tensor] = None,
+                 engine=None) -> tuple[Conversations, Rollout]:
+    """`group_size` episodes per row (each row's next to each other), each turn sampled as `sampling`
+    says and the episode as long as agents.limits allow: (their conversations, the rollout of their
+    compacted token sequences). `engine`: a vLLM engine that samples instead of the model
+    (rollout.engine=vllm; the rollout then carries its log-probs as sampler_logprobs, for the
+    trainer to recompute its own)."""
+    conversations = Conversations(agents, tokenizer, rows, group_size, prompt_format)
     prompts, shared = conversations.prompt_ids()
-    max_new_tokens = max_new_tokens or rollout_cfg.max_new_tokens
-    conversations.check_fit(prompts, shared, context_length(model), max_new_tokens)
+    conversations.check_fit(prompts, shared, context_length(model), sampling.max_new_tokens)
     if engine is not None:
-        rollout = engine.generate_episodes(prompts, shared, conversations.respond, agents.max_turns,
-                                           agents.max_episode_tokens, keys, next(model.parameters()).device)
+        rollout = engine.generate_episodes(prompts, shared, conversations.respond, agents.limits, keys,
+                                           next(model.parameters()).device)
     else:
-        rollout = generate_episodes(model, tokenizer, prompts, shared, conversations.respond, max_new_tokens,
-                                    agents.max_turns, agents.max_episode_tokens, rollout_cfg.temperature,
-                                    rollout_cfg.top_p, generator, greedy=greedy, keys=keys,
-                                    fast_decode=rollout_cfg.fast_decode)
+        rollout = generate_episodes(model, tokenizer, prompts, shared, conversations.respond, sampling,
+                                    agents.limits, generator, keys=keys)
     rollout.texts = conversations.texts()
     return conversations, rollout
 

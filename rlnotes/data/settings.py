@@ -9,6 +9,7 @@ from typing import Optional
 from rlnotes.core.checks import check_choice
 from rlnotes.core.errors import ConfigError
 from rlnotes.data.tasks import TASK_EVAL_SPLITS, TASKS
+from rlnotes.engine.prompts import PromptFormat
 
 # Where data.source takes its rows from: a built-in task (data.name), a local file (data.path) or
 # a hub dataset (data.name = org/set); files and the hub are read by rlnotes.data.reading.
@@ -28,6 +29,11 @@ def system_prompt(cfg) -> Optional[str]:
     """The system message of prompts that have no system turn: data.system_prompt (it belongs to
     the data), else model.system_prompt (a default for the model), else none."""
     return cfg.data.system_prompt if cfg.data.system_prompt is not None else cfg.model.system_prompt
+
+
+def prompt_format(cfg) -> PromptFormat:
+    """How the run's prompts reach the model: model.chat_template and the system prompt."""
+    return PromptFormat(cfg.model.chat_template, system_prompt(cfg))
 
 
 def check_data_config(d, trainer) -> None:

@@ -5,6 +5,7 @@ torch.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Union
 
 # A prompt: plain text, or a conversation of {"role": ..., "content": ...} messages.
@@ -44,3 +45,16 @@ def encode_prompts(tokenizer, prompts: Sequence[Prompt], chat_template: bool = T
         return tokenizer(render_plain(prompt, system_prompt), add_special_tokens=False)["input_ids"]
 
     return [encode(p) for p in prompts]
+
+
+@dataclass(frozen=True)
+class PromptFormat:
+    """How a run's prompts reach its model: through the chat template when the tokenizer has one and
+    `chat_template` is on (model.chat_template), `system_prompt` opening every conversation that has
+    no system turn of its own (data.system_prompt, else model.system_prompt)."""
+    chat_template: bool = True
+    system_prompt: Optional[str] = None
+
+    def encode(self, tokenizer, prompts: Sequence[Prompt]) -> List[List[int]]:
+        """encode_prompts in this format."""
+        return encode_prompts(tokenizer, prompts, self.chat_template, self.system_prompt)

@@ -27,11 +27,11 @@ from rlnotes.agents.conversation import Agents
 from rlnotes.agents.rollouts import run_episodes, score_episodes
 from rlnotes.data.datasets import load_checked
 from rlnotes.data.fitting import fit_and_split
-from rlnotes.data.settings import system_prompt
+from rlnotes.data.settings import prompt_format
 from rlnotes.data.tasks import TASK_REWARDS
-from rlnotes.engine.prompts import encode_prompts
 from rlnotes.engine.rollout import Rollout
 from rlnotes.engine.sampling.generate import generate
+from rlnotes.engine.sampling.settings import SamplingSettings
 from rlnotes.run import files
 
 
@@ -136,14 +136,13 @@ def _sample_and_score(model, tokenizer, cfg, agents, batch: List[dict], n: int, 
                       scorer) -> tuple[Rollout, torch.Tensor, Optional[List[list]]]:
     """n completions (multi-turn: whole episodes, scored as in training) for each row of `batch`, their
     rewards, and (multi-turn) each episode's prompt as the model saw it (else None: the rows')."""
-    e = cfg.eval
+    sampling = SamplingSettings.of(cfg.rollout, greedy=cfg.eval.greedy, max_new_tokens=max_new)
     if agents is not None:
-        conversations, rollout = run_episodes(agents, model, tokenizer, batch, n, cfg.rollout, cfg.model.chat_template,
-                                              system_prompt(cfg), generator, greedy=e.greedy, max_new_tokens=max_new)
+        conversations, rollout = run_episodes(agents, model, tokenizer, batch, n, sampling, prompt_format(cfg),
+                                              generator)
         return rollout, score_episodes(scorer, batch, conversations, rollout, n)[0], conversations.prompts()
-    ids = encode_prompts(tokenizer, [r["prompt"] for r in batch], cfg.model.chat_template, system_prompt(cfg))
-    rollout = generate(model, tokenizer, ids, n, max_new, cfg.rollout.temperature, cfg.rollout.top_p, generator,
-                       greedy=e.greedy, fast_decode=cfg.rollout.fast_decode)
+    ids = prompt_format(cfg).encode(tokenizer, [r["prompt"] for r in batch])
+    rollout = generate(model, tokenizer, ids, n, sampling, generator)
     return rollout, scorer.score_groups(batch, rollout.texts, rollout.token_lists(), n)[0], None
 
 

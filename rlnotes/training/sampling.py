@@ -13,12 +13,12 @@ import torch
 
 from rlnotes.agents.conversation import Conversations
 from rlnotes.agents.rollouts import run_episodes, score_episodes
-from rlnotes.data.settings import system_prompt
+from rlnotes.data.settings import prompt_format
 from rlnotes.data.tasks import Row
 from rlnotes.engine.hardware import distributed, fsdp
-from rlnotes.engine.prompts import encode_prompts
 from rlnotes.engine.rollout import Rollout
 from rlnotes.engine.sampling.generate import completion_keys, generate
+from rlnotes.engine.sampling.settings import SamplingSettings
 from rlnotes.notes import informative_groups, kl_penalty
 from rlnotes.notes.reinforce import kl_penalized_rewards, terminal_rewards
 from rlnotes.notes.tis import truncated_is_weights
@@ -83,24 +83,22 @@ def sample(ctx: Context, rows: List[Row], group_size: int,
     """The batch's completions, sampled by the policy or the vLLM engine: one per sample, or with
     rollout.tools / rollout.env whole episodes (then with their conversations; else None)."""
     cfg = ctx.cfg
+    sampling = SamplingSettings.of(cfg.rollout)
     if ctx.engine is not None:
         ctx.engine.sync(ctx.policy, ctx.step)
     if ctx.agents is not None:
         with ctx.policy.sampling(cfg.rollout.merge_adapter and ctx.engine is None,
                                  cfg.rollout.pack_weights and ctx.engine is None) as model:
             conversations, rollout = run_episodes(ctx.agents, model, ctx.policy.tokenizer, rows, group_size,
-                                                  cfg.rollout, cfg.model.chat_template, system_prompt(cfg),
-                                                  ctx.generator, keys, engine=ctx.engine)
+                                                  sampling, prompt_format(cfg), ctx.generator, keys,
+                                                  engine=ctx.engine)
         return rollout, conversations
-    prompt_ids = encode_prompts(ctx.policy.tokenizer, [r["prompt"] for r in rows], cfg.model.chat_template,
-                                system_prompt(cfg))
+    prompt_ids = prompt_format(cfg).encode(ctx.policy.tokenizer, [r["prompt"] for r in rows])
     if ctx.engine is not None:
         seeds = keys[::group_size].tolist() if keys is not None else None
         return ctx.engine.generate(prompt_ids, group_size, seeds, ctx.device), None
     with ctx.policy.sampling(cfg.rollout.merge_adapter, cfg.rollout.pack_weights) as model:
-        return generate(model, ctx.policy.tokenizer, prompt_ids, group_size, cfg.rollout.max_new_tokens,
-                        cfg.rollout.temperature, cfg.rollout.top_p, ctx.generator, keys=keys,
-                        fast_decode=cfg.rollout.fast_decode), None
+        return generate(model, ctx.policy.tokenizer, prompt_ids, group_size, sampling, ctx.generator, keys=keys), None
 
 
 def trainer_state(ctx: Context) -> TrainerState:

@@ -13,6 +13,7 @@ from rlnotes.data.datasets import load_task
 from rlnotes.engine.policy.policy import Policy
 from rlnotes.engine.prompts import encode_prompts
 from rlnotes.engine.sampling.generate import generate
+from rlnotes.engine.sampling.settings import SamplingSettings
 from tests.conftest import compose, record_passes
 
 
@@ -31,7 +32,7 @@ def greedy(cfg, adapter_dir, prompts):
     base, tok = load_base(cfg.model)
     model = PeftModel.from_pretrained(base, adapter_dir).eval()
     ids = encode_prompts(tok, prompts, chat_template=False)
-    return generate(model, tok, ids, 1, 8, temperature=1e-4, generator=torch.Generator().manual_seed(0)).texts
+    return generate(model, tok, ids, 1, SamplingSettings(8, temperature=1e-4), torch.Generator().manual_seed(0)).texts
 
 
 def test_sft_memorises_a_few_answers(tmp_path):

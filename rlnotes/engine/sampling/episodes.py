@@ -34,6 +34,7 @@ from rlnotes.engine.policy.kvcache import plain_layers
 from rlnotes.engine.rollout import Rollout, left_pad
 from rlnotes.engine.sampling.decoder import Step, decoding_step
 from rlnotes.engine.sampling.generate import next_tokens, prefill
+from rlnotes.engine.sampling.settings import EpisodeLimits, SamplingSettings
 
 # respond(rows, turns, last) -> one observation per row: token ids to prefill, or None (the episode
 # ends). `turns` are the token ids of the turn each row's model just took (EOS included); `last`
@@ -119,20 +120,19 @@ def _unpark(model, parked: List[_Parked], going: Dict[int, List[int]], pad_id: i
 
 @torch.no_grad()
 def generate_episodes(model, tokenizer, prompts: Sequence[Sequence[int]], group_size: int, respond: Respond,
-                      max_new_tokens: int, max_turns: int, max_episode_tokens: Optional[int] = None,
-                      temperature: float = 1.0, top_p: float = 1.0, generator: Optional[torch.Generator] = None,
-                      eos_ids: Optional[Sequence[int]] = None, greedy: bool = False,
-                      keys: Optional[torch.Tensor] = None, fast_decode: bool = True) -> Rollout:
-    """`group_size` episodes per prompt (token id lists), each of at most `max_turns` model turns of
-    at most `max_new_tokens` tokens and `max_episode_tokens` tokens after its prompt (the model's
-    and the observations'; None: no bound but the turns), and within the model's context
+                      sampling: SamplingSettings, limits: EpisodeLimits,
+                      generator: Optional[torch.Generator] = None, eos_ids: Optional[Sequence[int]] = None,
+                      keys: Optional[torch.Tensor] = None) -> Rollout:
+    """`group_size` episodes per prompt (token id lists), each of at most `limits.max_turns` model
+    turns of at most `sampling.max_new_tokens` tokens and `limits.max_episode_tokens` tokens after
+    its prompt (the model's and the observations'), and within the model's context
     (context_length): a turn or an observation that would pass it ends the episode, truncated.
-    Sampling as rlnotes.engine.sampling.generate.generate (`keys` count each episode's own model tokens,
-    `fast_decode` as there). Returns the compacted episodes (module docstring)."""
+    Sampling as rlnotes.engine.sampling.generate.generate (`keys` count each episode's own model
+    tokens). Returns the compacted episodes (module docstring)."""
     device = next(model.parameters()).device
     pad_id = tokenizer.pad_token_id
     eos = torch.tensor(eos_ids if eos_ids is not None else [tokenizer.eos_token_id], device=device)
-    budget = budgets(prompts, group_size, max_episode_tokens, context_length(model))
+    budget = budgets(prompts, group_size, limits.max_episode_tokens, context_length(model))
     prompt_ids, prompt_mask, cache, cache_mask, logits, next_pos = prefill(model, prompts, pad_id, group_size,
                                                                            device)
     if not plain_layers(cache):
@@ -141,14 +141,13 @@ def generate_episodes(model, tokenizer, prompts: Sequence[Sequence[int]], group_
     n = prompt_ids.shape[0]
     episodes = [EpisodeTokens() for _ in range(n)]
     batch = _Batch(torch.arange(n, device=device), cache, cache_mask, next_pos)
-    keys = keys.to(device) if keys is not None else None
-    counts = torch.zeros(n, dtype=torch.long, device=device)       # model tokens so far, the key's clock
-    step = decoding_step(model, fast_decode)
+    draw = _Draw(sampling, eos, budget, keys.to(device) if keys is not None else None,
+                 torch.zeros(n, dtype=torch.long, device=device), generator)
+    step = decoding_step(model, sampling.fast_decode)
 
     while len(batch.rows):
-        parked, logits = _sample_turn(step, batch, logits, episodes, eos, max_new_tokens, budget, temperature,
-                                      top_p, greedy, keys, counts, generator)
-        going = between_turns(episodes, [r for p in parked for r in p.rows], respond, max_turns, budget)
+        parked, logits = _sample_turn(step, batch, logits, episodes, draw)
+        going = between_turns(episodes, [r for p in parked for r in p.rows], respond, limits.max_turns, budget)
         if not going:
             break
         batch, logits = _unpark(model, parked, going, pad_id)
@@ -197,17 +196,31 @@ def _turn_length(ep: EpisodeTokens) -> int:
     return k
 
 
-def _sample_turn(step: Step, batch: _Batch, logits, episodes: List[EpisodeTokens], eos, max_new_tokens: int,
-                 budget: Sequence[float], temperature: float, top_p: float, greedy: bool, keys, counts, generator):
+@dataclass
+class _Draw:
+    """What every turn of a batch's episodes draws its tokens with: the settings, the EOS ids, each
+    episode's token budget (`budgets`), its key (or None: from `generator`) and its model tokens so
+    far, the key's clock."""
+    sampling: SamplingSettings
+    eos: torch.Tensor
+    budget: Sequence[float]
+    keys: Optional[torch.Tensor]
+    counts: torch.Tensor
+    generator: Optional[torch.Generator]
+
+
+def _sample_turn(step: Step, batch: _Batch, logits, episodes: List[EpisodeTokens], draw: _Draw):
     """One turn of every row in `batch`: tokens until each row's EOS, max_new_tokens or its budget;
     a finished row is parked at once. Returns the parked rows (every row, when the turn ends)."""
+    s, eos, budget, keys, counts = draw.sampling, draw.eos, draw.budget, draw.keys, draw.counts
+    max_new_tokens = s.max_new_tokens
     parked: List[_Parked] = []
     for r in batch.rows.tolist():
         episodes[r].turns += 1
     for t in range(max_new_tokens):
-        scaled = logits.float() / temperature
-        tok = next_tokens(scaled, top_p, greedy, keys[batch.rows] if keys is not None else None,
-                          counts[batch.rows], generator)
+        scaled = logits.float() / s.temperature
+        tok = next_tokens(scaled, s.top_p, s.greedy, keys[batch.rows] if keys is not None else None,
+                          counts[batch.rows], draw.generator)
         logp = scaled.log_softmax(-1).gather(-1, tok[:, None]).squeeze(-1)
         counts[batch.rows] += 1
         ended = torch.isin(tok, eos)

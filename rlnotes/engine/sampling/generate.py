@@ -17,6 +17,7 @@ from rlnotes.engine.policy.kvcache import GrowingLayer, plain_layers
 from rlnotes.engine.policy.passes import position_ids, prompt_pass
 from rlnotes.engine.rollout import Rollout, left_pad
 from rlnotes.engine.sampling.decoder import decoding_step
+from rlnotes.engine.sampling.settings import SamplingSettings
 
 
 def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -124,17 +125,17 @@ def prefill(model, prompts: Sequence[Sequence[int]], pad_id: int, group_size: in
 
 
 @torch.no_grad()
-def generate(model, tokenizer, prompts: Sequence[Sequence[int]], group_size: int, max_new_tokens: int,
-             temperature: float = 1.0, top_p: float = 1.0, generator: Optional[torch.Generator] = None,
-             eos_ids: Optional[Sequence[int]] = None, greedy: bool = False,
-             keys: Optional[torch.Tensor] = None, fast_decode: bool = True) -> Rollout:
-    """Sample `group_size` completions for each prompt (token id lists); `greedy` takes the most
-    likely token instead (the log-probs are then those of softmax(z / temperature)). With `keys`
-    (one per completion, from completion_keys) each token is drawn by sample_keyed instead of from
-    `generator`, so a completion does not depend on the rest of the batch. `fast_decode`: decode
-    with rlnotes' own step where the model is one it computes (rlnotes.engine.sampling.decoder)."""
+def generate(model, tokenizer, prompts: Sequence[Sequence[int]], group_size: int, sampling: SamplingSettings,
+             generator: Optional[torch.Generator] = None, eos_ids: Optional[Sequence[int]] = None,
+             keys: Optional[torch.Tensor] = None) -> Rollout:
+    """Sample `group_size` completions for each prompt (token id lists) as `sampling` says (greedy:
+    the most likely token). With `keys` (one per completion, from completion_keys) each token is
+    drawn by sample_keyed instead of from `generator`, so a completion does not depend on the rest
+    of the batch."""
+    max_new_tokens, temperature, top_p, greedy = (sampling.max_new_tokens, sampling.temperature, sampling.top_p,
+                                                  sampling.greedy)
     device = next(model.parameters()).device
-    step = decoding_step(model, fast_decode)
+    step = decoding_step(model, sampling.fast_decode)
     pad_id = tokenizer.pad_token_id
     eos = torch.tensor(eos_ids if eos_ids is not None else [tokenizer.eos_token_id], device=device)
     prompt_ids, prompt_mask, cache, attn, logits, next_pos = prefill(model, prompts, pad_id, group_size, device,

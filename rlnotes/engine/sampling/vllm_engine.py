@@ -27,6 +27,7 @@ from rlnotes.engine.policy.policy import embeddings_saved
 from rlnotes.engine.rollout import Rollout, left_pad
 from rlnotes.engine.sampling.episodes import EpisodeTokens, Respond, between_turns, budgets, episode_rollout
 from rlnotes.engine.sampling.generate import mix32
+from rlnotes.engine.sampling.settings import EpisodeLimits
 
 
 @dataclass
@@ -133,14 +134,13 @@ class VLLMEngine:
         return self.llm.generate([TokensPrompt(prompt_token_ids=list(q)) for q in sequences], params,
                                  lora_request=self.request, use_tqdm=False)
 
-    def generate_episodes(self, prompts: Sequence[Sequence[int]], group_size: int, respond: Respond, max_turns: int,
-                          max_episode_tokens: Optional[int], keys: Optional[torch.Tensor],
-                          device: torch.device) -> Rollout:
+    def generate_episodes(self, prompts: Sequence[Sequence[int]], group_size: int, respond: Respond,
+                          limits: EpisodeLimits, keys: Optional[torch.Tensor], device: torch.device) -> Rollout:
         """Multi-turn episodes (rlnotes.engine.sampling.episodes) sampled by vLLM: each round, every running
         episode's whole sequence so far is one request, and vLLM's prefix cache keeps the keys and
         values of what it has seen, so a round computes the new observation and turn. `keys` (one
         per episode, rollout.per_prompt_seed) seed each turn's draw with the turn's number."""
-        budget = budgets(prompts, group_size, max_episode_tokens, None)
+        budget = budgets(prompts, group_size, limits.max_episode_tokens, None)
         per_turn = self.cfg.rollout.max_new_tokens
         starts = [list(p) for p in prompts for _ in range(group_size)]
         episodes = [EpisodeTokens() for _ in starts]
@@ -156,7 +156,7 @@ class VLLMEngine:
                 ep.model += [1.0] * len(out.token_ids)
                 ep.logps += _logprobs(out)
                 ep.truncated = not out.token_ids or out.token_ids[-1] != self.tokenizer.eos_token_id  # cut
-            running = sorted(between_turns(episodes, running, respond, max_turns, budget))
+            running = sorted(between_turns(episodes, running, respond, limits.max_turns, budget))
         prompt_ids, prompt_mask = left_pad(starts, self.tokenizer.pad_token_id)
         rollout = episode_rollout(self.tokenizer, prompt_ids, prompt_mask, episodes, device)
         rollout.sampler_logprobs = rollout.logprobs.clone()
