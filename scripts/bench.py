@@ -72,7 +72,7 @@ def run_one(name: str, steps: int) -> dict:
     from rlnotes.commands.train import train
     from rlnotes.engine.prompts import encode_prompts
     from rlnotes.runners import algorithm
-    from rlnotes.training.context import setup
+    from rlnotes.training.setup import setup
 
     overrides = MODELS[name] + SHAPE + [f"trainer.steps={steps}"]
     check(overrides, False, None)
@@ -85,11 +85,12 @@ def run_one(name: str, steps: int) -> dict:
         train(cfg, Path(tmp), Console(quiet=True))
         rows = [json.loads(line) for line in (Path(tmp) / "metrics.jsonl").read_text().splitlines()]
         ctx = setup(cfg, algorithm(cfg.algo.name), Path(tmp) / "probe", Console(quiet=True))  # for the model's shape and prompt lengths
-        ctx.logger.close()
-    prompts = [r["prompt"] for r in ctx.sampler.next_batch()]
-    prompt_tokens = statistics.mean(len(p) for p in encode_prompts(ctx.policy.tokenizer, prompts,
+        ctx.out.logger.close()
+    prompts = [r["prompt"] for r in ctx.data.sampler.next_batch()]
+    policy = ctx.model.policy
+    prompt_tokens = statistics.mean(len(p) for p in encode_prompts(policy.tokenizer, prompts,
                                                                     cfg.model.chat_template, cfg.model.system_prompt))
-    base = ctx.policy.model.get_base_model() if ctx.policy.uses_lora else ctx.policy.model
+    base = policy.model.get_base_model() if policy.uses_lora else policy.model
     warm = rows[1:] or rows
     med = {k: statistics.median(r[k] for r in warm if r.get(k) is not None)
            for k in ("time/step_s", "time/generate_s", "time/reference_s", "time/policy_s", "perf/gen_tokens_per_s",

@@ -45,7 +45,7 @@ def stop_at(monkeypatch, algo, call, sig, after=False):
     def step(ctx):
         calls.append(1)
         if len(calls) == call and not after:
-            ctx.sampler.next_batch(), torch.rand(2, generator=ctx.generator), torch.rand(2), random.random()
+            ctx.data.sampler.next_batch(), torch.rand(2, generator=ctx.run.generator), torch.rand(2), random.random()
             signal.raise_signal(sig)
         metrics = real(ctx)
         if len(calls) == call and after:
@@ -111,9 +111,9 @@ def test_ppo_stopped_during_its_updates_finishes_the_batch(tmp_path, monkeypatch
 
     real, calls = ppo.optimizer_step, []
 
-    def signal_after_first_update(ctx):
+    def signal_after_first_update(*parts):
         calls.append(1)
-        out = real(ctx)
+        out = real(*parts)
         if len(calls) == 1:
             signal.raise_signal(signal.SIGTERM)
         return out
@@ -134,12 +134,12 @@ def test_a_second_signal_mid_update_stops_at_once_without_a_checkpoint(tmp_path,
 
     real, calls = ppo.optimizer_step, []
 
-    def two_signals(ctx):
+    def two_signals(*parts):
         calls.append(1)
         if len(calls) == 6:  # the 2nd update of the 3rd batch; step 4, the end of the 2nd, was saved
             signal.raise_signal(signal.SIGINT)
             signal.raise_signal(signal.SIGINT)
-        return real(ctx)
+        return real(*parts)
 
     monkeypatch.setattr(ppo, "optimizer_step", two_signals)
     with pytest.raises(KeyboardInterrupt):

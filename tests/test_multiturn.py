@@ -11,9 +11,8 @@ import torch
 from omegaconf import OmegaConf
 from rich.console import Console
 
-from rlnotes.agents.conversation import Agents, Conversations
 from rlnotes.agents.environments import EnvironmentFailure
-from rlnotes.agents.rollouts import run_episodes, score_episodes
+from rlnotes.agents.multi_turn import Conversations, MultiTurn
 from rlnotes.commands.train import train
 from rlnotes.commands.usage import UsageError
 from rlnotes.core.errors import ConfigError
@@ -35,8 +34,8 @@ CHATML = ("{% for message in messages %}{% if loop.first and messages[0]['role']
 CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "%s"}}\n</tool_call>'
 
 
-def agents(**kw):
-    return Agents.of(OmegaConf.merge(OmegaConf.structured(RolloutConfig), kw))
+def multi_turn(**kw):
+    return MultiTurn.of(OmegaConf.merge(OmegaConf.structured(RolloutConfig), kw))
 
 
 def templated_tokenizer():
@@ -62,7 +61,7 @@ def play(conversations, tok, replies):
 
 def test_episode_tokens_equal_the_chat_templates_rendering_of_the_conversation():
     tok = templated_tokenizer()
-    conv = Conversations(agents(tools=["calculator"], max_turns=3), tok, [{"prompt": "What is 123*45?"}], 1)
+    conv = Conversations(multi_turn(tools=["calculator"], max_turns=3), tok, [{"prompt": "What is 123*45?"}], 1)
     ids = play(conv, tok, [CALL % "123*45", "It is 5535."])
     messages = conv.messages[0]
     assert [m["role"] for m in messages] == ["system", "user", "assistant", "tool", "assistant"]
@@ -83,7 +82,7 @@ def test_smollm2s_template_and_tokenizer_agree_with_the_episode_tokens():
     from rlnotes.engine.model.loading import smollm2_dir
 
     tok = AutoTokenizer.from_pretrained(smollm2_dir())
-    conv = Conversations(agents(tools=["calculator"], max_turns=3), tok, [{"prompt": "What is 123*45?"}], 1)
+    conv = Conversations(multi_turn(tools=["calculator"], max_turns=3), tok, [{"prompt": "What is 123*45?"}], 1)
     ids = play(conv, tok, [CALL % "123*45", "123*45 = 5535"])
     rendered = tok.apply_chat_template(conv.messages[0], tokenize=False)
     end = rendered.rindex(tok.eos_token) + len(tok.eos_token)
@@ -93,8 +92,8 @@ def test_smollm2s_template_and_tokenizer_agree_with_the_episode_tokens():
 
 def test_without_a_chat_template_observations_are_role_lines_after_the_models_eos():
     tok = tiny_tokenizer()
-    conv = Conversations(agents(env="letters", max_turns=2), tok, [{"prompt": "Write the letter a:", "letter": "a"}],
-                         1, PromptFormat(chat_template=False))
+    conv = Conversations(multi_turn(env="letters", max_turns=2), tok,
+                         [{"prompt": "Write the letter a:", "letter": "a"}], 1, PromptFormat(chat_template=False))
     ids = play(conv, tok, ["xy", "aa"])
     text = tok.decode(ids)
     assert text == "user: Write the letter a:\nassistant:xy<eos>\nuser: Now write the letter a:\nassistant:aa<eos>"
@@ -115,10 +114,10 @@ def test_reward_functions_get_whole_episodes_and_the_environments():
     torch.manual_seed(0)
     model = tiny_model(OmegaConf.structured(TinyModelConfig()), len(tok)).eval()
     rows = [{"prompt": [{"role": "user", "content": "Write the letter b:"}], "letter": "b"}]
-    conv, rollout = run_episodes(agents(env="letters", max_turns=2), model, tok, rows, 2, SamplingSettings(4),
-                                 PromptFormat(chat_template=False), torch.Generator().manual_seed(0))
+    conv, rollout = multi_turn(env="letters", max_turns=2).run_episodes(
+        model, tok, rows, 2, SamplingSettings(4), PromptFormat(chat_template=False), torch.Generator().manual_seed(0))
     rewards = Rewards(OmegaConf.structured(RewardConfig(name="custom", target="tests.test_multiturn:judge")))
-    totals, metrics = score_episodes(rewards, rows, conv, rollout, 2)
+    totals, metrics = conv.score(rewards, rows, rollout)
     SEEN = rewards.fns[0].fn.__globals__["SEEN"]  # the module as the reward loader imported it
     assert SEEN["environments"] == conv.environments() and all(e is not None for e in SEEN["environments"])
     assert all(isinstance(c, list) and c[0]["role"] == "assistant" for c in SEEN["completions"])
@@ -149,17 +148,17 @@ def test_a_nan_or_inf_environment_reward_gets_the_fallback_or_stops_the_run_in_o
     model = tiny_model(OmegaConf.structured(TinyModelConfig()), len(tok)).eval()
     rows = [{"prompt": "a", "score": 2.0}, {"prompt": "b", "score": float("nan")}, {"prompt": "c", "score": -math.inf}]
     plain = PromptFormat(chat_template=False)
-    conv, rollout = run_episodes(agents(env="scores"), model, tok, rows, 2, SamplingSettings(4), plain,
-                                 torch.Generator().manual_seed(0))
+    conv, rollout = multi_turn(env="scores").run_episodes(model, tok, rows, 2, SamplingSettings(4), plain,
+                                                          torch.Generator().manual_seed(0))
     console = FakeConsole()
     rewards = Rewards(OmegaConf.structured(RewardConfig(name="env", fallback=-1.0)), console)
-    totals, metrics = score_episodes(rewards, rows, conv, rollout, 2)
+    totals, metrics = conv.score(rewards, rows, rollout)
     assert totals.tolist() == [2.0, 2.0, -1.0, -1.0, -1.0, -1.0]
     assert metrics["reward/failures"] == 4 and metrics["reward/env"] == pytest.approx(0.0)
     assert console.printed == ["[yellow]environment Scores gave the reward nan for 4 of 6 samples; they get -1.0[/]"]
-    conv, rollout = run_episodes(agents(env="scores"), model, tok, rows[1:2], 2, SamplingSettings(4), plain)
+    conv, rollout = multi_turn(env="scores").run_episodes(model, tok, rows[1:2], 2, SamplingSettings(4), plain)
     with pytest.raises(RewardFailure) as err:
-        score_episodes(rewards, rows[1:2], conv, rollout, 2)
+        conv.score(rewards, rows[1:2], rollout)
     assert str(err.value) == ("environment Scores gave no finite reward for any sample of the batch (nan); fix its "
                               "reward")
 
@@ -183,15 +182,15 @@ def test_a_reset_text_past_the_models_context_is_one_line_before_any_pass(monkey
     model = tiny_model(OmegaConf.structured(TinyModelConfig()), len(tok)).eval()
     monkeypatch.setattr(model, "forward", None)   # no pass may run
     with pytest.raises(EnvironmentFailure) as err:
-        run_episodes(agents(env="long_start"), model, tok, [{"prompt": "Hi"}], 2, SamplingSettings(16),
-                     PromptFormat(chat_template=False))
+        multi_turn(env="long_start").run_episodes(model, tok, [{"prompt": "Hi"}], 2, SamplingSettings(16),
+                                                  PromptFormat(chat_template=False))
     assert re.fullmatch(r"environment LongStart.reset made episode 0's prompt \d+ tokens; with "
                         r"rollout.max_new_tokens=16 it exceeds the model's 512 positions; make what reset returns "
                         r"shorter", str(err.value))
 
 
 def test_env_timeout_reaches_every_episode():
-    episode = agents(env="letters", env_timeout=2.5).episode()
+    episode = multi_turn(env="letters", env_timeout=2.5).episode()
     assert episode.env_timeout == 2.5
     with pytest.raises(UsageError, match=r"rollout.env_timeout=0 must be greater than 0 \(seconds a call of the "
                                          r"environment"):
@@ -205,8 +204,8 @@ def test_the_loss_has_no_gradient_through_the_environments_tokens():
     with torch.no_grad():  # turns that end (EOS's logit scaled up): every seed 0-9 gives episodes with an observation
         model.lm_head.weight[tok.eos_token_id] = 20 * model.lm_head.weight[75]
     rows = [{"prompt": "Write the letter a:", "letter": "a"}] * 2
-    _, r = run_episodes(agents(env="letters", max_turns=2), model, tok, rows, 4, SamplingSettings(6),
-                        PromptFormat(chat_template=False), torch.Generator().manual_seed(1))
+    _, r = multi_turn(env="letters", max_turns=2).run_episodes(
+        model, tok, rows, 4, SamplingSettings(6), PromptFormat(chat_template=False), torch.Generator().manual_seed(1))
     observed = r.completion_attn.bool() & ~r.completion_mask.bool()
     assert observed.any()
     embeddings = model.get_input_embeddings()
@@ -310,7 +309,7 @@ def test_the_samples_of_a_multi_turn_run_show_what_reset_added_and_the_tools_blo
 def test_where_the_template_renders_the_tools_the_samples_prompt_names_them_first():
     tok = templated_tokenizer()
     tok.chat_template = "{% if tools %}{{ '<bos>system\n' + (tools | tojson) + '<eos>\n' }}{% endif %}" + CHATML
-    conv = Conversations(agents(env="tests.trl_environments:CounterResetEnv", max_turns=3), tok,
+    conv = Conversations(multi_turn(env="tests.trl_environments:CounterResetEnv", max_turns=3), tok,
                          [{"prompt": "Count."}], 2)
     assert conv.template_tools is not None
     tools, user = conv.prompts()[0]
@@ -325,7 +324,7 @@ def test_where_the_template_renders_the_tools_the_samples_prompt_names_them_firs
 def test_trls_environment_examples_run_their_tools_in_an_episode(env, call, result, reward):
     tok = templated_tokenizer()
     row = {**trl_rows(env)[2], "prompt": [{"role": "user", "content": "Go."}]}
-    conv = Conversations(agents(env=f"tests.trl_environments:{env}", max_turns=3), tok, [row], 1)
+    conv = Conversations(multi_turn(env=f"tests.trl_environments:{env}", max_turns=3), tok, [row], 1)
     play(conv, tok, [f"<tool_call>\n{call}\n</tool_call>", "Done."])
     assert conv.messages[0][3] == {"role": "tool", "name": call.split('"')[3], "content": result}
     assert conv.env_rewards().tolist() == pytest.approx([reward])

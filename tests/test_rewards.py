@@ -1061,7 +1061,7 @@ def test_a_required_argument_no_column_fills_is_refused_before_the_model_loads(t
     the function, the argument and the columns, from setup before the policy is built."""
     from rich.console import Console
 
-    import rlnotes.training.context as common
+    import rlnotes.training.setup as common
     from rlnotes.runners import REGISTRY
     from tests.conftest import compose
 
@@ -1460,14 +1460,12 @@ def test_grpo_trains_with_trl_style_functions_on_a_users_jsonl(tmp_path, trl_mod
 
 
 def test_trainer_state_counts_steps_and_epochs_of_rows_drawn():
-    from types import SimpleNamespace
-
     from rlnotes.data.sampler import PromptSampler
-    from rlnotes.training.sampling import trainer_state
 
     sampler = PromptSampler([{"prompt": str(i)} for i in range(8)], batch_size=4, seed=0)
     for _ in range(3):
         sampler.next_batch()
-    ctx = SimpleNamespace(step=2, cfg=SimpleNamespace(trainer=SimpleNamespace(steps=10)), sampler=sampler)
-    state = trainer_state(ctx)
+    rewards = Rewards(OmegaConf.structured(RewardConfig(functions=[RewardFnConfig(fn="letter_share")])))
+    rewards.at_step(2, 10, sampler.epochs_drawn())
+    state = rewards.state
     assert (state.global_step, state.max_steps, state.epoch) == (2, 10, 1.5)

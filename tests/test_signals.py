@@ -195,12 +195,12 @@ def test_a_stop_before_the_first_step_during_setup_and_in_the_updates_prints_the
 
     real, calls = ppo.optimizer_step, []
 
-    def two_signals(ctx):
+    def two_signals(*parts):
         calls.append(1)
         if len(calls) == 4:  # the 2nd update of the 2nd batch: the first signal waits for the batch's end
             signal.raise_signal(signal.SIGTERM)
             signal.raise_signal(signal.SIGTERM)
-        return real(ctx)
+        return real(*parts)
 
     with monkeypatch.context() as patch:
         patch.setattr(ppo, "optimizer_step", two_signals)
@@ -287,10 +287,10 @@ def test_a_bug_mid_run_keeps_the_finished_steps(tmp_path, monkeypatch):
 
     real = grpo.sample_and_score
 
-    def sample_and_score(ctx, *args, **kwargs):
-        if ctx.step == 2:
+    def sample_and_score(rollouts, model, data, run, *args, **kwargs):
+        if run.step == 2:
             raise AttributeError("a bug")
-        return real(ctx, *args, **kwargs)
+        return real(rollouts, model, data, run, *args, **kwargs)
 
     monkeypatch.setattr(grpo, "sample_and_score", sample_and_score)
     run_dir = tmp_path / "run"

@@ -23,6 +23,7 @@ FLOORS = {"core": 0, "notes": 1, "engine": 2, "rewards": 3, "agents": 4, "data":
 MAX_FILE_LINES = 400
 MAX_FUNCTION_LINES = 60
 MAX_PARAMETERS = 10  # a function's, outside rlnotes/notes (whose public equations take their symbols)
+MAX_CLOSURE = 0.5  # the share of the package's lines that importing a runner may run
 # A function-local import of an rlnotes module must say why on its line: it defers this.
 DEFER_MARK = "optional"
 # The modules that sample: the shared types (a batch of samples, a prompt) must not live here.
@@ -301,6 +302,13 @@ def test_no_function_local_import_of_rlnotes_but_to_defer_an_optional_dependency
 
 def test_no_algo_name_comparison_outside_the_registry():
     assert algo_name_comparisons() == []
+
+
+def test_a_runner_can_be_imported_without_most_of_the_package():
+    """Importing an algorithm's module runs at most half the package's lines: it needs the notes,
+    the engine and the training helpers it calls, not the data loaders, the reward functions, the
+    agents, the run dir's files or the commands."""
+    assert runners() and {r: f"{closure_share(r):.0%}" for r in runners() if closure_share(r) > MAX_CLOSURE} == {}
 
 
 def test_no_function_takes_more_than_ten_parameters_outside_the_notes():

@@ -8,7 +8,7 @@ import pytest
 from rlnotes.commands.cli import UsageError
 from rlnotes.run import checkpoint
 from rlnotes.training import loop
-from rlnotes.training.context import schedule
+from rlnotes.training.optimizer import schedule
 from tests.conftest import compose
 from tests.test_checkpoint import run, stop_at
 
@@ -21,7 +21,7 @@ def test_warmup_steps_come_first_at_their_own_rate_then_the_algorithm_with_a_fre
 
     def spy(ctx):
         metrics = real(ctx)
-        moments.append(len(ctx.optimizer.state))
+        moments.append(len(ctx.model.optimizer.state))
         return metrics
 
     monkeypatch.setattr(loop, "warmup_step", spy)
@@ -60,7 +60,7 @@ def test_a_run_stopped_in_or_right_after_its_warmup_resumes_exactly(tmp_path, mo
             def step(ctx):
                 calls.append(1)
                 if len(calls) == call:
-                    ctx.warmup_sampler.next_batch()
+                    ctx.data.warmup_sampler.next_batch()
                     signal.raise_signal(signal.SIGINT)
                 return real(ctx)
 

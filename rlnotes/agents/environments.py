@@ -230,7 +230,7 @@ class Episode:
     def reward(self) -> Optional[float]:
         """The environment's reward for the episode: its `get_reward()` when it has one, else the
         sum of its step rewards (None when no step gave one); None without an environment. NaN
-        and inf are kept (rlnotes.agents.rollouts gives them reward.fallback)."""
+        and inf are kept (Conversations.score gives them reward.fallback)."""
         if self.env is None:
             return None
         if callable(getattr(self.env, "get_reward", None)):

@@ -90,8 +90,8 @@ def _declared(path: Path, tree: ast.Module, keywords: Dict[str, ast.expr]) -> De
     code = _Code(path, tree)
     plain = {key: ast.literal_eval(keywords[key]) if key in keywords else default for key, default in LITERALS}
     functions = {key: code.value(keywords[key], key) for key in FUNCTIONS if key in keywords}
-    declared = Algorithm(name=name, schema=schema, train_step=_not_imported, evaluate=_not_imported,
-                         default_task=default_task, ranges=ranges, choices=options, **plain, **functions)
+    declared = Algorithm(name=name, schema=schema, train_step=_not_imported, default_task=default_task,
+                         ranges=ranges, choices=options, **plain, **functions)
     return Declared(
         name=name, path=path, schema=schema,
         comments={**comments(schema.__base__), **file_comments(str(path)).get(schema.__name__, {})},

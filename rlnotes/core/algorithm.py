@@ -42,7 +42,10 @@ class Algorithm:
                  notation of core.checks.RANGES, which holds the other sections'), or the key is
                  in core.checks.CHECKED_ELSEWHERE; its meaning is the schema comment's.
     choices:     its keys that name an option, and the options.
-    evaluate:    ctx -> metrics, its held-out evaluation (trainer.eval_every).
+    evaluate:    ctx -> metrics, its own held-out evaluation (trainer.eval_every: DPO's margins, SFT's
+                 loss); None: none of its own. The train loop adds the evaluation of generated
+                 completions (rlnotes.training.evaluation) when the run's evaluations generate: for
+                 an algorithm that samples, always; for another, with eval.generate.
     objective:   the metric sweep.objective=auto optimises when the run evaluates ...
     train_objective: ... and when it does not.
     group_relative: algo section -> whether its advantages are relative to a prompt's group (a
@@ -54,9 +57,9 @@ class Algorithm:
     samples: bool
     default_task: str
     shape: Callable[[Any], Shape]
-    evaluate: Callable[[Any], Dict[str, float]]
     objective: str
     train_objective: str
+    evaluate: Optional[Callable[[Any], Dict[str, float]]] = None
     columns: Tuple[str, ...] = ("prompt",)
     check: Callable[[Any], None] = _no_check
     ranges: Dict[str, str] = field(default_factory=dict)

@@ -29,6 +29,10 @@ class PromptSampler:
         self.epoch, self.pos = state["epoch"], state["pos"]
         self._order = self._shuffle()
 
+    def epochs_drawn(self) -> float:
+        """Epochs of rows drawn so far: the epoch, and the share of it drawn."""
+        return self.epoch + self.pos / max(len(self.rows), 1)
+
     def next_batch(self) -> List[Row]:
         if self.pos + self.batch_size > len(self.rows):
             self.epoch, self.pos = self.epoch + 1, 0

@@ -27,7 +27,7 @@ from rlnotes.engine.policy.passes import forward
 from rlnotes.engine.prompts import as_messages, render_plain
 from rlnotes.engine.sequences import Sequences, encode
 
-HEAD = "reward_head"   # its name in Context.heads and its file name in final/
+HEAD = "reward_head"   # its name in Model.heads (training.context) and its file name in final/
 
 
 def make_head(model: torch.nn.Module, bias: bool = False) -> torch.nn.Linear:

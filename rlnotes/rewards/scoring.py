@@ -111,7 +111,7 @@ class Rewards:
     """The weighted sum of the configured reward functions, robust to a function that fails.
 
     Each function is called by keyword, as TRL calls it: prompts=, completions=, completion_ids=,
-    one keyword per dataset column, trainer_state= (a TrainerState; set `state` before a call),
+    one keyword per dataset column, trainer_state= (a TrainerState: at_step sets it before a call),
     log_extra=, log_metric=, then its configured args (a function without **kwargs gets only
     the names it takes). Each call gets its own deep copies of these inputs, so a function that
     edits them changes nothing another function or the samples table sees. Sync functions run one
@@ -230,6 +230,11 @@ class Rewards:
                                          f"samples; they get {self.fallback}[/]")
         return [None if v is None else (self.fallback if _number(v) is None else _number(v)) for v in values], \
             len(failed)
+
+    def at_step(self, step: int, steps: int, epoch: float) -> None:
+        """The `trainer_state` the next calls get: optimizer steps taken, trainer.steps and epochs of
+        the train rows drawn."""
+        self.state = TrainerState(step, steps, epoch)
 
     def fallback_for(self, source: str, values: torch.Tensor, fix: str = "fix its reward") -> tuple[torch.Tensor, int]:
         """Rewards [N] (float32) from `source` (an environment, or the weighted sum) with each NaN or

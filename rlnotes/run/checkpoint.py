@@ -57,7 +57,7 @@ from rlnotes.run.steplogs import last_logged
 # run), their bytes cannot be.
 FORMAT = 2
 READABLE_FORMATS = (1, 2)
-# Context.cache entries a runner rebuilds on first use and that are not saved: DPO's reference
+# Run.cache entries (training.context) a runner rebuilds on first use and that are not saved: DPO's reference
 # log-probs (a function of the fixed reference model and the data, and as large as the train set).
 RECOMPUTED = frozenset({"ref", "eval_ref"})
 
@@ -86,10 +86,11 @@ def rng_state(generator: torch.Generator, device: torch.device) -> Dict[str, obj
     return state
 
 
-def capture(ctx) -> Boundary:
-    """The boundary state of `ctx` now (copies: later steps do not change it)."""
-    cache = {k: copy.deepcopy(v) for k, v in ctx.cache.items() if k not in RECOMPUTED}
-    return Boundary(ctx.step, ctx.bad_steps, ctx.sampler.state_dict(), rng_state(ctx.generator, ctx.device), cache)
+def capture(run, sampler, device: torch.device) -> Boundary:
+    """The boundary state now of the run (training.context.Run: its step counters, random stream
+    and runner state) and of its data `sampler` (copies: later steps do not change it)."""
+    cache = {k: copy.deepcopy(v) for k, v in run.cache.items() if k not in RECOMPUTED}
+    return Boundary(run.step, run.bad_steps, sampler.state_dict(), rng_state(run.generator, device), cache)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -168,19 +169,21 @@ def _fsync_dir(path: Path) -> None:
 
 
 def write(ctx, boundary: Boundary, out: Path, shards: Optional[Shards] = None) -> None:
-    """Every file of a checkpoint into the (new, empty) dir `out`; the manifest last."""
-    shards = shards or Shards()
-    ctx.policy.save(out, shards.policy)
-    save_heads(ctx.heads, out)
-    optimizer = shards.optimizer if shards.optimizer is not None else ctx.optimizer.state_dict()
-    torch.save({"optimizer": optimizer, "scheduler": ctx.scheduler.state_dict(),
+    """Every file of a checkpoint of the run `ctx` (training.context.Context: its model, its data's
+    rows and its run dir) into the (new, empty) dir `out`; the manifest last."""
+    shards, model = shards or Shards(), ctx.model
+    model.policy.save(out, shards.policy)
+    save_heads(model.heads, out)
+    optimizer = shards.optimizer if shards.optimizer is not None else model.optimizer.state_dict()
+    torch.save({"optimizer": optimizer, "scheduler": model.scheduler.state_dict(),
                 "rng": boundary.rng, "cache": boundary.cache}, out / STATE)
     config_file.write(out / "config.yaml", ctx.cfg)
     manifest = {"format": FORMAT, "step": boundary.step, "bad_steps": boundary.bad_steps, "algo": ctx.cfg.algo.name,
-                "policy": "lora" if ctx.policy.uses_lora else "full", "heads": list(ctx.heads),
-                "sampler": boundary.sampler, "device": ctx.device.type,
+                "policy": "lora" if model.policy.uses_lora else "full", "heads": list(model.heads),
+                "sampler": boundary.sampler, "device": model.device.type,
                 "optimizer_shards": shards.world if shards.optimizer is not None else None,
-                "logged": last_logged(ctx.run_dir), "rows_sha256": ctx.rows_sha256, "files": file_table(out)}
+                "logged": last_logged(ctx.out.run_dir), "rows_sha256": ctx.data.rows_sha256,
+                "files": file_table(out)}
     (out / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
 
 
@@ -188,7 +191,7 @@ def save(ctx, boundary: Boundary, keep_last: Optional[int], shards: Optional[Sha
     """Write the checkpoint of `boundary` (and the current weights and optimizer, which have not
     moved since) atomically, then prune to the `keep_last` newest. A complete checkpoint of the
     same step is the same state and is kept as it is. `shards`: the state FSDP gathered."""
-    final = checkpoint_dir(ctx.run_dir, boundary.step)
+    final = checkpoint_dir(ctx.out.run_dir, boundary.step)
     if not is_checkpoint(final):  # else resumed from its last checkpoint: prune anyway (a kill may have come first)
         if final.exists():  # a dir of that name without a manifest (lost after the save): not deleted
             set_aside(final)
@@ -204,8 +207,8 @@ def save(ctx, boundary: Boundary, keep_last: Optional[int], shards: Optional[Sha
             if full and not (isinstance(e, OSError) and e.errno == errno.ENOSPC):
                 raise OSError(errno.ENOSPC, f"No space left on device ({e})") from e
             raise
-    for path, problem in prune(ctx.run_dir, keep_last, written=final)[1]:
-        ctx.console.print(f"[yellow]checkpoint {path.name} is damaged ({problem}); set aside, not counted in "
+    for path, problem in prune(ctx.out.run_dir, keep_last, written=final)[1]:
+        ctx.out.console.print(f"[yellow]checkpoint {path.name} is damaged ({problem}); set aside, not counted in "
                           "trainer.keep_last[/]", highlight=False)
     return final
 

@@ -197,12 +197,13 @@ def load_policy(policy, path: Path) -> None:
 
 
 def load(ctx, path: Path, manifest: Dict[str, object]) -> None:
-    """Restore everything but the weights (load_policy, before FSDP shards them) and the heads (the
-    caller adds those first, so that the optimizer has their parameter groups): optimizer,
-    scheduler, RNG, data position, runner state."""
+    """Restore into the run `ctx` (training.context.Context) everything but the weights (load_policy,
+    before FSDP shards them) and the heads (the caller adds those first, so that the optimizer has
+    their parameter groups): optimizer, scheduler, RNG, data position, runner state."""
     state = torch.load(path / STATE, map_location="cpu", weights_only=True)
+    model, run = ctx.model, ctx.run
     saved_by = manifest.get("optimizer_shards")
-    sharded = distributed.sharded_optimizer(ctx.optimizer)
+    sharded = distributed.sharded_optimizer(model.optimizer)
     if saved_by is not None or sharded:
         world = distributed.world_size()
         if saved_by != world or not sharded:
@@ -210,20 +211,21 @@ def load(ctx, path: Path, manifest: Dict[str, object]) -> None:
                               + (f"{saved_by} FSDP processes" if saved_by else "unsharded processes")
                               + f"; resume it with the same layout (this run: {world} "
                               + ("FSDP " if sharded else "") + "processes)")
-        distributed.load_optimizer_shard(ctx.optimizer, state["optimizer"][distributed.rank()])
+        distributed.load_optimizer_shard(model.optimizer, state["optimizer"][distributed.rank()])
     else:
-        ctx.optimizer.load_state_dict(state["optimizer"])
-    ctx.scheduler.load_state_dict(state["scheduler"])
-    if manifest["device"] == ctx.device.type:
-        set_rng_state(state["rng"], ctx.generator, ctx.device)
+        model.optimizer.load_state_dict(state["optimizer"])
+    model.scheduler.load_state_dict(state["scheduler"])
+    if manifest["device"] == model.device.type:
+        set_rng_state(state["rng"], run.generator, model.device)
     else:
-        ctx.console.print(f"[yellow]resuming on {ctx.device.type} from a {manifest['device']} checkpoint: its "
-                          "random streams do not carry over, so sampling will differ from an uninterrupted run[/]")
+        ctx.out.console.print(f"[yellow]resuming on {model.device.type} from a {manifest['device']} checkpoint: "
+                              "its random streams do not carry over, so sampling will differ from an uninterrupted "
+                              "run[/]")
         random.setstate(state["rng"]["python"])
         torch.set_rng_state(state["rng"]["torch"])
-    set_sampler_state(ctx.sampler, manifest["sampler"])
-    ctx.cache.update(state["cache"])
-    ctx.step, ctx.bad_steps = manifest["step"], manifest["bad_steps"]
+    set_sampler_state(ctx.data.sampler, manifest["sampler"])
+    run.cache.update(state["cache"])
+    run.step, run.bad_steps = manifest["step"], manifest["bad_steps"]
 
 
 def set_rng_state(state: Dict[str, object], generator: torch.Generator, device: torch.device) -> None:

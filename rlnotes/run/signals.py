@@ -30,7 +30,7 @@ class StopSignals:
     """SIGINT (Ctrl-C), SIGTERM and SIGHUP while training, and while the stop saves.
 
     A signal raises Interrupted at once when no optimizer update has run since the last
-    completed step (`ctx.updating` is off): that step's checkpoint is then exact, and the partial
+    completed step (`run.updating` is off): that step's checkpoint is then exact, and the partial
     step is simply redone on resume. During a step's updates (PPO's minibatches, GRPO's mu passes)
     the step is finished first and `check` stops after it; a second signal stops at once.
     With several processes every first signal waits for the end of the step, and `check` stops
@@ -45,8 +45,10 @@ class StopSignals:
     the main thread (Python delivers signals nowhere else).
     """
 
-    def __init__(self, ctx):
-        self.ctx, self.signum, self._previous = ctx, None, {}
+    def __init__(self, run, console):
+        """`run`: the run's training.context.Run, whose `updating` says whether a step is in its
+        updates; `console`: where the stop's messages go."""
+        self.run, self.console, self.signum, self._previous = run, console, None, {}
         self.stopping = False  # Interrupted was raised: the run is on its way out
         self.writing: Optional[str] = None  # what is being saved now
         self.warned = False  # the user was told that one more signal abandons the save
@@ -75,7 +77,7 @@ class StopSignals:
 
     def _say(self, text: str) -> None:
         try:
-            self.ctx.console.print(f"[yellow]{escape(text)}[/]", soft_wrap=True, highlight=False)
+            self.console.print(f"[yellow]{escape(text)}[/]", soft_wrap=True, highlight=False)
         except OSError:  # the terminal is gone (SIGHUP): the stop goes on without a word
             pass
 
@@ -91,7 +93,7 @@ class StopSignals:
                 self._say(f"{signal.Signals(signum).name}: saving {self.writing or 'a checkpoint'} before stopping; "
                           f"{again} to abandon it (the previous checkpoints are kept)")
             return
-        if first and (self.ctx.updating or distributed.active()):
+        if first and (self.run.updating or distributed.active()):
             self._say(f"{signal.Signals(signum).name}: stopping once this step is done ({again} to stop now, "
                       "without a checkpoint of this step)")
             return

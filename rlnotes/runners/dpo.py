@@ -15,7 +15,7 @@ With several processes each rank takes 1/N of the pairs; every mean is over the 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 
@@ -27,7 +27,7 @@ from rlnotes.engine.hardware import distributed
 from rlnotes.engine.sequences import Sequences, summed_logprobs
 from rlnotes.notes import DPO_LOSS_TYPES, dpo_implicit_rewards, dpo_loss
 from rlnotes.training.batching import micro_batches, row_totals
-from rlnotes.training.context import Context
+from rlnotes.training.context import Context, Model
 from rlnotes.training.offline import encode_pairs, pair_micro_batches
 from rlnotes.training.optimizer import optimizer_step
 from rlnotes.training.sampling import next_rows
@@ -48,14 +48,14 @@ class DPOConfig(AlgoConfig):
     precompute_ref: bool = False
 
 
-def ref_logprobs(ctx: Context, rows: List[Row], seqs: Sequences) -> torch.Tensor:
-    """[2n] summed reference log-probs of `encode_pairs(rows)`: from the table or a fresh pass."""
-    table = ctx.cache.get("ref")
+def ref_logprobs(model: Model, table: Optional[Dict[tuple, tuple]], rows: List[Row], seqs: Sequences) -> torch.Tensor:
+    """[2n] summed reference log-probs of `encode_pairs(rows)`: from the `table` (precompute_reference)
+    or, without one, a fresh pass of the model's reference."""
     if table is None:
-        logp = ctx.policy.ref_logprobs(seqs.input_ids, seqs.attention_mask, seqs.n_completion)
+        logp = model.policy.ref_logprobs(seqs.input_ids, seqs.attention_mask, seqs.n_completion)
         return summed_logprobs(logp, seqs)
     keys = [_key(r) for r in rows]
-    return torch.tensor([table[k][0] for k in keys] + [table[k][1] for k in keys], device=ctx.device)
+    return torch.tensor([table[k][0] for k in keys] + [table[k][1] for k in keys], device=model.device)
 
 
 def _key(row: Row) -> tuple:
@@ -63,68 +63,70 @@ def _key(row: Row) -> tuple:
     return repr(row["prompt"]), row["chosen"], row["rejected"]
 
 
-def precompute_reference(ctx: Context) -> None:
+def precompute_reference(model: Model, train_rows: List[Row], chunk_size: int) -> Dict[tuple, tuple]:
     """Reference log-probs of every distinct train pair, made once: the reference never changes,
     so this replaces the per-step no-grad pass over 2B sequences by one pass over the train set
     (a win once training sees pairs more than once; it costs memory of two floats per pair).
     With several processes each rank scores 1/N of the pairs (parts made equal by repeating a few
     pairs, so that FSDP's lock-step passes line up) and every rank gets the whole table."""
-    unique = list({_key(r): r for r in ctx.sampler.rows}.values())
+    unique = list({_key(r): r for r in train_rows}.values())
     padded = [unique[i % len(unique)] for i in range(len(unique) + (-len(unique)) % distributed.world_size())]
     table: Dict[tuple, tuple] = {}
-    size = ctx.cfg.trainer.micro_batch_size or ctx.cfg.trainer.batch_size
     mine = distributed.shard(padded)
-    for idx in micro_batches(len(mine), size):
+    for idx in micro_batches(len(mine), chunk_size):
         chunk = [mine[i] for i in idx]
-        seqs = encode_pairs(ctx, chunk)
-        ref = ref_logprobs(ctx, chunk, seqs).tolist()
+        seqs = encode_pairs(model, chunk)
+        ref = ref_logprobs(model, None, chunk, seqs).tolist()
         for i, r in enumerate(chunk):
             table[_key(r)] = (ref[i], ref[len(chunk) + i])
-    ctx.cache["ref"] = {k: v for part in distributed.gather(table) for k, v in part.items()}
+    return {k: v for part in distributed.gather(table) for k, v in part.items()}
 
 
 @torch.no_grad()
 def evaluate(ctx: Context) -> Dict[str, float]:
     """Held-out implicit-reward margin and pairwise accuracy on the first eval.size pairs (all: null)."""
-    rows = ctx.eval_rows[:ctx.cfg.eval.size]
-    ctx.policy.eval()
+    cfg, model = ctx.cfg, ctx.model
+    rows = ctx.data.eval_rows[:cfg.eval.size]
+    model.policy.eval()
     margins = []
-    refs = ctx.cache.setdefault("eval_ref", {})  # the reference never changes: one pass per eval chunk
-    for i, idx in enumerate(micro_batches(len(rows), ctx.cfg.trainer.micro_batch_size or ctx.cfg.trainer.batch_size)):
+    refs = ctx.run.cache.setdefault("eval_ref", {})  # the reference never changes: one pass per eval chunk
+    for i, idx in enumerate(micro_batches(len(rows), cfg.trainer.micro_batch_size or cfg.trainer.batch_size)):
         chunk = [rows[j] for j in idx]
-        seqs = encode_pairs(ctx, chunk)
+        seqs = encode_pairs(model, chunk)
         if i not in refs:
-            refs[i] = summed_logprobs(ctx.policy.ref_logprobs(seqs.input_ids, seqs.attention_mask,
-                                                              seqs.n_completion), seqs)
+            refs[i] = summed_logprobs(model.policy.ref_logprobs(seqs.input_ids, seqs.attention_mask,
+                                                                seqs.n_completion), seqs)
         ref = refs[i]
-        logp = summed_logprobs(ctx.policy.logprobs(seqs.input_ids, seqs.attention_mask, seqs.n_completion), seqs)
-        r = dpo_implicit_rewards(logp, ref, ctx.cfg.algo.beta)
+        logp = summed_logprobs(model.policy.logprobs(seqs.input_ids, seqs.attention_mask, seqs.n_completion), seqs)
+        r = dpo_implicit_rewards(logp, ref, cfg.algo.beta)
         margins.append(r[:len(chunk)] - r[len(chunk):])
     margin = torch.cat(margins)
     return {"eval/dpo_margin": float(margin.mean()), "eval/dpo_accuracy": float((margin > 0).float().mean())}
 
 
 def train_step(ctx: Context) -> Dict[str, float]:
-    algo, policy = ctx.cfg.algo, ctx.policy
+    cfg, algo, model, run = ctx.cfg, ctx.cfg.algo, ctx.model, ctx.run
+    policy = model.policy
     metrics: Dict[str, float] = {}
-    if algo.precompute_ref and "ref" not in ctx.cache:
-        with ctx.timed("reference"):
-            precompute_reference(ctx)
+    if algo.precompute_ref and "ref" not in run.cache:
+        with run.timed("reference"):
+            run.cache["ref"] = precompute_reference(model, ctx.data.sampler.rows,
+                                                    cfg.trainer.micro_batch_size or cfg.trainer.batch_size)
 
-    rows = next_rows(ctx)
+    rows = next_rows(ctx.data.sampler)
     totals = row_totals(len(rows))  # the global batch's pairs
     sums = {"loss": 0.0, "dpo/chosen_reward": 0.0, "dpo/rejected_reward": 0.0, "dpo/margin": 0.0,
             "dpo/accuracy": 0.0}
     tokens = 0.0
-    for idx, seqs in pair_micro_batches(ctx, rows):
+    for idx, seqs in pair_micro_batches(model, rows):
         chunk, share = [rows[i] for i in idx], len(idx) / totals.rows  # the chunk's share of the global batch
         n = len(chunk)
         # 1. Reference log-probs (no grad).
-        with ctx.timed("reference"):
-            ref = ref_logprobs(ctx, chunk, seqs)
+        with run.timed("reference"):
+            ref = ref_logprobs(model, run.cache.get("ref"), chunk, seqs)
         # 2. Policy log-probs of chosen and rejected in one pass.
         policy.train()
-        with ctx.timed("policy"):
+        with run.timed("policy"):
             logp = summed_logprobs(policy.logprobs(seqs.input_ids, seqs.attention_mask, seqs.n_completion), seqs)
             # 3. The DPO loss, its share of the batch mean.
             out = dpo_loss(logp[:n], logp[n:], ref[:n], ref[n:], beta=algo.beta, loss_type=algo.loss_type,
@@ -139,7 +141,7 @@ def train_step(ctx: Context) -> Dict[str, float]:
             sums[key] += float(value) * share
         tokens += seqs.tokens()
     metrics.update(distributed.sum_shares(sums), **{"perf/tokens": tokens})  # tokens: summed by the train loop
-    metrics.update(optimizer_step(ctx))
+    metrics.update(optimizer_step(model, run, ctx.out.console))
     return metrics
 
 

@@ -41,14 +41,7 @@ from rlnotes.notes import (
 from rlnotes.training.batching import batch_totals, micro_batch_weight, rollout_micro_batches
 from rlnotes.training.context import Context
 from rlnotes.training.optimizer import optimizer_step
-from rlnotes.training.sampling import (
-    eval_metrics,
-    next_rows,
-    reference_logprobs,
-    rollout_metrics,
-    sample_and_score,
-    tis_weights,
-)
+from rlnotes.training.sampling import next_rows, reference_logprobs, rollout_metrics, sample_and_score, tis_weights
 
 
 @dataclass
@@ -96,7 +89,9 @@ def sample_informative(ctx: Context, group_size: int,
     The groups kept are those one process would keep, so a rank may end up with few or none."""
     want, kept, kept_rewards, metrics, have = ctx.cfg.trainer.batch_size, [], [], {}, 0
     for round_ in range(max_rounds + 1):
-        rollout, rewards, round_metrics = sample_and_score(ctx, next_rows(ctx), group_size, round_)
+        rows = next_rows(ctx.data.sampler)
+        rollout, rewards, round_metrics = sample_and_score(ctx.rollouts, ctx.model, ctx.data, ctx.run, rows,
+                                                           group_size, round_)
         if not metrics:
             metrics = {**round_metrics, **rollout_metrics(rollout, rewards, group_size)}
         else:
@@ -115,43 +110,43 @@ def sample_informative(ctx: Context, group_size: int,
         return rollout, rewards, metrics
     if not kept:  # other ranks hold every group kept
         return rollout.select(torch.arange(0)), rewards[:0], metrics
-    return concat_rollouts(kept, ctx.policy.tokenizer.pad_token_id), torch.cat(kept_rewards), metrics
+    return concat_rollouts(kept, ctx.model.policy.tokenizer.pad_token_id), torch.cat(kept_rewards), metrics
 
 
 def train_step(ctx: Context) -> Dict[str, float]:
-    cfg, algo, policy = ctx.cfg, ctx.cfg.algo, ctx.policy
-    temperature = cfg.rollout.temperature
+    cfg, algo, model, run = ctx.cfg, ctx.cfg.algo, ctx.model, ctx.run
+    policy, temperature, tis_cap = model.policy, ctx.rollouts.sampling.temperature, ctx.rollouts.tis_cap
 
     # 1-2. Sample G completions per prompt and score them (DAPO: only groups with a signal).
     if algo.dynamic_sampling:
         rollout, rewards, metrics = sample_informative(ctx, algo.group_size, algo.max_resample_rounds)
     else:
-        rows = next_rows(ctx)
-        rollout, rewards, metrics = sample_and_score(ctx, rows, algo.group_size)
+        rows = next_rows(ctx.data.sampler)
+        rollout, rewards, metrics = sample_and_score(ctx.rollouts, model, ctx.data, run, rows, algo.group_size)
         metrics.update(rollout_metrics(rollout, rewards, algo.group_size))
 
     # 3. Group-normalised advantage, one per completion (none on a rank dynamic sampling left empty).
     advantages = group_advantages(rewards, algo.group_size, scale_by_std=algo.scale_by_std) if len(rewards) else rewards
 
     # 4. Reference log-probs of the sampled tokens (no gradients: passes as large as the budget allows).
-    chunks = rollout_micro_batches(ctx, rollout)
+    chunks = rollout_micro_batches(model, rollout)
     batches = [rollout.select(idx) for idx in chunks]
     ref = [None] * len(chunks)
     if algo.beta > 0:
-        ref_all = reference_logprobs(ctx, rollout)
+        ref_all = reference_logprobs(model, run, rollout, temperature)
         ref = [ref_all[idx, :b.completion_ids.shape[1]] for idx, b in zip(chunks, batches)]
 
     # 5. mu policy updates on this batch; one optimizer step per pass.
     policy.train()
     totals = batch_totals(rollout.completion_mask)  # the global batch's tokens and sequences
     sums: Dict[str, float] = {"loss": 0.0, "kl/ref": 0.0, "policy/clip_frac": 0.0}
-    with ctx.timed("policy"):
+    with run.timed("policy"):
         for epoch in range(algo.epochs):
             for idx, b, ref_logp in zip(chunks, batches, ref):
                 logp = policy.logprobs(b.input_ids, b.attention_mask, b.completion_ids.shape[1], temperature)
                 old = logp.detach() if algo.epochs == 1 else b.logprobs
                 mask, adv = b.completion_mask, advantages[idx]
-                tis = tis_weights(ctx, b)  # rollout.tis_cap: tokens vLLM sampled weigh min(pi_old / pi_vllm, C)
+                tis = tis_weights(tis_cap, b)  # rollout.tis_cap: tokens vLLM sampled weigh min(pi_old / pi_vllm, C)
                 if tis is not None:
                     adv = adv[:, None] * tis
                 out = grpo_loss(logp, old, ref_logp, adv, mask, clip_eps=algo.clip_eps, beta=algo.beta,
@@ -165,7 +160,7 @@ def train_step(ctx: Context) -> Dict[str, float]:
                     sums["policy/clip_frac"] += float(out.clip_frac) * share
                     if ref_logp is not None:
                         sums["kl/ref"] += float(out.kl) * share
-            metrics.update(optimizer_step(ctx))
+            metrics.update(optimizer_step(model, run, ctx.out.console))
     sums = distributed.sum_shares(sums)
     if algo.beta == 0:
         sums["kl/ref"] = float("nan")  # no reference pass was made
@@ -196,7 +191,7 @@ def shape(cfg) -> Shape:
 
 
 ALGORITHM = Algorithm(name="grpo", schema=GRPOConfig, train_step=train_step, samples=True, default_task="letters",
-                      shape=shape, check=check, evaluate=eval_metrics, objective="eval/accuracy",
+                      shape=shape, check=check, objective="eval/accuracy",
                       train_objective="reward/mean", group_relative=lambda algo: True,
                       choices={"algo.aggregation": AGGREGATIONS, "algo.kl_estimator": KL_ESTIMATORS},
                       ranges={"algo.group_size": ">= 1", "algo.beta": ">= 0", "algo.clip_eps": "(0, 1)",

@@ -45,10 +45,9 @@ from rlnotes.notes import (
 )
 from rlnotes.notes.ppo import PPOLoss
 from rlnotes.training.batching import batch_totals, micro_batch_weight, rollout_micro_batches
-from rlnotes.training.context import Context, add_head
+from rlnotes.training.context import Context, Model
 from rlnotes.training.optimizer import optimizer_step
 from rlnotes.training.sampling import (
-    eval_metrics,
     next_rows,
     penalized_token_rewards,
     rollout_metrics,
@@ -126,38 +125,40 @@ def add_shares(sums: Dict[str, float], out: PPOLoss, weight: float, share: float
         sums[key] += float(value) * part
 
 
-def minibatch_loss(ctx: Context, b, adv, returns, old_values) -> PPOLoss:
-    """PPO's loss on the rollout rows `b` (trimmed to width w), with its parts for the log."""
-    cfg, algo = ctx.cfg, ctx.cfg.algo
+def minibatch_loss(model: Model, algo, b, adv, returns, old_values, temperature: float,
+                   tis_cap: Optional[float], max_len: int) -> PPOLoss:
+    """PPO's loss (the `algo` section's) on the rollout rows `b` (trimmed to width w), with its parts
+    for the log: one pass of the policy and its value head."""
     w = b.completion_ids.shape[1]
-    logp, v, entropy = logprobs_and_values(ctx.policy, ctx.heads["value_head"], b.input_ids, b.attention_mask, w,
-                                           cfg.rollout.temperature, entropy=algo.entropy_coef > 0)
-    tis = tis_weights(ctx, b)  # rollout.tis_cap: tokens vLLM sampled weigh min(pi_old / pi_vllm, C)
+    logp, v, entropy = logprobs_and_values(model.policy, model.heads["value_head"], b.input_ids, b.attention_mask,
+                                           w, temperature, entropy=algo.entropy_coef > 0)
+    tis = tis_weights(tis_cap, b)  # rollout.tis_cap: tokens vLLM sampled weigh min(pi_old / pi_vllm, C)
     return ppo_loss(logp, b.logprobs, adv if tis is None else adv * tis, v, old_values, returns, b.completion_mask,
                     clip_eps=algo.clip_eps, value_clip_eps=algo.value_clip_eps, vf_coef=algo.vf_coef,
-                    entropy=entropy, entropy_coef=algo.entropy_coef, aggregation=algo.aggregation,
-                    max_len=model_token_limit(cfg.rollout))
+                    entropy=entropy, entropy_coef=algo.entropy_coef, aggregation=algo.aggregation, max_len=max_len)
 
 
 def train_step(ctx: Context) -> Dict[str, float]:
-    cfg, algo, policy = ctx.cfg, ctx.cfg.algo, ctx.policy
-    if "value_head" not in ctx.heads:
-        add_head(ctx, "value_head", value_head(policy.model.config.hidden_size, ctx.device))
-    head = ctx.heads["value_head"]
+    cfg, algo, model, run = ctx.cfg, ctx.cfg.algo, ctx.model, ctx.run
+    policy, temperature, max_len = model.policy, ctx.rollouts.sampling.temperature, model_token_limit(cfg.rollout)
+    if "value_head" not in model.heads:
+        model.add_head("value_head", value_head(policy.model.config.hidden_size, model.device), run.step)
+    head = model.heads["value_head"]
 
     # 1. Sample G completions per prompt and score them.
-    rows = next_rows(ctx)
-    rollout, rewards, metrics = sample_and_score(ctx, rows, algo.group_size)
+    rows = next_rows(ctx.data.sampler)
+    rollout, rewards, metrics = sample_and_score(ctx.rollouts, model, ctx.data, run, rows, algo.group_size)
     metrics.update(rollout_metrics(rollout, rewards, algo.group_size))
     mask, n = rollout.completion_mask, rollout.completion_ids.shape[1]
     input_ids, attention_mask = rollout.input_ids, rollout.attention_mask
-    chunks = rollout_micro_batches(ctx, rollout, grad=False)  # the value pass
+    chunks = rollout_micro_batches(model, rollout, grad=False)  # the value pass
 
     # 2. The batch's fixed quantities: log pi_ref and V_old, one no-grad pass each.
     policy.eval()
     # 3. Per-token rewards: the outcome at the end, the KL penalty on every token.
-    token_rewards, metrics["kl/ref"] = penalized_token_rewards(ctx, rollout, rewards, algo.beta, algo.kl_estimator)
-    with ctx.timed("values"), torch.no_grad():
+    token_rewards, metrics["kl/ref"] = penalized_token_rewards(model, run, rollout, rewards, algo.beta,
+                                                               algo.kl_estimator, temperature)
+    with run.timed("values"), torch.no_grad():
         old_values = torch.cat([values(policy, head, input_ids[i], attention_mask[i], n) for i in chunks])
 
     # 4. Generalized advantage estimation.
@@ -170,27 +171,28 @@ def train_step(ctx: Context) -> Dict[str, float]:
     policy.train()
     sums = {"loss": 0.0, "value/loss": 0.0, "policy/clip_frac": 0.0, "policy/approx_kl": 0.0}
     updates, n_global = 0, batch_totals(mask).rows
-    with ctx.timed("policy"):
+    with run.timed("policy"):
         for _ in range(algo.epochs):
-            epoch_kl, order = 0.0, torch.randperm(len(rollout), generator=ctx.generator, device=ctx.device)
+            epoch_kl, order = 0.0, torch.randperm(len(rollout), generator=run.generator, device=model.device)
             for mb in order.split(algo.minibatch_size // distributed.world_size()):
                 totals = batch_totals(mask[mb])  # the minibatch's tokens and sequences on every rank
-                for part in rollout_micro_batches(ctx, rollout, mb):
+                for part in rollout_micro_batches(model, rollout, mb):
                     idx = mb[part]
                     b = rollout.select(idx)
                     w = b.completion_ids.shape[1]
-                    out = minibatch_loss(ctx, b, adv[idx, :w], returns[idx, :w], old_values[idx, :w])
-                    weight = micro_batch_weight(algo.aggregation, b.completion_mask, totals, model_token_limit(cfg.rollout))
+                    out = minibatch_loss(model, algo, b, adv[idx, :w], returns[idx, :w], old_values[idx, :w],
+                                         temperature, ctx.rollouts.tis_cap, max_len)
+                    weight = micro_batch_weight(algo.aggregation, b.completion_mask, totals, max_len)
                     (out.loss * weight).backward()
                     share = float(b.completion_mask.sum()) / max(totals.tokens, 1.0)  # of the minibatch's tokens
                     add_shares(sums, out, weight, share)
                     epoch_kl += float(out.approx_kl) * share * totals.rows / n_global
-                metrics.update(optimizer_step(ctx))
+                metrics.update(optimizer_step(model, run, ctx.out.console))
                 updates += 1
-                if ctx.step >= cfg.trainer.steps:
+                if run.step >= cfg.trainer.steps:
                     break
             epoch_kl = distributed.sum_over_ranks([epoch_kl])[0]  # every rank stops after the same epoch
-            if ctx.step >= cfg.trainer.steps or (algo.target_kl is not None and epoch_kl > algo.target_kl):
+            if run.step >= cfg.trainer.steps or (algo.target_kl is not None and epoch_kl > algo.target_kl):
                 break
     metrics.update({key: value / updates for key, value in distributed.sum_shares(sums).items()})
     metrics["policy/updates"] = float(updates)
@@ -216,7 +218,7 @@ def shape(cfg) -> Shape:
 
 
 ALGORITHM = Algorithm(name="ppo", schema=PPOConfig, train_step=train_step, samples=True, default_task="letters",
-                      shape=shape, check=check, evaluate=eval_metrics, objective="eval/accuracy",
+                      shape=shape, check=check, objective="eval/accuracy",
                       train_objective="reward/mean",
                       choices={"algo.aggregation": AGGREGATIONS, "algo.kl_estimator": KL_ESTIMATORS},
                       ranges={"algo.group_size": ">= 1", "algo.beta": ">= 0", "algo.gamma": "[0, 1]",

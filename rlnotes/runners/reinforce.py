@@ -36,10 +36,9 @@ from rlnotes.notes import (
 )
 from rlnotes.notes.reinforce import leave_one_out_baseline
 from rlnotes.training.batching import batch_totals, micro_batch_weight, rollout_micro_batches
-from rlnotes.training.context import Context, add_head
+from rlnotes.training.context import Context
 from rlnotes.training.optimizer import optimizer_step
 from rlnotes.training.sampling import (
-    eval_metrics,
     next_rows,
     penalized_token_rewards,
     rollout_metrics,
@@ -87,35 +86,38 @@ def mean_baseline(state: dict, returns: torch.Tensor, momentum: float) -> torch.
     return torch.full_like(returns, b)
 
 
-# algo.baseline -> b per completion [N] from the returns G_0 [N]; "value" subtracts V(s_t) per
-# token on top of a zero here, from the same forward pass as the log-probs.
+# algo.baseline -> b per completion [N] from the algo section, the runner's state kept across steps
+# and the returns G_0 [N]; "value" subtracts V(s_t) per token on top of a zero here, from the same
+# forward pass as the log-probs.
 BASELINES = {
-    "none": lambda ctx, g0: torch.zeros_like(g0),
-    "mean": lambda ctx, g0: mean_baseline(ctx.cache, g0, ctx.cfg.algo.baseline_momentum),
-    "group": lambda ctx, g0: leave_one_out_baseline(g0, ctx.cfg.algo.group_size),
-    "value": lambda ctx, g0: torch.zeros_like(g0),
+    "none": lambda algo, state, g0: torch.zeros_like(g0),
+    "mean": lambda algo, state, g0: mean_baseline(state, g0, algo.baseline_momentum),
+    "group": lambda algo, state, g0: leave_one_out_baseline(g0, algo.group_size),
+    "value": lambda algo, state, g0: torch.zeros_like(g0),
 }
 
 
 def train_step(ctx: Context) -> Dict[str, float]:
-    cfg, algo, policy = ctx.cfg, ctx.cfg.algo, ctx.policy
-    temperature, use_value = cfg.rollout.temperature, algo.baseline == "value"
-    if use_value and "value_head" not in ctx.heads:
-        add_head(ctx, "value_head", value_head(policy.model.config.hidden_size, ctx.device))
+    algo, model, run = ctx.cfg.algo, ctx.model, ctx.run
+    policy, temperature, tis_cap = model.policy, ctx.rollouts.sampling.temperature, ctx.rollouts.tis_cap
+    use_value = algo.baseline == "value"
+    if use_value and "value_head" not in model.heads:
+        model.add_head("value_head", value_head(policy.model.config.hidden_size, model.device), run.step)
 
     # 1. Sample G completions per prompt and score them.
-    rows = next_rows(ctx)
-    rollout, rewards, metrics = sample_and_score(ctx, rows, algo.group_size)
+    rows = next_rows(ctx.data.sampler)
+    rollout, rewards, metrics = sample_and_score(ctx.rollouts, model, ctx.data, run, rows, algo.group_size)
     metrics.update(rollout_metrics(rollout, rewards, algo.group_size))
     mask = rollout.completion_mask
-    chunks = rollout_micro_batches(ctx, rollout)
+    chunks = rollout_micro_batches(model, rollout)
 
     # 2. Per-token rewards; the KL uses the sampled log-probs (pi itself: one step per batch).
-    token_rewards, metrics["kl/ref"] = penalized_token_rewards(ctx, rollout, rewards, algo.beta, algo.kl_estimator)
+    token_rewards, metrics["kl/ref"] = penalized_token_rewards(model, run, rollout, rewards, algo.beta,
+                                                               algo.kl_estimator, temperature)
 
     # 3-4. Returns-to-go and the baseline of each completion.
     returns = returns_to_go(token_rewards, mask, algo.gamma)
-    baseline = BASELINES[algo.baseline](ctx, returns[:, 0])
+    baseline = BASELINES[algo.baseline](algo, run.cache, returns[:, 0])
     if not use_value:
         metrics["reward/baseline"] = distributed.mean_over_ranks(float(baseline.mean()))
 
@@ -123,19 +125,19 @@ def train_step(ctx: Context) -> Dict[str, float]:
     policy.train()
     totals = batch_totals(mask)  # the global batch's tokens and sequences
     sums = {"loss": 0.0, "value/loss": 0.0, "value/explained_variance": 0.0}
-    with ctx.timed("policy"):
+    with run.timed("policy"):
         for idx in chunks:
             b = rollout.select(idx)
             w, m = b.completion_ids.shape[1], b.completion_mask
             g = returns[idx, :w]
             adv = g - baseline[idx, None]
             if use_value:
-                logp, v, _ = logprobs_and_values(policy, ctx.heads["value_head"], b.input_ids, b.attention_mask, w,
-                                                 temperature)
+                logp, v, _ = logprobs_and_values(policy, model.heads["value_head"], b.input_ids, b.attention_mask,
+                                                 w, temperature)
                 adv = adv - v.detach()
             else:
                 logp = policy.logprobs(b.input_ids, b.attention_mask, w, temperature)
-            tis = tis_weights(ctx, b)  # rollout.tis_cap: tokens vLLM sampled weigh min(pi / pi_vllm, C)
+            tis = tis_weights(tis_cap, b)  # rollout.tis_cap: tokens vLLM sampled weigh min(pi / pi_vllm, C)
             loss = policy_gradient_loss(logp, adv if tis is None else adv * tis, m, algo.aggregation)
             if use_value:
                 v_loss = aggregate(value_loss(v, None, g), m, algo.aggregation)
@@ -147,7 +149,7 @@ def train_step(ctx: Context) -> Dict[str, float]:
                 share = len(idx) / totals.rows
                 sums["value/loss"] += float(v_loss.detach()) * weight
                 sums["value/explained_variance"] += float(explained_variance(v.detach(), g, m)) * share
-        metrics.update(optimizer_step(ctx))
+        metrics.update(optimizer_step(model, run, ctx.out.console))
     if not use_value:
         del sums["value/loss"], sums["value/explained_variance"]
     metrics.update(distributed.sum_shares(sums))
@@ -167,8 +169,8 @@ def shape(cfg) -> Shape:
 
 
 ALGORITHM = Algorithm(name="reinforce", schema=ReinforceConfig, train_step=train_step, samples=True,
-                      default_task="letters", shape=shape, check=check, evaluate=eval_metrics,
-                      objective="eval/accuracy", train_objective="reward/mean",
+                      default_task="letters", shape=shape, check=check, objective="eval/accuracy",
+                      train_objective="reward/mean",
                       group_relative=lambda algo: algo.baseline == "group",
                       choices={"algo.aggregation": AGGREGATIONS, "algo.kl_estimator": KL_ESTIMATORS,
                                "algo.baseline": REINFORCE_BASELINES},

@@ -25,7 +25,7 @@ from rlnotes.engine.sequences import Sequences
 from rlnotes.notes import bradley_terry_loss
 from rlnotes.rewards.model import HEAD, make_head, sequence_rewards
 from rlnotes.training.batching import micro_batches, row_totals
-from rlnotes.training.context import Context, add_head
+from rlnotes.training.context import Context, Model
 from rlnotes.training.offline import encode_pairs, pair_micro_batches
 from rlnotes.training.optimizer import optimizer_step
 from rlnotes.training.sampling import next_rows
@@ -36,47 +36,50 @@ class RMConfig(AlgoConfig):
     name: str = "rm"
 
 
-def reward_head(ctx: Context) -> torch.nn.Module:
-    """The scalar head, made when first needed (the first evaluation or step); trained and saved
-    with the adapter."""
-    if HEAD not in ctx.heads:
-        add_head(ctx, HEAD, make_head(ctx.policy.model).to(ctx.device))
-    return ctx.heads[HEAD]
+def reward_head(model: Model, step: int) -> torch.nn.Module:
+    """The scalar head, made when first needed (the first evaluation or step, the run's `step`);
+    trained and saved with the adapter."""
+    if HEAD not in model.heads:
+        model.add_head(HEAD, make_head(model.policy.model).to(model.device), step)
+    return model.heads[HEAD]
 
 
-def pair_rewards(ctx: Context, rows, seqs: Optional[Sequences] = None) -> tuple[torch.Tensor, torch.Tensor, float]:
+def pair_rewards(model: Model, step: int, rows,
+                 seqs: Optional[Sequences] = None) -> tuple[torch.Tensor, torch.Tensor, float]:
     """(r chosen [n], r rejected [n], tokens) of the pairs `rows` (encoded as `seqs`, if given)."""
-    seqs = encode_pairs(ctx, rows) if seqs is None else seqs
-    r = sequence_rewards(ctx.policy.model, reward_head(ctx), seqs)
+    seqs = encode_pairs(model, rows) if seqs is None else seqs
+    r = sequence_rewards(model.policy.model, reward_head(model, step), seqs)
     return r[:len(rows)], r[len(rows):], seqs.tokens()
 
 
 @torch.no_grad()
 def evaluate(ctx: Context) -> Dict[str, float]:
     """Held-out pairwise accuracy and mean margin on the first eval.size pairs (all: null)."""
-    ctx.policy.eval()
-    rows = ctx.eval_rows[:ctx.cfg.eval.size]
+    cfg, model = ctx.cfg, ctx.model
+    model.policy.eval()
+    rows = ctx.data.eval_rows[:cfg.eval.size]
     margins = []
-    for idx in micro_batches(len(rows), ctx.cfg.trainer.micro_batch_size or ctx.cfg.trainer.batch_size):
-        chosen, rejected, _ = pair_rewards(ctx, [rows[i] for i in idx])
+    for idx in micro_batches(len(rows), cfg.trainer.micro_batch_size or cfg.trainer.batch_size):
+        chosen, rejected, _ = pair_rewards(model, ctx.run.step, [rows[i] for i in idx])
         margins.append(chosen - rejected)
     margin = torch.cat(margins)
     return {"eval/rm_accuracy": float((margin > 0).float().mean()), "eval/rm_margin": float(margin.mean())}
 
 
 def train_step(ctx: Context) -> Dict[str, float]:
+    model, run = ctx.model, ctx.run
     metrics: Dict[str, float] = {}
 
-    rows = next_rows(ctx)
+    rows = next_rows(ctx.data.sampler)
     totals = row_totals(len(rows))  # the global batch's pairs
-    ctx.policy.train()
+    model.policy.train()
     sums = {"loss": 0.0, "rm/accuracy": 0.0, "rm/margin": 0.0, "rm/chosen_reward": 0.0}
     tokens = 0.0
-    with ctx.timed("policy"):
-        for idx, seqs in pair_micro_batches(ctx, rows):
+    with run.timed("policy"):
+        for idx, seqs in pair_micro_batches(model, rows):
             share = len(idx) / totals.rows  # the chunk's share of the global batch
             # 1. Rewards of chosen and rejected completions in one pass.
-            chosen, rejected, chunk_tokens = pair_rewards(ctx, [rows[i] for i in idx], seqs)
+            chosen, rejected, chunk_tokens = pair_rewards(model, run.step, [rows[i] for i in idx], seqs)
             # 2. Bradley-Terry loss, this micro-batch's share of the batch mean.
             loss = bradley_terry_loss(chosen, rejected).mean()
             (loss * share).backward()
@@ -87,7 +90,7 @@ def train_step(ctx: Context) -> Dict[str, float]:
                 sums[key] += float(value) * share
             tokens += chunk_tokens
     metrics.update(distributed.sum_shares(sums), **{"perf/tokens": tokens})  # tokens: summed by the train loop
-    metrics.update(optimizer_step(ctx))
+    metrics.update(optimizer_step(model, run, ctx.out.console))
     return metrics
 
 

@@ -38,20 +38,22 @@ class SFTConfig(AlgoConfig):
 @torch.no_grad()
 def evaluate(ctx: Context) -> Dict[str, float]:
     """Held-out loss on the first eval.size rows (all: null) (one batch, exact for either aggregation)."""
-    ctx.policy.eval()
-    loss = float(nll(ctx, encode_rows(ctx, ctx.eval_rows[:ctx.cfg.eval.size], "completion"), ctx.cfg.algo.aggregation))
+    cfg, model = ctx.cfg, ctx.model
+    model.policy.eval()
+    seqs = encode_rows(model, ctx.data.eval_rows[:cfg.eval.size], "completion")
+    loss = float(nll(model.policy, seqs, cfg.algo.aggregation))
     return {"eval/sft_loss": loss, "eval/sft_ppl": math.exp(min(loss, 50.0))}
 
 
 def train_step(ctx: Context) -> Dict[str, float]:
-    algo = ctx.cfg.algo
+    algo, model, run = ctx.cfg.algo, ctx.model, ctx.run
     metrics: Dict[str, float] = {}
 
-    seqs = encode_rows(ctx, next_rows(ctx), "completion")
+    seqs = encode_rows(model, next_rows(ctx.data.sampler), "completion")
     # 1-2. Completion-token NLL, micro-batch by micro-batch, each its share of the batch's loss.
-    loss_sum = nll_backward(ctx, seqs, algo.aggregation)
+    loss_sum = nll_backward(model, run, seqs, algo.aggregation)
     # 3. One optimizer step per batch.
-    metrics.update(optimizer_step(ctx))
+    metrics.update(optimizer_step(model, run, ctx.out.console))
     metrics.update({"loss": loss_sum, "sft/ppl": math.exp(min(loss_sum, 50.0)), "perf/tokens": seqs.tokens()})
     return metrics
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Callable, List, Optional
+from typing import TYPE_CHECKING, Callable, List, Optional
 
 import torch
 
@@ -18,6 +18,9 @@ from rlnotes.engine.hardware import distributed
 from rlnotes.engine.policy.passes import prompt_groups
 from rlnotes.engine.rollout import Rollout
 from rlnotes.notes import aggregation_divisor
+
+if TYPE_CHECKING:
+    from rlnotes.training.context import Model
 
 
 def micro_batches(n: int, size: int | None, budget: Optional[int] = None,
@@ -74,22 +77,22 @@ def activation_bytes(model) -> int:
 
 
 def token_budget(trainer, model, grad: bool = True) -> Optional[int]:
-    """The most tokens a pass may forward: trainer.micro_batch_tokens, else trainer.micro_batch_memory
-    GiB of activations at `activation_bytes` a token, else None (no limit). A pass without gradients
-    (`grad` false) holds one layer's activations at a time, so it may forward as many times more
-    tokens as the model has layers."""
+    """The most tokens a pass may forward: micro_batch_tokens, else micro_batch_memory GiB of
+    activations at `activation_bytes` a token, else None (no limit), of `trainer` (a Batching, or
+    the trainer section). A pass without gradients (`grad` false) holds one layer's activations at a
+    time, so it may forward as many times more tokens as the model has layers."""
     budget = trainer.micro_batch_tokens
     if budget is None and trainer.micro_batch_memory is not None:
         budget = max(1, int(trainer.micro_batch_memory * 2**30 / activation_bytes(model)))
     return budget if budget is None or grad else budget * model.config.num_hidden_layers
 
 
-def rollout_micro_batches(ctx, rollout: Rollout, rows: Optional[torch.Tensor] = None,
+def rollout_micro_batches(model: Model, rollout: Rollout, rows: Optional[torch.Tensor] = None,
                           grad: bool = True) -> List[torch.Tensor]:
-    """`micro_batches` of the rollout's rows under the run's settings (trainer.micro_batch_size, else
-    the token budget of a pass with or without gradients); of `rows` (indices into the rollout) when
-    given, the chunks indexing `rows`."""
-    trainer, policy = ctx.cfg.trainer, ctx.policy
+    """`micro_batches` of the rollout's rows for the passes of `model`'s policy, cut as its batching
+    says (micro_batch_size, else the token budget of a pass with or without gradients); of `rows`
+    (indices into the rollout) when given, the chunks indexing `rows`."""
+    trainer, policy = model.batching, model.policy
     n = len(rollout) if rows is None else len(rows)
     budget = None if trainer.micro_batch_size else token_budget(trainer, policy.model, grad)
     if budget is None:  # no token counts needed

@@ -18,21 +18,25 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import TYPE_CHECKING, Dict, List, Optional
 
 import torch
 from omegaconf import OmegaConf, open_dict
 
-from rlnotes.agents.conversation import Agents
-from rlnotes.agents.rollouts import run_episodes, score_episodes
+from rlnotes.agents.multi_turn import MultiTurn
 from rlnotes.data.datasets import load_checked
 from rlnotes.data.fitting import fit_and_split
 from rlnotes.data.settings import prompt_format
 from rlnotes.data.tasks import TASK_REWARDS
+from rlnotes.engine.hardware import distributed, fsdp
+from rlnotes.engine.prompts import PromptFormat
 from rlnotes.engine.rollout import Rollout
 from rlnotes.engine.sampling.generate import generate
 from rlnotes.engine.sampling.settings import SamplingSettings
 from rlnotes.run import files
+
+if TYPE_CHECKING:
+    from rlnotes.training.context import Data, Run
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -95,12 +99,13 @@ def evaluate(policy, cfg, rows: List[dict], scorer, step: int = 0) -> Evaluation
     policy.eval()
     samples: List[dict] = []
     lengths, truncated = [], []
-    agents = Agents.of(cfg.rollout)
+    multi_turn = MultiTurn.of(cfg.rollout)
+    sampling, fmt = SamplingSettings.of(cfg.rollout, greedy=e.greedy, max_new_tokens=max_new), prompt_format(cfg)
     with policy.sampling(cfg.rollout.merge_adapter, cfg.rollout.pack_weights) as model:
         for start in range(0, len(rows), e.batch_size):
             batch = rows[start:start + e.batch_size]
-            rollout, rewards, prompts = _sample_and_score(model, policy.tokenizer, cfg, agents, batch, n, max_new,
-                                                          generator, scorer)
+            rollout, rewards, prompts = _sample_and_score(model, policy.tokenizer, multi_turn, batch, n, sampling,
+                                                          fmt, generator, scorer)
             lengths += rollout.completion_mask.sum(-1).tolist()
             truncated += rollout.truncated.tolist()
             for i, (text, reward) in enumerate(zip(rollout.texts, rewards.tolist())):
@@ -132,16 +137,15 @@ def _sample(row: dict, completion: str, reward: float, prompt=None) -> dict:
     return sample
 
 
-def _sample_and_score(model, tokenizer, cfg, agents, batch: List[dict], n: int, max_new: int, generator,
+def _sample_and_score(model, tokenizer, multi_turn: Optional[MultiTurn], batch: List[dict], n: int,
+                      sampling: SamplingSettings, fmt: PromptFormat, generator,
                       scorer) -> tuple[Rollout, torch.Tensor, Optional[List[list]]]:
     """n completions (multi-turn: whole episodes, scored as in training) for each row of `batch`, their
     rewards, and (multi-turn) each episode's prompt as the model saw it (else None: the rows')."""
-    sampling = SamplingSettings.of(cfg.rollout, greedy=cfg.eval.greedy, max_new_tokens=max_new)
-    if agents is not None:
-        conversations, rollout = run_episodes(agents, model, tokenizer, batch, n, sampling, prompt_format(cfg),
-                                              generator)
-        return rollout, score_episodes(scorer, batch, conversations, rollout, n)[0], conversations.prompts()
-    ids = prompt_format(cfg).encode(tokenizer, [r["prompt"] for r in batch])
+    if multi_turn is not None:
+        conversations, rollout = multi_turn.run_episodes(model, tokenizer, batch, n, sampling, fmt, generator)
+        return rollout, conversations.score(scorer, batch, rollout)[0], conversations.prompts()
+    ids = fmt.encode(tokenizer, [r["prompt"] for r in batch])
     rollout = generate(model, tokenizer, ids, n, sampling, generator)
     return rollout, scorer.score_groups(batch, rollout.texts, rollout.token_lists(), n)[0], None
 
@@ -157,3 +161,15 @@ def write(evaluation: Evaluation, out_dir: Path, step: int, samples_name: Option
     files.write_text(samples, "".join(json.dumps(s, default=str) + "\n" for s in evaluation.samples))
     with files.append(out_dir / "eval.jsonl") as f:
         f.write(json.dumps({"step": step, **evaluation.metrics}) + "\n")
+
+
+def eval_metrics(cfg, policy, data: Data, run: Run, run_dir: Path) -> Dict[str, float]:
+    """A training run's evaluation of the current policy on data.eval_rows, scored by data.scorer
+    (trainer.eval_every); its samples go to run_dir/eval/step_N.jsonl."""
+    # Every rank evaluates the same rows (same numbers, same passes, nothing to wait for); rank 0 writes.
+    data.scorer.at_step(run.step, run.steps, data.sampler.epochs_drawn())
+    with fsdp.gathered(policy.model):
+        evaluation = evaluate(policy, cfg, data.eval_rows, data.scorer, run.step)
+    if distributed.is_main():
+        write(evaluation, run_dir, run.step)
+    return evaluation.metrics

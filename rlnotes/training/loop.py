@@ -17,8 +17,9 @@ from rlnotes.core.errors import SaveFailed
 from rlnotes.engine.hardware import distributed, fsdp
 from rlnotes.run import checkpoint, config_file, files, restore, rundir, signals, steplogs
 from rlnotes.run.logger import passed_multiple
-from rlnotes.training.context import Context, add_head, open_logger, setup
-from rlnotes.training.sampling import eval_metrics
+from rlnotes.training.context import Context
+from rlnotes.training.evaluation import eval_metrics
+from rlnotes.training.setup import open_logger, setup
 from rlnotes.training.warmup import warming_up, warmup_step
 
 
@@ -29,13 +30,14 @@ def eval_due(previous: int, step: int, every: Optional[int], total: int) -> bool
 
 
 def held_out(ctx: Context, algo: Algorithm) -> Dict[str, float]:
-    """The algorithm's held-out metrics and, with eval.generate, those of generated completions
-    (an algorithm that samples evaluates that way itself), timed as time/eval_s."""
+    """The algorithm's own held-out metrics, if it has an evaluation of its own, and those of
+    generated completions when the run's evaluations generate (an algorithm that samples: always;
+    another: eval.generate), timed as time/eval_s."""
     start = time.perf_counter()
-    with ctx.precision():
-        metrics = algo.evaluate(ctx)
-        if not algo.samples and ctx.scorer is not None:
-            metrics.update(eval_metrics(ctx))
+    with ctx.model.autocast():
+        metrics = algo.evaluate(ctx) if algo.evaluate is not None else {}
+        if ctx.data.scorer is not None:
+            metrics.update(eval_metrics(ctx.cfg, ctx.model.policy, ctx.data, ctx.run, ctx.out.run_dir))
     return {"time/eval_s": time.perf_counter() - start, **metrics}
 
 
@@ -62,42 +64,43 @@ def _train(cfg, algo: Algorithm, run_dir: Path, console: Console) -> Dict[str, f
     """
     resume_from = start_point(cfg, run_dir, console)
     ctx = setup(cfg, algo, run_dir, console, resume_from)
+    run, log = ctx.run, ctx.out
     if resume_from is not None:
-        restore.check_data(resume_from, ctx.sampler, ctx.rows_sha256)  # before the run dir changes
+        restore.check_data(resume_from, ctx.data.sampler, ctx.data.rows_sha256)  # before the run dir changes
     open_run(ctx, algo, resume_from)
     if resume_from is not None:
         resume(ctx, resume_from)
-    ctx.logger.begin(ctx.step)  # the progress bar, speed and schedules start here
-    boundary = checkpoint.capture(ctx)  # the state a stop goes back to: the end of the last logged step
-    stop = signals.StopSignals(ctx)
+    log.logger.begin(run.step)  # the progress bar, speed and schedules start here
+    boundary = capture(ctx)  # the state a stop goes back to: the end of the last logged step
+    stop = signals.StopSignals(run, console)
     last: Dict[str, float] = {}
     with stop:
         try:
-            if ctx.step == 0 and cfg.trainer.eval_every:
-                ctx.logger.log(0, held_out(ctx, algo))  # the starting point of every eval curve
-            while ctx.step < cfg.trainer.steps:
-                ctx.timers = {}
+            if run.step == 0 and cfg.trainer.eval_every:
+                log.logger.log(0, held_out(ctx, algo))  # the starting point of every eval curve
+            while run.step < cfg.trainer.steps:
+                run.timers = {}
                 start = time.perf_counter()
-                with ctx.precision():
-                    metrics = warmup_step(ctx) if warming_up(ctx) else algo.train_step(ctx)
-                metrics.update(ctx.timers, **{"time/step_s": time.perf_counter() - start})
+                with ctx.model.autocast():
+                    metrics = warmup_step(ctx) if warming_up(run, cfg.sft_warmup) else algo.train_step(ctx)
+                metrics.update(run.timers, **{"time/step_s": time.perf_counter() - start})
                 # Ranks wait for the slowest; their tokens add up (all else is already the batch's).
                 metrics = distributed.reduce_metrics(metrics, {**{k: "max" for k in metrics if k.startswith("time/")},
                                                                "perf/tokens": "sum"})
                 metrics["perf/tokens_per_s"] = metrics.pop("perf/tokens") / metrics["time/step_s"]
-                if eval_due(boundary.step, ctx.step, cfg.trainer.eval_every, cfg.trainer.steps):
+                if eval_due(boundary.step, run.step, cfg.trainer.eval_every, cfg.trainer.steps):
                     metrics.update(held_out(ctx, algo))  # after time/step_s: the step's time excludes it
-                ctx.logger.observe(ctx.step, metrics, ctx.samples)  # progress, warnings, samples table
-                if (ctx.step % cfg.trainer.log_every == 0 or ctx.step >= cfg.trainer.steps
+                log.logger.observe(run.step, metrics, run.samples)  # progress, warnings, samples table
+                if (run.step % cfg.trainer.log_every == 0 or run.step >= cfg.trainer.steps
                         or any(key.startswith("eval/") for key in metrics)):
-                    ctx.logger.log(ctx.step, metrics)
+                    log.logger.log(run.step, metrics)
                 last = metrics
-                previous, boundary, ctx.updating = boundary.step, checkpoint.capture(ctx), False
-                if passed_multiple(previous, ctx.step, cfg.trainer.save_every):
-                    with stop.saving(f"the checkpoint of step {ctx.step}"):
+                previous, boundary, run.updating = boundary.step, capture(ctx), False
+                if passed_multiple(previous, run.step, cfg.trainer.save_every):
+                    with stop.saving(f"the checkpoint of step {run.step}"):
                         save_checkpoint(ctx, boundary)
                 stop.check()
-            with stop.saving(f"the checkpoint of step {ctx.step}"):
+            with stop.saving(f"the checkpoint of step {run.step}"):
                 save_checkpoint(ctx, boundary)
         except KeyboardInterrupt:
             stopped(ctx, boundary, stop)
@@ -106,10 +109,10 @@ def _train(cfg, algo: Algorithm, run_dir: Path, console: Console) -> Dict[str, f
             rescue(ctx, boundary, error)
             raise
         except BaseException:
-            ctx.logger.close()
+            log.logger.close()
             raise
     out = finish(ctx)
-    ctx.logger.summary(out)
+    log.logger.summary(out)
     return last
 
 
@@ -145,7 +148,7 @@ def open_run(ctx: Context, algo: Algorithm, resume_from: Optional[Path]) -> None
     its config.yaml written and its metrics log opened. Rank 0 writes; the other ranks log nothing."""
     if not distributed.is_main():
         return
-    cfg, run_dir, console = ctx.cfg, ctx.run_dir, ctx.console
+    cfg, run_dir, console = ctx.cfg, ctx.out.run_dir, ctx.out.console
     notes: List[str] = []
     if resume_from is None and cfg.trainer.resume == "auto":
         console.print(f"trainer.resume=auto: no checkpoint in {escape(str(run_dir / checkpoint.CHECKPOINTS))}; "
@@ -161,28 +164,33 @@ def open_run(ctx: Context, algo: Algorithm, resume_from: Optional[Path]) -> None
     for note in notes:
         console.print(f"[yellow]{escape(note)}[/]", highlight=False)
     config_file.write(run_dir / "config.yaml", cfg)
-    ctx.logger = open_logger(cfg, algo, run_dir, console)
+    ctx.out.logger = open_logger(cfg, algo, run_dir, console)
 
 
 def resume(ctx: Context, path: Path) -> None:
     """Load a checkpoint into a context set up from it (setup loaded the policy's weights): heads
     first (they join the optimizer), then optimizer, scheduler, RNG, data position and runner state."""
     manifest = checkpoint.read_manifest(path)
-    for name, head in restore.load_heads(path, manifest, ctx.device).items():
-        add_head(ctx, name, head)
+    for name, head in restore.load_heads(path, manifest, ctx.model.device).items():
+        ctx.model.add_head(name, head, ctx.run.step)
     restore.load(ctx, path, manifest)
+
+
+def capture(ctx: Context) -> checkpoint.Boundary:
+    """The state a stop goes back to, now: the end of the last completed step."""
+    return checkpoint.capture(ctx.run, ctx.data.sampler, ctx.model.device)
 
 
 def finish(ctx: Context, interrupted: bool = False) -> Path:
     """Save the policy (adapter or full model) and close the log; rank 0 writes (every rank must
     call this: FSDP gathers the weights first)."""
-    ctx.logger.close()
-    if ctx.engine is not None:
-        ctx.engine.close()
-    out = ctx.run_dir / ("interrupted" if interrupted else "final")
-    state = fsdp.full_state(ctx.policy.model)
+    ctx.out.logger.close()
+    if ctx.rollouts.engine is not None:
+        ctx.rollouts.engine.close()
+    out = ctx.out.run_dir / ("interrupted" if interrupted else "final")
+    state = fsdp.full_state(ctx.model.policy.model)
     if distributed.is_main():
-        checkpoint.save_whole(ctx.policy, ctx.heads, out, state)  # a dir called final/ is a finished run's
+        checkpoint.save_whole(ctx.model.policy, ctx.model.heads, out, state)  # a dir called final/ is a finished run's
     return out
 
 
@@ -190,8 +198,8 @@ def save_checkpoint(ctx: Context, boundary: checkpoint.Boundary) -> Optional[Pat
     """checkpoint.save on rank 0, which holds the state of every rank (under FSDP gathered from
     them first: every rank must call this); None on the others. A full disk is one line: the
     failed save left nothing behind and the previous checkpoints are kept."""
-    shards = checkpoint.Shards(fsdp.full_state(ctx.policy.model), distributed.optimizer_shards(ctx.optimizer),
-                               distributed.world_size())
+    shards = checkpoint.Shards(fsdp.full_state(ctx.model.policy.model),
+                               distributed.optimizer_shards(ctx.model.optimizer), distributed.world_size())
     if not distributed.is_main():
         return None
     try:
@@ -199,8 +207,8 @@ def save_checkpoint(ctx: Context, boundary: checkpoint.Boundary) -> Optional[Pat
     except OSError as e:
         if not files.is_full(e):
             raise
-        target = checkpoint.checkpoint_dir(ctx.run_dir, boundary.step)
-        raise SaveFailed(disk_full(ctx.run_dir, f"saving checkpoint {target.name} to {target.parent}")) from None
+        target = checkpoint.checkpoint_dir(ctx.out.run_dir, boundary.step)
+        raise SaveFailed(disk_full(ctx.out.run_dir, f"saving checkpoint {target.name} to {target.parent}")) from None
 
 
 def disk_full(run_dir: Path, doing: str) -> str:
@@ -221,19 +229,19 @@ def stopped(ctx: Context, boundary: checkpoint.Boundary, stop: signals.StopSigna
     """After Ctrl-C or SIGTERM: a checkpoint of the last completed step; stopped in the middle of a
     step's updates (a second signal), the policy as it is goes to interrupted/ instead. A save the
     user abandoned (see signals.StopSignals) is not tried again. The caller says how to resume."""
-    say = lambda text: ctx.console.print(f"[yellow]{text}[/]", soft_wrap=True, highlight=False)  # noqa: E731
-    if ctx.updating:
+    say = lambda text: ctx.out.console.print(f"[yellow]{text}[/]", soft_wrap=True, highlight=False)  # noqa: E731
+    if ctx.run.updating:
         with stop.saving(f"the policy of step {boundary.step + 1}, stopped in its updates, to interrupted/"):
             out = finish(ctx, interrupted=True)
         say(f"{stop.name} during the updates of the step after {boundary.step}: that policy is in "
-            f"{escape(str(out))}, but cannot be resumed; {_latest_checkpoint(ctx.run_dir)}")
+            f"{escape(str(out))}, but cannot be resumed; {_latest_checkpoint(ctx.out.run_dir)}")
         return
-    ctx.logger.close()
+    ctx.out.logger.close()
     if boundary.step == 0:
         say(f"{stop.name} before the first step; nothing saved")
         return
     if not stop.abandoned:
-        target = checkpoint.checkpoint_dir(ctx.run_dir, boundary.step)
+        target = checkpoint.checkpoint_dir(ctx.out.run_dir, boundary.step)
         try:
             with stop.saving(f"the checkpoint of step {boundary.step} to {target}"):
                 path = save_checkpoint(ctx, boundary)
@@ -242,7 +250,7 @@ def stopped(ctx: Context, boundary: checkpoint.Boundary, stop: signals.StopSigna
             return
         except KeyboardInterrupt:  # the user abandoned it
             pass
-    say(f"{stop.name}: the checkpoint of step {boundary.step} was abandoned; {_latest_checkpoint(ctx.run_dir)}")
+    say(f"{stop.name}: the checkpoint of step {boundary.step} was abandoned; {_latest_checkpoint(ctx.out.run_dir)}")
 
 
 def rescue(ctx: Context, boundary: checkpoint.Boundary, error: Exception) -> None:
@@ -250,12 +258,12 @@ def rescue(ctx: Context, boundary: checkpoint.Boundary, error: Exception) -> Non
     losses, a bug): the checkpoint of the last completed step, so that the steps done are not lost,
     when no update has moved the weights since it (else the last saved checkpoint stands). With
     several processes only the failing rank knows, and a save needs them all: nothing is saved."""
-    ctx.logger.close()
-    if ctx.updating or boundary.step == 0 or distributed.active() or isinstance(error, SaveFailed):
+    ctx.out.logger.close()
+    if ctx.run.updating or boundary.step == 0 or distributed.active() or isinstance(error, SaveFailed):
         return
     try:
         path = save_checkpoint(ctx, boundary)
     except Exception:  # noqa: BLE001 - the first error is the one to report
         return
-    ctx.console.print(f"[yellow]{type(error).__name__} after step {boundary.step}: the checkpoint of that step is "
+    ctx.out.console.print(f"[yellow]{type(error).__name__} after step {boundary.step}: the checkpoint of that step is "
                       f"in {path}[/]", soft_wrap=True, highlight=False)

@@ -1,87 +1,90 @@
 """Fixed (prompt, completion) rows of a run's data as model inputs, for the algorithms that learn
 from a dataset instead of sampling (DPO, SFT, reward models): rlnotes.engine.sequences.encode with
-the run's prompt settings, and the likelihood of their completions.
+the model's prompt format, and the likelihood of their completions.
 """
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import TYPE_CHECKING, List, Optional, Tuple
 
 import torch
 
-from rlnotes.data.settings import system_prompt
 from rlnotes.engine.hardware import distributed
 from rlnotes.engine.sequences import Sequences, encode
 from rlnotes.notes import aggregate
 from rlnotes.training.batching import batch_totals, micro_batch_weight, micro_batches, pass_tokens, token_budget
 
+if TYPE_CHECKING:
+    from rlnotes.engine.policy.policy import Policy
+    from rlnotes.training.context import Model, Run
 
-def encode_rows(ctx, rows, key: Optional[str]) -> Sequences:
-    """`encode` of the rows' prompts and their `key` column, with the run's prompt settings
-    (key None: the first half of `rows` gives its `chosen` column, the second half `rejected`)."""
+
+def encode_rows(model: Model, rows, key: Optional[str]) -> Sequences:
+    """`encode` of the rows' prompts and their `key` column, in the model's prompt format (key None:
+    the first half of `rows` gives its `chosen` column, the second half `rejected`)."""
     completions = [r[key] for r in rows] if key else \
         [r["chosen"] for r in rows[:len(rows) // 2]] + [r["rejected"] for r in rows[len(rows) // 2:]]
-    return encode(ctx.policy.tokenizer, [r["prompt"] for r in rows], completions, ctx.device,
-                  ctx.cfg.model.chat_template, system_prompt(ctx.cfg))
+    fmt = model.prompt_format
+    return encode(model.policy.tokenizer, [r["prompt"] for r in rows], completions, model.device,
+                  fmt.chat_template, fmt.system_prompt)
 
 
-def nll(ctx, seqs: Sequences, aggregation: str) -> torch.Tensor:
+def nll(policy: Policy, seqs: Sequences, aggregation: str) -> torch.Tensor:
     """The negative log-likelihood of the completions of `seqs` under the policy, aggregated over
     their tokens (rlnotes.notes.AGGREGATIONS; token-mean: every token weighs the same): a scalar."""
-    logp = ctx.policy.logprobs(seqs.input_ids, seqs.attention_mask, seqs.n_completion)
+    logp = policy.logprobs(seqs.input_ids, seqs.attention_mask, seqs.n_completion)
     return aggregate(-logp, seqs.completion_mask, aggregation)
 
 
-def nll_backward(ctx, seqs: Sequences, aggregation: str) -> float:
-    """The gradient of the batch's aggregated NLL (`nll`), micro-batch by micro-batch (trainer.micro_batch_size):
-    each micro-batch's loss weighted by its share of the global batch's. Returns the batch's loss (all ranks')."""
+def nll_backward(model: Model, run: Run, seqs: Sequences, aggregation: str) -> float:
+    """The gradient of the batch's aggregated NLL (`nll`), micro-batch by micro-batch (the model's
+    batching): each micro-batch's loss weighted by its share of the global batch's. Returns the
+    batch's loss (all ranks'); its time is time/policy_s."""
     totals = batch_totals(seqs.completion_mask)  # the global batch's tokens and rows
-    ctx.policy.train()
+    model.policy.train()
     loss_sum = 0.0
-    with ctx.timed("policy"):
-        for idx in sequence_micro_batches(ctx, seqs):
+    with run.timed("policy"):
+        for idx in sequence_micro_batches(model, seqs):
             chunk = seqs.select(idx)
-            loss = nll(ctx, chunk, aggregation)
+            loss = nll(model.policy, chunk, aggregation)
             weight = micro_batch_weight(aggregation, chunk.completion_mask, totals)
             (loss * weight).backward()
             loss_sum += float(loss.detach()) * weight
     return distributed.sum_over_ranks([loss_sum])[0]  # the ranks' shares of the batch's loss
 
 
-def encode_pairs(ctx, rows) -> Sequences:
+def encode_pairs(model: Model, rows) -> Sequences:
     """Preference pairs as one batch: chosen completions in the first half, rejected in the second."""
-    return encode_rows(ctx, rows + rows, None)
+    return encode_rows(model, rows + rows, None)
 
 
-def _sequence_tokens(ctx, seqs: Sequences, trimmed: bool):
+def _sequence_tokens(policy: Policy, seqs: Sequences, trimmed: bool):
     n = seqs.n_completion
     return pass_tokens(seqs.input_ids[:, :-n], seqs.attention_mask[:, :-n], seqs.completion_mask,
-                       ctx.policy.share_prompts, trimmed)
+                       policy.share_prompts, trimmed)
 
 
-def sequence_micro_batches(ctx, seqs: Sequences) -> List[torch.Tensor]:
-    """`micro_batches` of the rows of `seqs` under the trainer's settings (micro_batch_size, else the
-    token budget), each chunk as wide as the batch (Sequences.select keeps the width)."""
-    trainer = ctx.cfg.trainer
-    budget = None if trainer.micro_batch_size else token_budget(trainer, ctx.policy.model)
+def sequence_micro_batches(model: Model, seqs: Sequences) -> List[torch.Tensor]:
+    """`micro_batches` of the rows of `seqs` as the model's batching cuts them (micro_batch_size, else
+    the token budget), each chunk as wide as the batch (Sequences.select keeps the width)."""
+    trainer = model.batching
+    budget = None if trainer.micro_batch_size else token_budget(trainer, model.policy.model)
     if budget is None:  # no token counts needed
         return micro_batches(len(seqs.input_ids), trainer.micro_batch_size)
-    return micro_batches(len(seqs.input_ids), None, budget, _sequence_tokens(ctx, seqs, trimmed=False),
+    return micro_batches(len(seqs.input_ids), None, budget, _sequence_tokens(model.policy, seqs, trimmed=False),
                          most=seqs.input_ids.numel())
 
 
-def pair_micro_batches(ctx, rows) -> List[Tuple[torch.Tensor, Sequences]]:
-    """`micro_batches` of preference pairs under the trainer's settings, each chunk with its pairs
-    encoded on their own (encode_pairs: chosen and rejected in one pass, padded to the chunk's
+def pair_micro_batches(model: Model, rows) -> List[Tuple[torch.Tensor, Sequences]]:
+    """`micro_batches` of preference pairs as the model's batching cuts them, each chunk with its
+    pairs encoded on their own (encode_pairs: chosen and rejected in one pass, padded to the chunk's
     longest completion). The token budget counts a chunk's prompts as wide as the batch's, an upper
     bound; the batch is encoded once when it is one chunk."""
-    trainer, budget = ctx.cfg.trainer, token_budget(ctx.cfg.trainer, ctx.policy.model)
-    encoded = lambda idx: encode_pairs(ctx, [rows[i] for i in idx])  # noqa: E731
+    trainer, budget = model.batching, token_budget(model.batching, model.policy.model)
+    encoded = lambda idx: encode_pairs(model, [rows[i] for i in idx])  # noqa: E731
     if trainer.micro_batch_size or budget is None:
         return [(idx, encoded(idx)) for idx in micro_batches(len(rows), trainer.micro_batch_size)]
-    seqs, n = encode_pairs(ctx, rows), len(rows)
-    tokens = _sequence_tokens(ctx, seqs, trimmed=True)
+    seqs, n = encode_pairs(model, rows), len(rows)
+    tokens = _sequence_tokens(model.policy, seqs, trimmed=True)
     chunks = micro_batches(n, None, budget, lambda idx: tokens(torch.cat([idx, idx + n])), most=seqs.input_ids.numel())
     return [(chunks[0], seqs)] if len(chunks) == 1 else [(idx, encoded(idx)) for idx in chunks]
-
-

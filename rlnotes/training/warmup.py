@@ -17,29 +17,29 @@ from typing import Dict
 
 from rlnotes.data.sampler import PromptSampler
 from rlnotes.engine.hardware import distributed
-from rlnotes.training.context import Context, lr_lambda
+from rlnotes.training.context import Context, Run
 from rlnotes.training.offline import encode_rows, nll_backward
-from rlnotes.training.optimizer import optimizer_step
+from rlnotes.training.optimizer import lr_lambda, optimizer_step
 
 
-def warming_up(ctx: Context) -> bool:
-    """Whether the next step is a warm-up step."""
-    return ctx.step < ctx.cfg.sft_warmup.steps
+def warming_up(run: Run, warm) -> bool:
+    """Whether the next step is a warm-up step (of the sft_warmup section `warm`)."""
+    return run.step < warm.steps
 
 
 def warmup_step(ctx: Context) -> Dict[str, float]:
     """One supervised step on the next sft_warmup.batch_size rows (micro-batched like any step)."""
-    cfg, warm = ctx.cfg, ctx.cfg.sft_warmup
-    if ctx.warmup_sampler is None:  # made on this process's first warm-up step; a resumed run skips the batches done
-        ctx.warmup_sampler = PromptSampler(ctx.sampler.rows, warm.batch_size, cfg.seed + 1)
-        for _ in range(ctx.step):
-            ctx.warmup_sampler.next_batch()
-    seqs = encode_rows(ctx, distributed.shard(ctx.warmup_sampler.next_batch()), warm.column)
-    loss_sum = nll_backward(ctx, seqs, "token-mean")
-    lr = warm.lr * lr_lambda(cfg.optim.schedule, 0, warm.steps)(ctx.step)
-    for group in ctx.optimizer.param_groups:
+    cfg, warm, model, run, data = ctx.cfg, ctx.cfg.sft_warmup, ctx.model, ctx.run, ctx.data
+    if data.warmup_sampler is None:  # made on this process's first warm-up step; a resumed run skips the batches done
+        data.warmup_sampler = PromptSampler(data.sampler.rows, warm.batch_size, cfg.seed + 1)
+        for _ in range(run.step):
+            data.warmup_sampler.next_batch()
+    seqs = encode_rows(model, distributed.shard(data.warmup_sampler.next_batch()), warm.column)
+    loss_sum = nll_backward(model, run, seqs, "token-mean")
+    lr = warm.lr * lr_lambda(cfg.optim.schedule, 0, warm.steps)(run.step)
+    for group in model.optimizer.param_groups:
         group["lr"] = lr  # the scheduler's step at the end sets the algorithm's rate again
-    metrics = optimizer_step(ctx)
-    if ctx.step == warm.steps:
-        ctx.optimizer.state.clear()  # the algorithm's steps start with a fresh Adam
+    metrics = optimizer_step(model, run, ctx.out.console)
+    if run.step == warm.steps:
+        model.optimizer.state.clear()  # the algorithm's steps start with a fresh Adam
     return {**metrics, "optim/lr": lr, "sft_warmup/loss": loss_sum, "perf/tokens": seqs.tokens()}

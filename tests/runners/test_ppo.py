@@ -10,7 +10,7 @@ from rich.console import Console
 
 from rlnotes.commands.train import train
 from rlnotes.runners import REGISTRY, ppo
-from rlnotes.training.context import setup
+from rlnotes.training.setup import setup
 from tests.conftest import compose, record_passes
 
 # 8 prompts x 4 completions per batch, two epochs of two minibatches: 4 optimizer steps a batch.
@@ -61,7 +61,7 @@ def test_one_forward_per_minibatch(tmp_path, monkeypatch):
                       f"trainer.shared_prompt={str(shared).lower()}")
         ctx = setup(cfg, REGISTRY["ppo"], tmp_path / f"{beta}-{shared}", Console(quiet=True))
         calls = []
-        ctx.policy.model.get_base_model().model.register_forward_pre_hook(lambda *_: calls.append(1))
+        ctx.model.policy.model.get_base_model().model.register_forward_pre_hook(lambda *_: calls.append(1))
 
         def sample_then_count(*args):
             out = real(*args)
@@ -72,7 +72,7 @@ def test_one_forward_per_minibatch(tmp_path, monkeypatch):
         metrics = ppo.train_step(ctx)
         minibatches = 8 * 4 // 16
         assert len(calls) == (reference_passes + 1 + 2 * minibatches) * (2 if shared else 1)
-        assert ctx.step == metrics["policy/updates"] == 2 * minibatches
+        assert ctx.run.step == metrics["policy/updates"] == 2 * minibatches
 
 
 def test_a_token_budget_gives_the_same_steps(tmp_path, monkeypatch):

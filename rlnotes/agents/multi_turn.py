@@ -1,5 +1,8 @@
-"""Episodes as conversations: the prompt each episode starts from, the tokens of every observation
-between the model's turns, and what reward functions and the samples table see afterwards.
+"""Multi-turn episodes as conversations: the run's tools and environment (MultiTurn), which runs a
+batch's episodes through the sampler's episode loop (rlnotes.engine.sampling.episodes), and the
+batch's conversations (Conversations): the prompt each episode starts from, the tokens of every
+observation between the model's turns, and what reward functions, which score each whole episode
+with the environment's own reward, and the samples table see afterwards.
 
 Tokens. The model's turns are trained on as sampled, each ending with its EOS. An observation's
 tokens are what the chat template adds to the conversation when the observation follows the
@@ -16,23 +19,29 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence
 
 import torch
 
 from rlnotes.agents.environments import EnvironmentFailure, Episode, load_environment
 from rlnotes.agents.tools import load_tools, template_takes_tools, tools_system_prompt
 from rlnotes.core.errors import ConfigError
+from rlnotes.engine.model.loading import context_length
 from rlnotes.engine.prompts import PromptFormat, as_messages, render_plain
 from rlnotes.engine.rollout import Rollout
-from rlnotes.engine.sampling.settings import EpisodeLimits
+from rlnotes.engine.sampling.episodes import generate_episodes
+from rlnotes.engine.sampling.settings import EpisodeLimits, SamplingSettings
 from rlnotes.rewards.watchdog import Watchdog
+
+if TYPE_CHECKING:
+    from rlnotes.rewards.scoring import Rewards
 
 
 @dataclass(frozen=True)
-class Agents:
-    """A run's tools and environment, loaded once, how their calls are made (the rollout section's
-    multi-turn keys), and how long an episode may run (limits)."""
+class MultiTurn:
+    """The multi-turn side of a run (rollout.tools / rollout.env): its tools and environment, loaded
+    once, how their calls are made (the rollout section's tool and environment keys), and how long an
+    episode may run (limits); it runs a batch's episodes."""
     tools: tuple
     env_factory: Optional[Callable]
     limits: EpisodeLimits
@@ -46,8 +55,9 @@ class Agents:
     watchdog: Watchdog = field(default_factory=Watchdog, compare=False)
 
     @classmethod
-    def of(cls, rollout) -> Optional["Agents"]:
-        """The settings of rollout.tools / rollout.env, or None when a run has neither (single turn)."""
+    def of(cls, rollout) -> Optional["MultiTurn"]:
+        """The multi-turn side of the rollout section, or None when a run has neither tools nor an
+        environment (single turn)."""
         if not rollout.tools and not rollout.env:
             return None
         tools = tuple(load_tools(list(rollout.tools)))
@@ -58,6 +68,26 @@ class Agents:
     def episode(self) -> Episode:
         return Episode(list(self.tools), self.env_factory, self.max_tool_calls, self.tool_format, self.tool_timeout,
                        self.env_timeout, self.watchdog, self.env_style)
+
+    def run_episodes(self, model, tokenizer, rows: Sequence[dict], group_size: int, sampling: SamplingSettings,
+                     prompt_format: PromptFormat, generator: Optional[torch.Generator] = None,
+                     keys: Optional[torch.Tensor] = None, engine=None) -> tuple[Conversations, Rollout]:
+        """`group_size` episodes per row (each row's next to each other), each turn sampled as
+        `sampling` says and the episode as long as `limits` allow: (their conversations, the rollout
+        of their compacted token sequences). `engine`: a vLLM engine that samples instead of the
+        model (rollout.engine=vllm; the rollout then carries its log-probs as sampler_logprobs, for
+        the trainer to recompute its own)."""
+        conversations = Conversations(self, tokenizer, rows, group_size, prompt_format)
+        prompts, shared = conversations.prompt_ids()
+        conversations.check_fit(prompts, shared, context_length(model), sampling.max_new_tokens)
+        if engine is not None:
+            rollout = engine.generate_episodes(prompts, shared, conversations.respond, self.limits, keys,
+                                               next(model.parameters()).device)
+        else:
+            rollout = generate_episodes(model, tokenizer, prompts, shared, conversations.respond, sampling,
+                                        self.limits, generator, keys=keys)
+        rollout.texts = conversations.texts()
+        return conversations, rollout
 
 
 def _with_start(messages: List[dict], start) -> List[dict]:
@@ -85,11 +115,11 @@ class Conversations:
     """One batch of episodes, G per row: their environments, conversations and tool counters.
     `respond` is what rlnotes.engine.sampling.episodes.generate_episodes calls between turns."""
 
-    def __init__(self, agents: Agents, tokenizer, rows: Sequence[dict], group_size: int,
+    def __init__(self, multi_turn: MultiTurn, tokenizer, rows: Sequence[dict], group_size: int,
                  prompt_format: PromptFormat = PromptFormat()):
-        self.agents, self.tokenizer, self.group_size = agents, tokenizer, group_size
+        self.multi_turn, self.tokenizer, self.group_size = multi_turn, tokenizer, group_size
         self.templated = bool(prompt_format.chat_template and tokenizer.chat_template)
-        self.episodes = [agents.episode() for _ in range(len(rows) * group_size)]
+        self.episodes = [multi_turn.episode() for _ in range(len(rows) * group_size)]
         # Every episode has the same tools (its environment's methods are bound to it, their schemas alike).
         schemas = self.episodes[0].schemas if self.episodes else []
         self.template_tools = schemas if (schemas and self.templated and template_takes_tools(tokenizer)) else None
@@ -203,7 +233,7 @@ class Conversations:
     def env_rewards(self) -> Optional[torch.Tensor]:
         """The environments' rewards [N] (0 for an episode whose environment gave none), or None
         when there is no environment."""
-        if self.agents.env_factory is None:
+        if self.multi_turn.env_factory is None:
             return None
         return torch.tensor([float(r) if (r := e.reward()) is not None else 0.0 for e in self.episodes])
 
@@ -218,3 +248,19 @@ class Conversations:
                 "episode/env_tokens": float((rollout.real.sum(-1) - model).mean()),
                 "tools/calls": calls / len(self.episodes),
                 "tools/failure_frac": sum(e.tool_failures for e in self.episodes) / calls if calls else 0.0}
+
+    def score(self, rewards: Rewards, rows: Sequence[dict], rollout: Rollout) -> tuple[torch.Tensor, Dict[str, float]]:
+        """Each episode's reward (the episodes of `rows`, sampled as `rollout`): the reward functions'
+        weighted sum over its messages after the prompt (TRL's `completions` of a multi-turn rollout,
+        with `environments`), plus the environment's reward (weight 1, logged as reward/env; a NaN or
+        inf one gets reward.fallback and counts in reward/failures, as a function's does). Metrics:
+        the rewards', and the episodes' own."""
+        totals, metrics = rewards.score_groups(rows, self.completions(), rollout.token_lists(), self.group_size,
+                                               environments=self.environments())
+        env = self.env_rewards()
+        if env is not None:
+            env, failed = rewards.fallback_for(f"environment {self.env_name()}", env)
+            totals = totals + env
+            metrics["reward/env"] = float(env.mean())
+            metrics["reward/failures"] += failed
+        return totals, {**metrics, **self.metrics(rollout)}
