@@ -20,11 +20,11 @@ from rlnotes.commands.launch import torchrun_command
 from rlnotes.commands.rundirs import stamp_dirs
 from rlnotes.engine.hardware import distributed
 from rlnotes.engine.sampling.generate import (
-    completion_keys,
+    completion_seeds,
     generate,
-    keyed_uniform,
+    seeded_uniform,
     mix32,
-    sample_keyed,
+    sample_seeded,
 )
 from rlnotes.engine.sampling.settings import SamplingSettings
 from tests.conftest import RLNOTES
@@ -99,30 +99,30 @@ def _same(a: dict, b: dict, context: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Keyed sampling (rollout.per_prompt_seed).
+# Seeded sampling (rollout.per_prompt_seed).
 
 
 def test_mix32_is_lowbias32():
     assert mix32(torch.tensor([0, 1, 2, 2**32 - 1])).tolist() == [0, 1753845952, 3507691905, 1734902346]
 
 
-def test_keyed_tokens_follow_the_probabilities():
+def test_seeded_tokens_follow_the_probabilities():
     probs = torch.tensor([[0.1, 0.0, 0.6, 0.3]]).expand(40_000, 4)
-    tokens = sample_keyed(probs, completion_keys(7, (0, 0), torch.arange(10_000), 4), t=3)
+    tokens = sample_seeded(probs, completion_seeds(7, (0, 0), torch.arange(10_000), 4), t=3)
     freq = torch.bincount(tokens, minlength=4) / 40_000
     assert freq[1] == 0 and torch.allclose(freq, probs[0], atol=0.01), freq
-    u = keyed_uniform(torch.arange(100_000), 0)
+    u = seeded_uniform(torch.arange(100_000), 0)
     assert 0 < float(u.min()) and float(u.max()) < 1 and abs(float(u.mean()) - 0.5) < 0.005
 
 
 def test_keys_are_distinct_per_draw_prompt_and_sample():
-    keys = [completion_keys(0, draw, torch.arange(4), 4) for draw in ((0, 0), (1, 0), (0, 1))]
-    assert len(set(torch.cat(keys).tolist())) == 48
-    assert completion_keys(0, (5, 0), torch.tensor([2, 3]), 4).tolist() == completion_keys(
+    seeds = [completion_seeds(0, draw, torch.arange(4), 4) for draw in ((0, 0), (1, 0), (0, 1))]
+    assert len(set(torch.cat(seeds).tolist())) == 48
+    assert completion_seeds(0, (5, 0), torch.tensor([2, 3]), 4).tolist() == completion_seeds(
         0, (5, 0), torch.arange(4), 4)[8:].tolist()  # prompt 2 of a batch is prompt 2 wherever it is sampled
 
 
-def test_a_keyed_completion_does_not_depend_on_its_batch():
+def test_a_seeded_completion_does_not_depend_on_its_batch():
     """Four prompts sampled together or in two halves (two ranks) give the same completions."""
     from omegaconf import OmegaConf
 
@@ -131,12 +131,12 @@ def test_a_keyed_completion_does_not_depend_on_its_batch():
 
     model, tok = load_base(OmegaConf.structured(ModelConfig()))
     prompts = [tok(p)["input_ids"] for p in ("Write a", "Write the letter b:", "c", "Write the letter d please:")]
-    keys = completion_keys(3, (1, 0), torch.arange(4), 2)
-    whole = generate(model, tok, prompts, 2, SamplingSettings(8), keys=keys)
-    halves = [generate(model, tok, prompts[i:i + 2], 2, SamplingSettings(8), keys=keys[2 * i:2 * i + 4])
+    seeds = completion_seeds(3, (1, 0), torch.arange(4), 2)
+    whole = generate(model, tok, prompts, 2, SamplingSettings(8), seeds=seeds)
+    halves = [generate(model, tok, prompts[i:i + 2], 2, SamplingSettings(8), seeds=seeds[2 * i:2 * i + 4])
               for i in (0, 2)]
     assert whole.texts == halves[0].texts + halves[1].texts
-    other = generate(model, tok, prompts, 2, SamplingSettings(8), keys=completion_keys(4, (1, 0), torch.arange(4), 2))
+    other = generate(model, tok, prompts, 2, SamplingSettings(8), seeds=completion_seeds(4, (1, 0), torch.arange(4), 2))
     assert other.texts != whole.texts
 
 

@@ -11,7 +11,7 @@ from rlnotes.engine.model.loading import tiny_model, tiny_tokenizer
 from rlnotes.engine.policy.passes import sequence_logprobs
 from rlnotes.engine.prompts import encode_prompts
 from rlnotes.engine.sampling.episodes import generate_episodes
-from rlnotes.engine.sampling.generate import completion_keys
+from rlnotes.engine.sampling.generate import completion_seeds
 from rlnotes.engine.sampling.settings import EpisodeLimits, SamplingSettings
 
 PROMPTS = ["Write the letter a:", "What is 2+3?", "Hi"]
@@ -42,12 +42,12 @@ class Scripted:
         return out
 
 
-def run(model, tok, prompts, respond, seed=0, group_size=2, max_turns=3, max_episode_tokens=None, keys=None,
+def run(model, tok, prompts, respond, seed=0, group_size=2, max_turns=3, max_episode_tokens=None, seeds=None,
         **kw):
     settings = SamplingSettings(**(dict(max_new_tokens=10, temperature=1.0) | kw))
     return generate_episodes(model, tok, prompts, group_size, respond, settings,
                              EpisodeLimits(max_turns, max_episode_tokens), torch.Generator().manual_seed(seed),
-                             keys=keys)
+                             seeds=seeds)
 
 
 def test_sampled_logprobs_equal_a_forward_pass_of_the_whole_episode():
@@ -141,14 +141,14 @@ def test_turns_budget_and_early_stop_bound_every_episode():
     assert capped.truncated[long].all() or not long.any()
 
 
-def test_keyed_episodes_do_not_depend_on_the_rest_of_the_batch():
+def test_seeded_episodes_do_not_depend_on_the_rest_of_the_batch():
     model, tok, prompts = setup()
-    keys = completion_keys(3, (0, 0), torch.arange(3), 2)
-    together = run(model, tok, prompts, Scripted(tok), keys=keys)
+    seeds = completion_seeds(3, (0, 0), torch.arange(3), 2)
+    together = run(model, tok, prompts, Scripted(tok), seeds=seeds)
     for i, prompt in enumerate(prompts):
         def shifted(rows, turns, last, i=i):  # the environment sees the rows' numbers in the whole batch
             return Scripted(tok)([r + 2 * i for r in rows], turns, last)
-        alone = run(model, tok, [prompt], shifted, keys=keys[2 * i:2 * i + 2])
+        alone = run(model, tok, [prompt], shifted, seeds=seeds[2 * i:2 * i + 2])
         for j in range(2):
             a = together.completion_ids[2 * i + j][together.completion_attn[2 * i + j].bool()]
             b = alone.completion_ids[j][alone.completion_attn[j].bool()]

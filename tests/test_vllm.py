@@ -201,7 +201,7 @@ def test_vllm_samples_multi_turn_episodes_through_its_prefix_cache(fake_vllm):
     from rlnotes.engine.model.loading import tiny_model, tiny_tokenizer
     from rlnotes.engine.policy.passes import sequence_logprobs
     from rlnotes.engine.prompts import encode_prompts
-    from rlnotes.engine.sampling.generate import completion_keys
+    from rlnotes.engine.sampling.generate import completion_seeds
     from rlnotes.engine.sampling.settings import EpisodeLimits
     from rlnotes.engine.sampling.vllm_engine import VLLMEngine
 
@@ -221,8 +221,8 @@ def test_vllm_samples_multi_turn_episodes_through_its_prefix_cache(fake_vllm):
         return [observation for _ in rows]
 
     prompts = encode_prompts(tok, ["Write the letter a:", "Hi"], chat_template=False)
-    keys = completion_keys(0, (0, 0), torch.arange(2), 3)
-    r = engine.generate_episodes(prompts, 3, respond, EpisodeLimits(3, 40), keys, torch.device("cpu"))
+    seeds = completion_seeds(0, (0, 0), torch.arange(2), 3)
+    r = engine.generate_episodes(prompts, 3, respond, EpisodeLimits(3, 40), seeds, torch.device("cpu"))
     model_tokens, real = r.completion_mask.bool(), r.completion_attn.bool()
     assert (real & ~model_tokens).any() and int(real.sum(-1).max()) <= 40
     # each request is the episode's whole sequence so far: the prompt, its turns and observations

@@ -71,7 +71,7 @@ class MultiTurn:
 
     def run_episodes(self, model, tokenizer, rows: Sequence[dict], group_size: int, sampling: SamplingSettings,
                      prompt_format: PromptFormat, generator: Optional[torch.Generator] = None,
-                     keys: Optional[torch.Tensor] = None, engine=None) -> tuple[Conversations, Rollout]:
+                     seeds: Optional[torch.Tensor] = None, engine=None) -> tuple[Conversations, Rollout]:
         """`group_size` episodes per row (each row's next to each other), each turn sampled as
         `sampling` says and the episode as long as `limits` allow: (their conversations, the rollout
         of their compacted token sequences). `engine`: a vLLM engine that samples instead of the
@@ -81,11 +81,11 @@ class MultiTurn:
         prompts, shared = conversations.prompt_ids()
         conversations.check_fit(prompts, shared, context_length(model), sampling.max_new_tokens)
         if engine is not None:
-            rollout = engine.generate_episodes(prompts, shared, conversations.respond, self.limits, keys,
+            rollout = engine.generate_episodes(prompts, shared, conversations.respond, self.limits, seeds,
                                                next(model.parameters()).device)
         else:
             rollout = generate_episodes(model, tokenizer, prompts, shared, conversations.respond, sampling,
-                                        self.limits, generator, keys=keys)
+                                        self.limits, generator, seeds=seeds)
         rollout.texts = conversations.texts()
         return conversations, rollout
 

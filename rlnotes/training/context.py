@@ -131,7 +131,7 @@ class Data:
 @dataclass
 class Rollouts:
     """How batches are sampled (the rollout section): each draw's settings, whether completions are
-    keyed by (seed, step, prompt) (rollout.per_prompt_seed, resolved for the number of processes),
+    seeded by (seed, step, prompt) (rollout.per_prompt_seed, resolved for the number of processes),
     the sampling forms of the weights, the cap of the importance weights, and the vLLM engine and
     the multi-turn side (tools, an environment) when the run has them."""
     sampling: SamplingSettings

@@ -13,7 +13,7 @@ import torch
 
 from rlnotes.engine.hardware import distributed, fsdp
 from rlnotes.engine.rollout import Rollout
-from rlnotes.engine.sampling.generate import completion_keys, generate
+from rlnotes.engine.sampling.generate import completion_seeds, generate
 from rlnotes.notes import informative_groups, kl_penalty
 from rlnotes.notes.reinforce import kl_penalized_rewards, terminal_rewards
 from rlnotes.notes.tis import truncated_is_weights
@@ -38,16 +38,16 @@ def sample_and_score(rollouts: Rollouts, model: Model, data: Data, run: Run, row
     """G completions per prompt (multi-turn: G episodes, rollout.tools / rollout.env) and the reward
     of each from data.rewards: (rollout, rewards [N], reward metrics); the batch goes to run.samples
     for the samples table. `rows` are this rank's part of a batch; `round_` numbers the batches
-    sampled within one step (DAPO's extra rounds), which with per-prompt seeds keys the draw together
-    with the step."""
-    keys = None
+    sampled within one step (DAPO's extra rounds), which with per-prompt seeds enters each
+    completion's seed together with the step."""
+    seeds = None
     if rollouts.per_prompt_seed:  # prompt i of rank r is prompt r * len(rows) + i of the global batch
         first = distributed.rank() * len(rows)
-        keys = completion_keys(run.seed, (run.step, round_), torch.arange(first, first + len(rows)), group_size)
+        seeds = completion_seeds(run.seed, (run.step, round_), torch.arange(first, first + len(rows)), group_size)
     model.policy.eval()
     start = time.perf_counter()
     with run.timed("generate"), fsdp.gathered(model.policy.model):
-        rollout, conversations = sample(rollouts, model, run, rows, group_size, keys)
+        rollout, conversations = sample(rollouts, model, run, rows, group_size, seeds)
     tokens = float(rollout.completion_mask.sum())
     metrics = {"perf/tokens": tokens, "perf/gen_tokens_per_s": tokens / (time.perf_counter() - start)}
     if rollout.sampler_logprobs is not None:
@@ -72,7 +72,7 @@ def sample_and_score(rollouts: Rollouts, model: Model, data: Data, run: Run, row
 
 
 def sample(rollouts: Rollouts, model: Model, run: Run, rows: List[Row], group_size: int,
-           keys: Optional[torch.Tensor]) -> tuple[Rollout, Optional[Conversations]]:
+           seeds: Optional[torch.Tensor]) -> tuple[Rollout, Optional[Conversations]]:
     """The batch's completions, sampled by the policy or the vLLM engine: one per sample, or with
     rollout.tools / rollout.env whole episodes (then with their conversations; else None)."""
     policy, engine, settings = model.policy, rollouts.engine, rollouts.sampling
@@ -83,14 +83,14 @@ def sample(rollouts: Rollouts, model: Model, run: Run, rows: List[Row], group_si
                              rollouts.pack_weights and engine is None) as sampled:
             conversations, rollout = rollouts.multi_turn.run_episodes(sampled, policy.tokenizer, rows, group_size,
                                                                       settings, model.prompt_format, run.generator,
-                                                                      keys, engine=engine)
+                                                                      seeds, engine=engine)
         return rollout, conversations
     prompt_ids = model.prompt_format.encode(policy.tokenizer, [r["prompt"] for r in rows])
     if engine is not None:
-        seeds = keys[::group_size].tolist() if keys is not None else None
-        return engine.generate(prompt_ids, group_size, seeds, model.device), None
+        prompt_seeds = seeds[::group_size].tolist() if seeds is not None else None
+        return engine.generate(prompt_ids, group_size, prompt_seeds, model.device), None
     with policy.sampling(rollouts.merge_adapter, rollouts.pack_weights) as sampled:
-        return generate(sampled, policy.tokenizer, prompt_ids, group_size, settings, run.generator, keys=keys), None
+        return generate(sampled, policy.tokenizer, prompt_ids, group_size, settings, run.generator, seeds=seeds), None
 
 
 @torch.no_grad()

@@ -47,7 +47,7 @@ Respond = Callable[[List[int], List[List[int]], List[bool]], List[Optional[List[
 class EpisodeTokens:
     """One episode's tokens so far, after its prompt."""
     ids: List[int] = field(default_factory=list)
-    model: List[float] = field(default_factory=list)    # 1.0 on the model's tokens, 0.0 on observations
+    model_mask: List[float] = field(default_factory=list)    # 1.0 on the model's tokens, 0.0 on observations
     logps: List[float] = field(default_factory=list)
     turns: int = 0
     truncated: bool = False
@@ -122,12 +122,12 @@ def _unpark(model, parked: List[_Parked], going: Dict[int, List[int]], pad_id: i
 def generate_episodes(model, tokenizer, prompts: Sequence[Sequence[int]], group_size: int, respond: Respond,
                       sampling: SamplingSettings, limits: EpisodeLimits,
                       generator: Optional[torch.Generator] = None, eos_ids: Optional[Sequence[int]] = None,
-                      keys: Optional[torch.Tensor] = None) -> Rollout:
+                      seeds: Optional[torch.Tensor] = None) -> Rollout:
     """`group_size` episodes per prompt (token id lists), each of at most `limits.max_turns` model
     turns of at most `sampling.max_new_tokens` tokens and `limits.max_episode_tokens` tokens after
     its prompt (the model's and the observations'), and within the model's context
     (context_length): a turn or an observation that would pass it ends the episode, truncated.
-    Sampling as rlnotes.engine.sampling.generate.generate (`keys` count each episode's own model
+    Sampling as rlnotes.engine.sampling.generate.generate (`seeds` count each episode's own model
     tokens). Returns the compacted episodes (module docstring)."""
     device = next(model.parameters()).device
     pad_id = tokenizer.pad_token_id
@@ -141,7 +141,7 @@ def generate_episodes(model, tokenizer, prompts: Sequence[Sequence[int]], group_
     n = prompt_ids.shape[0]
     episodes = [EpisodeTokens() for _ in range(n)]
     batch = _Batch(torch.arange(n, device=device), cache, cache_mask, next_pos)
-    draw = _Draw(sampling, eos, budget, keys.to(device) if keys is not None else None,
+    draw = _Draw(sampling, eos, budget, seeds.to(device) if seeds is not None else None,
                  torch.zeros(n, dtype=torch.long, device=device), generator)
     step = decoding_step(model, sampling.fast_decode)
 
@@ -181,7 +181,7 @@ def between_turns(episodes: List[EpisodeTokens], rows: List[int], respond: Respo
             continue
         going[r] = list(obs)
         ep.ids += obs
-        ep.model += [0.0] * len(obs)
+        ep.model_mask += [0.0] * len(obs)
         ep.logps += [0.0] * len(obs)
     return going
 
@@ -189,7 +189,7 @@ def between_turns(episodes: List[EpisodeTokens], rows: List[int], respond: Respo
 def _turn_length(ep: EpisodeTokens) -> int:
     """Tokens of the episode's last model turn: the model's tokens after the last observation."""
     k = 0
-    for m in reversed(ep.model):
+    for m in reversed(ep.model_mask):
         if not m:
             break
         k += 1
@@ -199,12 +199,12 @@ def _turn_length(ep: EpisodeTokens) -> int:
 @dataclass
 class _Draw:
     """What every turn of a batch's episodes draws its tokens with: the settings, the EOS ids, each
-    episode's token budget (`budgets`), its key (or None: from `generator`) and its model tokens so
-    far, the key's clock."""
+    episode's token budget (`budgets`), its seed (or None: from `generator`) and its model tokens so
+    far, the seed's clock."""
     sampling: SamplingSettings
     eos: torch.Tensor
     budget: Sequence[float]
-    keys: Optional[torch.Tensor]
+    seeds: Optional[torch.Tensor]
     counts: torch.Tensor
     generator: Optional[torch.Generator]
 
@@ -212,14 +212,14 @@ class _Draw:
 def _sample_turn(step: Step, batch: _Batch, logits, episodes: List[EpisodeTokens], draw: _Draw):
     """One turn of every row in `batch`: tokens until each row's EOS, max_new_tokens or its budget;
     a finished row is parked at once. Returns the parked rows (every row, when the turn ends)."""
-    s, eos, budget, keys, counts = draw.sampling, draw.eos, draw.budget, draw.keys, draw.counts
+    s, eos, budget, seeds, counts = draw.sampling, draw.eos, draw.budget, draw.seeds, draw.counts
     max_new_tokens = s.max_new_tokens
     parked: List[_Parked] = []
     for r in batch.rows.tolist():
         episodes[r].turns += 1
     for t in range(max_new_tokens):
         scaled = logits.float() / s.temperature
-        tok = next_tokens(scaled, s.top_p, s.greedy, keys[batch.rows] if keys is not None else None,
+        tok = next_tokens(scaled, s.top_p, s.greedy, seeds[batch.rows] if seeds is not None else None,
                           counts[batch.rows], draw.generator)
         logp = scaled.log_softmax(-1).gather(-1, tok[:, None]).squeeze(-1)
         counts[batch.rows] += 1
@@ -227,7 +227,7 @@ def _sample_turn(step: Step, batch: _Batch, logits, episodes: List[EpisodeTokens
         for r, token, lp, end in zip(batch.rows.tolist(), tok.tolist(), logp.tolist(), ended.tolist()):
             ep = episodes[r]
             ep.ids.append(token)
-            ep.model.append(1.0)
+            ep.model_mask.append(1.0)
             ep.logps.append(lp)
             if not end and (t == max_new_tokens - 1 or len(ep.ids) >= budget[r]):
                 ep.truncated = True
@@ -254,7 +254,7 @@ def episode_rollout(tokenizer, prompt_ids, prompt_mask, episodes: List[EpisodeTo
     for i, ep in enumerate(episodes):
         k = len(ep.ids)
         ids[i, :k] = torch.tensor(ep.ids, dtype=torch.long)
-        model_mask[i, :k] = torch.tensor(ep.model)
+        model_mask[i, :k] = torch.tensor(ep.model_mask)
         logps[i, :k] = torch.tensor(ep.logps)
         attn[i, :k] = 1.0
     texts = tokenizer.batch_decode([ep.ids for ep in episodes], skip_special_tokens=True)

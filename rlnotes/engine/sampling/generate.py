@@ -32,8 +32,8 @@ def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------
-# Keyed sampling (rollout.per_prompt_seed): the random number behind a completion's t-th token is
-# a hash of (the completion's key, t), so a completion is the same whichever other rows share its
+# Seeded sampling (rollout.per_prompt_seed): the random number behind a completion's t-th token is
+# a hash of (the completion's seed, t), so a completion is the same whichever other rows share its
 # batch, its process or its device. Integer hashing in int64 tensors gives the same bits on CPU and
 # GPU; no product exceeds 2^49, so nothing overflows.
 
@@ -53,8 +53,8 @@ def mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def completion_keys(seed: int, draw: Sequence[int], prompt_index: torch.Tensor, group_size: int) -> torch.Tensor:
-    """One key per completion, [P * G] prompt by prompt: a hash of the run's seed, the draw (e.g.
+def completion_seeds(seed: int, draw: Sequence[int], prompt_index: torch.Tensor, group_size: int) -> torch.Tensor:
+    """One seed per completion, [P * G] prompt by prompt: a hash of the run's seed, the draw (e.g.
     (step, round): which batch this is), the prompt's index in the global batch and the sample's
     number within its group."""
     h = mix32(torch.tensor(seed & _M32, dtype=torch.long))
@@ -64,11 +64,11 @@ def completion_keys(seed: int, draw: Sequence[int], prompt_index: torch.Tensor, 
     return mix32(h.repeat_interleave(group_size) ^ torch.arange(group_size).repeat(len(prompt_index)))
 
 
-def keyed_uniform(keys: torch.Tensor, t: Union[int, torch.Tensor]) -> torch.Tensor:
-    """A uniform number in (0, 1) per key for token position t (float64); t an int, or one per key
+def seeded_uniform(seeds: torch.Tensor, t: Union[int, torch.Tensor]) -> torch.Tensor:
+    """A uniform number in (0, 1) per seed for token position t (float64); t an int, or one per seed
     (an episode's rows count their own tokens)."""
-    offset = mix32(torch.as_tensor(t, dtype=torch.long, device=keys.device) + 0x9E3779B9)
-    return (mix32(keys ^ offset).double() + 0.5) / 2.0**32
+    offset = mix32(torch.as_tensor(t, dtype=torch.long, device=seeds.device) + 0x9E3779B9)
+    return (mix32(seeds ^ offset).double() + 0.5) / 2.0**32
 
 
 def sample_inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
@@ -81,22 +81,22 @@ def sample_inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tens
     return torch.searchsorted(cdf, target[:, None]).squeeze(-1).clamp(max=probs.shape[-1] - 1)
 
 
-def sample_keyed(probs: torch.Tensor, keys: torch.Tensor, t: Union[int, torch.Tensor]) -> torch.Tensor:
-    """sample_inverse_cdf with each row's uniform number hashed from its key and t: probs [N, V],
-    keys [N] -> [N]."""
-    return sample_inverse_cdf(probs, keyed_uniform(keys, t))
+def sample_seeded(probs: torch.Tensor, seeds: torch.Tensor, t: Union[int, torch.Tensor]) -> torch.Tensor:
+    """sample_inverse_cdf with each row's uniform number hashed from its seed and t: probs [N, V],
+    seeds [N] -> [N]."""
+    return sample_inverse_cdf(probs, seeded_uniform(seeds, t))
 
 
-def next_tokens(scaled: torch.Tensor, top_p: float, greedy: bool, keys: Optional[torch.Tensor],
+def next_tokens(scaled: torch.Tensor, top_p: float, greedy: bool, seeds: Optional[torch.Tensor],
                 t: Union[int, torch.Tensor],
                 generator: Optional[torch.Generator]) -> torch.Tensor:
     """Token t of each row [N] from its logits z / temperature [N, V]: the most likely (greedy), or
-    a draw from the top-p filtered softmax, keyed by `keys` [N] (sample_keyed) or from `generator`."""
+    a draw from the top-p filtered softmax, seeded by `seeds` [N] (sample_seeded) or from `generator`."""
     if greedy:
         return scaled.argmax(-1)
     probs = top_p_filter(scaled, top_p).softmax(-1)
-    if keys is not None:
-        return sample_keyed(probs, keys, t)
+    if seeds is not None:
+        return sample_seeded(probs, seeds, t)
     device = generator.device if generator is not None else probs.device
     return sample_inverse_cdf(probs, torch.rand(len(probs), generator=generator, device=device, dtype=torch.float64))
 
@@ -127,10 +127,10 @@ def prefill(model, prompts: Sequence[Sequence[int]], pad_id: int, group_size: in
 @torch.no_grad()
 def generate(model, tokenizer, prompts: Sequence[Sequence[int]], group_size: int, sampling: SamplingSettings,
              generator: Optional[torch.Generator] = None, eos_ids: Optional[Sequence[int]] = None,
-             keys: Optional[torch.Tensor] = None) -> Rollout:
+             seeds: Optional[torch.Tensor] = None) -> Rollout:
     """Sample `group_size` completions for each prompt (token id lists) as `sampling` says (greedy:
-    the most likely token). With `keys` (one per completion, from completion_keys) each token is
-    drawn by sample_keyed instead of from `generator`, so a completion does not depend on the rest
+    the most likely token). With `seeds` (one per completion, from completion_seeds) each token is
+    drawn by sample_seeded instead of from `generator`, so a completion does not depend on the rest
     of the batch."""
     max_new_tokens, temperature, top_p, greedy = (sampling.max_new_tokens, sampling.temperature, sampling.top_p,
                                                   sampling.greedy)
@@ -147,12 +147,12 @@ def generate(model, tokenizer, prompts: Sequence[Sequence[int]], group_size: int
     alive = torch.arange(n, device=device)     # rows still generating, as indices into the batch
     width = attn.shape[1]
     attn = torch.cat([attn, attn.new_ones((n, max_new_tokens))], dim=1)  # with the columns decoding adds
-    keys = keys.to(device) if keys is not None else None
+    seeds = seeds.to(device) if seeds is not None else None
 
     for t in range(max_new_tokens):
         scaled = logits.float() / temperature
         logp = scaled.log_softmax(-1)
-        tok = next_tokens(scaled, top_p, greedy, keys[alive] if keys is not None else None, t, generator)
+        tok = next_tokens(scaled, top_p, greedy, seeds[alive] if seeds is not None else None, t, generator)
         tokens[alive, t] = tok
         logps[alive, t] = logp.gather(-1, tok[:, None]).squeeze(-1)
         done = torch.isin(tok, eos)

@@ -135,10 +135,10 @@ class VLLMEngine:
                                  lora_request=self.request, use_tqdm=False)
 
     def generate_episodes(self, prompts: Sequence[Sequence[int]], group_size: int, respond: Respond,
-                          limits: EpisodeLimits, keys: Optional[torch.Tensor], device: torch.device) -> Rollout:
+                          limits: EpisodeLimits, seeds: Optional[torch.Tensor], device: torch.device) -> Rollout:
         """Multi-turn episodes (rlnotes.engine.sampling.episodes) sampled by vLLM: each round, every running
         episode's whole sequence so far is one request, and vLLM's prefix cache keeps the keys and
-        values of what it has seen, so a round computes the new observation and turn. `keys` (one
+        values of what it has seen, so a round computes the new observation and turn. `seeds` (one
         per episode, rollout.per_prompt_seed) seed each turn's draw with the turn's number."""
         budget = budgets(prompts, group_size, limits.max_episode_tokens, None)
         per_turn = self.cfg.rollout.max_new_tokens
@@ -147,13 +147,13 @@ class VLLMEngine:
         running = list(range(len(starts)))
         while running:
             room = [min(per_turn, budget[i] - len(episodes[i].ids)) for i in running]
-            seeds = None if keys is None else [int(mix32(keys[i] ^ episodes[i].turns)) for i in running]
-            outputs = self._requests([starts[i] + episodes[i].ids for i in running], 1, room, seeds)
+            turn_seeds = None if seeds is None else [int(mix32(seeds[i] ^ episodes[i].turns)) for i in running]
+            outputs = self._requests([starts[i] + episodes[i].ids for i in running], 1, room, turn_seeds)
             for i, out in zip(running, (o.outputs[0] for o in outputs)):
                 ep = episodes[i]
                 ep.turns += 1
                 ep.ids += list(out.token_ids)
-                ep.model += [1.0] * len(out.token_ids)
+                ep.model_mask += [1.0] * len(out.token_ids)
                 ep.logps += _logprobs(out)
                 ep.truncated = not out.token_ids or out.token_ids[-1] != self.tokenizer.eos_token_id  # cut
             running = sorted(between_turns(episodes, running, respond, limits.max_turns, budget))
