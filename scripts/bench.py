@@ -71,7 +71,7 @@ def run_one(name: str, steps: int) -> dict:
     from rlnotes.commands.check import check, loader
     from rlnotes.commands.train import train
     from rlnotes.engine.prompts import encode_prompts
-    from rlnotes.runners import algorithm
+    from rlnotes.algos.registry import algorithm
     from rlnotes.training.setup import setup
 
     overrides = MODELS[name] + SHAPE + [f"trainer.steps={steps}"]

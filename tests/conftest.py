@@ -45,7 +45,7 @@ def set_step(name: str, fn) -> None:
     step); `set_step(name, module.train_step)` puts the real one back."""
     import dataclasses
 
-    from rlnotes.runners import REGISTRY
+    from rlnotes.algos.registry import REGISTRY
 
     REGISTRY[name] = dataclasses.replace(REGISTRY[name], train_step=fn)
 

@@ -28,7 +28,7 @@ def rollout(lengths) -> Rollout:
 
 
 def accumulated_gradient(mode: str, size, max_len) -> torch.Tensor:
-    """d loss / d theta, the loss accumulated micro-batch by micro-batch as the runners do: each
+    """d loss / d theta, the loss accumulated micro-batch by micro-batch as the algorithms do: each
     chunk trimmed to its longest completion (Rollout.select), its aggregate times its weight."""
     batch = rollout(LENGTHS)
     theta = torch.linspace(-1.0, 2.0, batch.completion_mask.numel()).view_as(batch.completion_mask)

@@ -14,11 +14,11 @@ from omegaconf import OmegaConf
 from rich.console import Console
 
 import rlnotes
+from rlnotes.algos.registry import REGISTRY
 from rlnotes.commands.cli import UsageError
 from rlnotes.commands.train import train
 from rlnotes.core.errors import ConfigError
 from rlnotes.run import checkpoint, config_file, restore
-from rlnotes.runners import REGISTRY
 from tests.conftest import compose
 
 
@@ -39,7 +39,7 @@ def run(run_dir, *overrides):
 def stop_at(monkeypatch, algo, call, sig, after=False):
     """Send `sig` to this process in the runner's `call`-th step: before it does anything but draw
     from every random stream and the data (which a stop must undo), or after its updates."""
-    module = importlib.import_module(f"rlnotes.runners.{algo}")
+    module = importlib.import_module(f"rlnotes.algos.{algo}")
     real, calls = module.train_step, []
 
     def step(ctx):
@@ -107,7 +107,7 @@ def test_ppo_stopped_during_its_updates_finishes_the_batch(tmp_path, monkeypatch
     """PPO makes 2 optimizer steps per sampled batch here (2 epochs of one minibatch): a SIGTERM
     after the first lets the batch finish (step 2), saves its checkpoint with the value head, and
     the run resumes exactly."""
-    from rlnotes.runners import ppo
+    from rlnotes.algos import ppo
 
     real, calls = ppo.optimizer_step, []
 
@@ -130,7 +130,7 @@ def test_ppo_stopped_during_its_updates_finishes_the_batch(tmp_path, monkeypatch
 
 
 def test_a_second_signal_mid_update_stops_at_once_without_a_checkpoint(tmp_path, monkeypatch):
-    from rlnotes.runners import ppo
+    from rlnotes.algos import ppo
 
     real, calls = ppo.optimizer_step, []
 

@@ -6,9 +6,9 @@ import typing
 
 import pytest
 
+from rlnotes.algos.registry import REGISTRY
 from rlnotes.core.comments import comment, comments, field_type, summary
 from rlnotes.core.schema import AlgoConfig, TrainConfig
-from rlnotes.runners import REGISTRY
 
 
 def keys(schema, prefix=""):

@@ -9,13 +9,13 @@ import typing
 import pytest
 from omegaconf import OmegaConf
 
+from rlnotes.algos.registry import REGISTRY
 from rlnotes.commands.check import check
 from rlnotes.commands.cli import UsageError, main
 from rlnotes.commands.validate import validate
 from rlnotes.core.checks import CHECKED_ELSEWHERE, RANGES, meaning_of
 from rlnotes.core.errors import ConfigError
 from rlnotes.core.schema import TrainConfig
-from rlnotes.runners import REGISTRY
 
 
 def one_line(overrides):

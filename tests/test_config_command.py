@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf, open_dict
 
+from rlnotes.algos.registry import REGISTRY
 from rlnotes.commands import config
 from rlnotes.commands.check import check, loader
 from rlnotes.commands.cli import main
@@ -17,7 +18,6 @@ from rlnotes.commands.declared import declarations
 from rlnotes.commands.hydra import compose, group_options
 from rlnotes.commands.usage import UsageError
 from rlnotes.core.comments import comments
-from rlnotes.runners import REGISTRY
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "config.md"
 OPTIONS = group_options(loader(None), "algo")
@@ -25,7 +25,7 @@ OPTIONS = group_options(loader(None), "algo")
 
 def test_each_declaration_read_from_its_source_is_the_imported_one():
     """The config command reads the runner modules without importing them; what it reads must be
-    what rlnotes.runners.REGISTRY holds, for every algorithm."""
+    what rlnotes.algos.registry.REGISTRY holds, for every algorithm."""
     found = declarations()
     assert set(found) == set(REGISTRY)
     for name, algo in REGISTRY.items():

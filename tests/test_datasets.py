@@ -12,6 +12,7 @@ import pytest
 from omegaconf import OmegaConf
 from rich.console import Console
 
+from rlnotes.algos.registry import REGISTRY
 from rlnotes.core.errors import ConfigError
 from rlnotes.core.schema import DataConfig
 from rlnotes.data.datasets import (
@@ -25,7 +26,6 @@ from rlnotes.data.fitting import PromptLengths, fit_and_split
 from rlnotes.data.reading import hub_reachable
 from rlnotes.engine.model.loading import tiny_tokenizer
 from rlnotes.engine.prompts import encode_prompts, render_plain
-from rlnotes.runners import REGISTRY
 from tests.conftest import compose
 
 ROWS = [{"question": f"What is {i}+1?", "answer": str(i + 1)} for i in range(10)]

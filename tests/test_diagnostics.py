@@ -6,6 +6,7 @@ import io
 import pytest
 from rich.console import Console
 
+from rlnotes.algos.registry import REGISTRY
 from rlnotes.commands.check import UsageError, check
 from rlnotes.commands.train import train
 from rlnotes.run.diagnostics import (
@@ -23,7 +24,6 @@ from rlnotes.run.diagnostics import (
     describe_batches,
     reward_flat,
 )
-from rlnotes.runners import REGISTRY
 from tests.conftest import compose
 
 # ---------------------------------------------------------------------------------------------

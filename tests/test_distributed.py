@@ -164,7 +164,7 @@ def test_each_rank_takes_a_contiguous_part(monkeypatch, rank, bounds):
 
 
 def test_dynamic_sampling_keeps_the_groups_one_process_would(monkeypatch):
-    from rlnotes.runners.grpo import kept_groups
+    from rlnotes.algos.grpo import kept_groups
 
     flags = torch.tensor([False, True, True, False, True, True])  # 6 groups, 3 per rank
     monkeypatch.setenv("WORLD_SIZE", "2")

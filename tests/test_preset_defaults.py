@@ -30,9 +30,9 @@ import pytest
 import yaml
 from omegaconf import OmegaConf
 
+from rlnotes.algos.registry import REGISTRY
 from rlnotes.core.comments import field_type
 from rlnotes.core.schema import TrainConfig
-from rlnotes.runners import REGISTRY
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 MARK = re.compile(r"#\s*default\b")

@@ -1,4 +1,4 @@
-"""The registry is built from the algorithms' own declarations: each runner module declares its
+"""The registry is built from the algorithms' own declarations: each algorithm module declares its
 algorithm, each preset in conf/algo names one, and a new module is found without being listed."""
 
 from __future__ import annotations
@@ -9,15 +9,16 @@ from pathlib import Path
 
 import yaml
 
-import rlnotes.runners
+import rlnotes.algos
+import rlnotes.algos.registry
+from rlnotes.algos.registry import REGISTRY
 from rlnotes.core.algorithm import Algorithm
-from rlnotes.runners import REGISTRY
 
 CONF = Path(__file__).resolve().parent.parent / "conf" / "algo"
 
 
-def test_every_runner_module_declares_its_algorithm_and_the_registry_has_them_all():
-    names = {p.stem for p in Path(rlnotes.runners.__file__).parent.glob("*.py") if p.stem != "__init__"}
+def test_every_algorithm_module_declares_its_algorithm_and_the_registry_has_them_all():
+    names = {p.stem for p in Path(rlnotes.algos.__file__).parent.glob("*.py") if p.stem not in ("__init__", "registry")}
     assert names == set(REGISTRY) == {"grpo", "reinforce", "ppo", "dpo", "sft", "rm"}
     for name, algo in REGISTRY.items():
         assert isinstance(algo, Algorithm) and algo.name == name and algo.schema.name == name
@@ -41,8 +42,8 @@ def test_a_new_module_with_a_declaration_is_registered_without_being_listed(tmp_
         "ALGORITHM = Algorithm(name='echo', schema=EchoConfig, train_step=lambda ctx: {}, samples=False,\n"
         "                      default_task='arith_sft', shape=lambda cfg: Shape('rows', 1, 1, 'rows'),\n"
         "                      evaluate=lambda ctx: {}, objective='eval/x', train_objective='loss')\n")
-    monkeypatch.setattr(rlnotes.runners, "__path__", [*rlnotes.runners.__path__, str(tmp_path)])
-    monkeypatch.delitem(sys.modules, "rlnotes.runners.echo", raising=False)
-    found = rlnotes.runners._declared()
+    monkeypatch.setattr(rlnotes.algos, "__path__", [*rlnotes.algos.__path__, str(tmp_path)])
+    monkeypatch.delitem(sys.modules, "rlnotes.algos.echo", raising=False)
+    found = rlnotes.algos.registry._declared()
     assert set(found) == set(REGISTRY) | {"echo"} and found["echo"].default_task == "arith_sft"
     importlib.invalidate_caches()

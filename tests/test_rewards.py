@@ -323,7 +323,7 @@ def test_metric_names_are_unique_and_readable(fns, names, expected):
     assert metric_names(fns, names) == expected
 
 
-@pytest.mark.parametrize("names, message", [(["mean"], "a metric the runners write"),
+@pytest.mark.parametrize("names, message", [(["mean"], "a metric the algorithms write"),
                                             (["a", "a"], "given to two functions")])
 def test_given_metric_names_must_be_free(names, message):
     with pytest.raises(ConfigError, match=message):
@@ -1062,7 +1062,7 @@ def test_a_required_argument_no_column_fills_is_refused_before_the_model_loads(t
     from rich.console import Console
 
     import rlnotes.training.setup as common
-    from rlnotes.runners import REGISTRY
+    from rlnotes.algos.registry import REGISTRY
     from tests.conftest import compose
 
     data = tmp_path / "d.jsonl"

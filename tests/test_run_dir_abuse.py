@@ -27,13 +27,13 @@ import pytest
 import torch
 from rich.console import Console
 
+from rlnotes.algos import grpo
 from rlnotes.commands.cli import main
 from rlnotes.commands.train import train
 from rlnotes.core.errors import ConfigError
 from rlnotes.engine.policy.policy import Policy
 from rlnotes.run import checkpoint, restore, rundir, steplogs
 from rlnotes.run.logger import MetricsLogger
-from rlnotes.runners import grpo
 from tests.conftest import compose, set_step
 
 SETTINGS = ("logging.progress=false", "trainer.batch_size=4", "trainer.save_every=2")

@@ -137,7 +137,8 @@ def run(run_dir, *overrides, console=None):
 def signals_during_stop_save(monkeypatch, count, step=4):
     """SIGINT in the `step`-th step, then `count` more while the stop's checkpoint (of the step
     before) is written."""
-    from rlnotes.runners import REGISTRY, grpo
+    from rlnotes.algos import grpo
+    from rlnotes.algos.registry import REGISTRY
 
     real_step, real_save, calls = grpo.train_step, torch.save, []
 
@@ -178,7 +179,7 @@ def test_a_stop_before_the_first_step_during_setup_and_in_the_updates_prints_the
     """Every way a stop can happen, through the command: a stop while loading, in PPO's updates
     (two signals: the policy goes to interrupted/), and SIGTERM exits with 143."""
     from rlnotes.engine.policy import policy
-    from rlnotes.runners import ppo
+    from rlnotes.algos import ppo
 
     def no_model(*args, **kwargs):
         raise KeyboardInterrupt
@@ -283,7 +284,7 @@ def test_a_reward_that_breaks_mid_run_keeps_the_finished_steps_and_says_how_to_r
 def test_a_bug_mid_run_keeps_the_finished_steps(tmp_path, monkeypatch):
     """An unexpected exception before a step's update (here from sampling in step 3) still leaves
     the checkpoint of the last completed step, whole and verified."""
-    from rlnotes.runners import grpo
+    from rlnotes.algos import grpo
 
     real = grpo.sample_and_score
 
@@ -306,7 +307,8 @@ def test_a_bug_mid_run_keeps_the_finished_steps(tmp_path, monkeypatch):
 
 
 def hup_in_step(monkeypatch, call=3):
-    from rlnotes.runners import REGISTRY, grpo
+    from rlnotes.algos import grpo
+    from rlnotes.algos.registry import REGISTRY
 
     real, calls = grpo.train_step, []
 

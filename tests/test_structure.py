@@ -3,9 +3,9 @@ imports nothing of rlnotes), no import circle, no function-local import of an rl
 except to defer a heavy optional dependency (said in a comment on that line), no comparison of
 algo.name outside the registry, and files and functions short enough to read.
 
-Figures it prints besides: each runner's import closure (the rlnotes modules importing it runs, and
+Figures it prints besides: each algorithm's import closure (the rlnotes modules importing it runs, and
 their share of the package's lines), the longest signatures, the modules that import the sampler
-only for a type, and the fields of the Context the runners share.
+only for a type, and the fields of the Context the algorithms' steps share.
 
 Run as a script for the figures: python tests/test_structure.py
 """
@@ -19,11 +19,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent / "rlnotes"
 # Floor of each top-level part, from the foundation up: a module may import its own floor and below.
 FLOORS = {"core": 0, "notes": 1, "engine": 2, "rewards": 3, "agents": 4, "data": 5, "run": 6, "training": 7,
-          "runners": 8, "commands": 9, "__main__": 10, "__init__": 0}
+          "algos": 8, "commands": 9, "__main__": 10, "__init__": 0}
 MAX_FILE_LINES = 400
 MAX_FUNCTION_LINES = 60
 MAX_PARAMETERS = 10  # a function's, outside rlnotes/notes (whose public equations take their symbols)
-MAX_CLOSURE = 0.5  # the share of the package's lines that importing a runner may run
+MAX_CLOSURE = 0.5  # the share of the package's lines that importing an algorithm's module may run
 # A function-local import of an rlnotes module must say why on its line: it defers this.
 DEFER_MARK = "optional"
 # The modules that sample: the shared types (a batch of samples, a prompt) must not live here.
@@ -130,7 +130,7 @@ def local_imports() -> int:
 def algo_name_comparisons() -> list[str]:
     out = []
     for m, p in modules().items():
-        if m.startswith("rlnotes.runners"):
+        if m.startswith("rlnotes.algos"):
             continue
         for node in ast.walk(ast.parse(p.read_text())):
             if isinstance(node, ast.Compare) and any(
@@ -202,8 +202,10 @@ def loaded(module: str) -> set[str]:
     return seen
 
 
-def runners() -> list[str]:
-    return sorted(m for m, p in modules().items() if p.parent.name == "runners" and p.name != "__init__.py")
+def algorithms() -> list[str]:
+    """The algorithms' modules (rlnotes.algos, but its package and its registry of them all)."""
+    return sorted(m for m, p in modules().items()
+                  if p.parent.name == "algos" and p.stem not in ("__init__", "registry"))
 
 
 def closure_share(module: str) -> float:
@@ -304,11 +306,11 @@ def test_no_algo_name_comparison_outside_the_registry():
     assert algo_name_comparisons() == []
 
 
-def test_a_runner_can_be_imported_without_most_of_the_package():
+def test_an_algorithm_can_be_imported_without_most_of_the_package():
     """Importing an algorithm's module runs at most half the package's lines: it needs the notes,
     the engine and the training helpers it calls, not the data loaders, the reward functions, the
-    agents, the run dir's files or the commands."""
-    assert runners() and {r: f"{closure_share(r):.0%}" for r in runners() if closure_share(r) > MAX_CLOSURE} == {}
+    agents, the run dir's files, the other algorithms or the commands."""
+    assert algorithms() and {a: f"{closure_share(a):.0%}" for a in algorithms() if closure_share(a) > MAX_CLOSURE} == {}
 
 
 def test_no_function_takes_more_than_ten_parameters_outside_the_notes():
@@ -331,15 +333,16 @@ if __name__ == "__main__":
     print(f"modules: {len(modules())}; import circles: {len(circles(graph()))} "
           f"({', '.join(str(len(c)) for c in circles(graph())) or 'none'} modules)")
     print(f"upward imports: {len(upward())} (in the engine: {len(engine_upward())}); function-local imports of "
-          f"rlnotes modules: {local_imports()} ({len(undeferred_local_imports())} not deferring an optional dependency)")
+          f"rlnotes modules: {local_imports()} ({len(undeferred_local_imports())} not deferring an optional "
+          "dependency)")
     print(f"algo.name comparisons outside the registry: {len(algo_name_comparisons())}")
     print(f"largest file: {largest.relative_to(ROOT.parent)} ({len(largest.read_text().splitlines())} lines); "
           f"files over {MAX_FILE_LINES}: {len(long_files())}; functions over {MAX_FUNCTION_LINES}: {len(long_functions())}")
     package = sum(lines(p) for p in modules().values())
-    for runner in runners():
-        found = loaded(runner)
-        print(f"import {runner}: {len(found)} modules, {sum(lines(modules()[m]) for m in found):,} of the "
-              f"package's {package:,} lines ({closure_share(runner):.0%})")
+    for algo in algorithms():
+        found = loaded(algo)
+        print(f"import {algo}: {len(found)} modules, {sum(lines(modules()[m]) for m in found):,} of the "
+              f"package's {package:,} lines ({closure_share(algo):.0%})")
     print("longest signatures: " + "; ".join(f"{where.split(' ')[-1]} {n}" for n, where in signatures()[:6])
           + f"; over {MAX_PARAMETERS} outside rlnotes/notes: {len(long_signatures())}")
     print(f"modules importing the sampler only for a type: {len(sampler_type_imports())}")

@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 import yaml
 
+from rlnotes.algos.registry import REGISTRY
 from rlnotes.commands.check import check, loader
 from rlnotes.commands.check import members as job_members
 from rlnotes.commands.cli import UsageError, main
 from rlnotes.commands.launch import launcher_overrides
 from rlnotes.commands.sweep import optuna_history, seed_groups, summarize
 from rlnotes.run.records import RESULT_FILE, load_run, objective_metric, objective_value
-from rlnotes.runners import REGISTRY
 from tests.conftest import compose
 
 TINY = ["trainer.steps=2", "logging.progress=false", "trainer.save_every=0"]

@@ -54,7 +54,7 @@ def test_auto_says_when_torchs_default_comes_from_omp_num_threads(monkeypatch):
 def threads_in_run(tmp_path, *overrides):
     """torch.get_num_threads() inside the train step of a one-step tiny GRPO run, and the start line."""
     from rlnotes.commands.train import train
-    from rlnotes.runners import REGISTRY
+    from rlnotes.algos.registry import REGISTRY
 
     real, seen = REGISTRY["grpo"].train_step, []
 

@@ -8,7 +8,7 @@ for "what does this setting do, and what will my run use": `rlnotes config algo=
 keys with the values its preset gives them, and adding `algo` (or `trainer`, `model.lora.r`) keeps
 only those keys. `rlnotes train --help` stays Hydra's own (the config groups and the raw YAML), where
 neither meanings nor ranges have a place. It answers in about a second: it imports neither torch
-nor transformers, reading each algorithm's schema, ranges and options from its runner module's
+nor transformers, reading each algorithm's schema, ranges and options from its module's
 source (rlnotes.commands.declared). It lists, it does not check values: `rlnotes train` does.
 
 docs/config.md is `rlnotes config --markdown`: the same for the default run, and each algo= option's
@@ -77,7 +77,7 @@ class Section:
 
 def compose(overrides: List[str], config_dir: Optional[str] = None):
     """The loader and the config `rlnotes train OVERRIDES` would run (the hydra node included),
-    composed against the schemas as the runner modules declare them; a mistake is one UsageError line."""
+    composed against the schemas as the algorithm modules declare them; a mistake is one UsageError line."""
     store = ConfigStore.instance()
     store.store(name="train_schema", node=TrainConfig)
     for name, declared in declarations().items():
@@ -236,7 +236,7 @@ def markdown_sections(found: List[Section]) -> List[str]:
 INTRO = """Every key of the config `rlnotes train` composes: its value after the chosen presets (conf/), its
 type, its valid range or options, and what it means. The text is the comment above each field in
 the schemas (rlnotes/core/schema.py, data_schema.py, rollout_schema.py, and each algorithm's own in
-its module under rlnotes/runners/); a value out of range is refused with the first sentence of it.
+its module under rlnotes/algos/); a value out of range is refused with the first sentence of it.
 Set any key on the command line (`trainer.steps=100`) or in an experiment file (conf/experiment/).
 
 `rlnotes config [OVERRIDES...] [KEY...]` prints the same in a terminal for any composition:
@@ -263,21 +263,21 @@ def markdown(overrides: List[str] = (), config_dir: Optional[str] = None) -> str
 
 
 def _algorithms(loader, overrides: List[str], config_dir: Optional[str], base: List[Section]) -> List[str]:
-    """Each runner's algo section once, with the value each algo= option it serves gives a key, and
+    """Each algorithm's algo section once, with the value each algo= option it serves gives a key, and
     what else an option's preset sets (keys outside algo it changes)."""
     algos, values = declarations(), {s.key: s.value for section in base for s in section.settings}
-    runs: Dict[str, Dict[str, Any]] = {}  # runner -> {option: its composed sections}
+    runs: Dict[str, Dict[str, Any]] = {}  # algo.name -> {option: its composed sections}
     for option in hydra.group_options(loader, "algo"):
         _, cfg = compose([*overrides, f"algo={option}"], config_dir)
         runs.setdefault(cfg.algo.name, {})[option] = sections(cfg, algos[cfg.algo.name])
     first = next(iter(next(iter(runs.values())).values()))[0].settings
-    lines = ["", "## Algorithms", "", "The `algo` section of each `algo=` option (conf/algo/), grouped by the runner "
-             "that trains it (its module in rlnotes/runners/), with the value each option gives a key. Every "
-             "option sets these two:", "", *markdown_settings([dataclasses.replace(s, value="...") for s in first
+    lines = ["", "## Algorithms", "", "The `algo` section of each `algo=` option (conf/algo/), grouped by the "
+             "algorithm that trains it (its module in rlnotes/algos/), with the value each option gives a key. "
+             "Every option sets these two:", "", *markdown_settings([dataclasses.replace(s, value="...") for s in first
                                                                 if s.key in ("algo.preset", "algo.name")])]
-    for runner, options in runs.items():
-        lines += ["", f"### `{runner}`: " + ", ".join(f"`algo={o}`" for o in options), "",
-                  f"rlnotes/runners/{algos[runner].path.name}; default task: `{algos[runner].default_task}`."]
+    for name, options in runs.items():
+        lines += ["", f"### `{name}`: " + ", ".join(f"`algo={o}`" for o in options), "",
+                  f"rlnotes/algos/{algos[name].path.name}; default task: `{algos[name].default_task}`."]
         for option, found in options.items():
             also = [f"`{s.key}` = `{shown(s.value)}`" for section in found if section.key.split(".")[0] != "algo"
                     for s in section.settings if values.get(s.key) != s.value]

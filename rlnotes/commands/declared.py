@@ -1,16 +1,16 @@
-"""Each algorithm's declaration as its runner module states it, read from the module's source
+"""Each algorithm's declaration as its module (rlnotes/algos/) states it, read from the module's source
 without importing it: everything the config needs of it (its schema, ranges, choices, default task,
 whether it samples, its checks and batch arithmetic), for `rlnotes config` and for the check every
 command runs before anything heavy loads.
 
-A runner module imports torch and transformers (seconds), and listing or checking the settings
-needs none of that. So rlnotes/runners/*.py are read instead: the `ALGORITHM = Algorithm(...)`
+An algorithm's module imports torch and transformers (seconds), and listing or checking the settings
+needs none of that. So rlnotes/algos/*.py are read instead: the `ALGORITHM = Algorithm(...)`
 statement; the schema's class statement, run alone with the names a schema may use (dataclasses,
 typing, AlgoConfig, MISSING); `ranges=` and the other plain values as the literals they are; each
 `choices=` table by name, followed through the module's imports to the literal that defines it (its
 keys are the options); and the `check=` and `shape=` functions (and `group_relative=`), run alone
 with what they use: the module's imports of the standard library and rlnotes.core (light), and the
-module's own functions that use no more. The imported declarations (rlnotes.runners.REGISTRY) stay
+module's own functions that use no more. The imported declarations (rlnotes.algos.registry.REGISTRY) stay
 what trains; tests/test_config_command.py checks that both readings agree for every algorithm.
 """
 
@@ -48,7 +48,7 @@ FUNCTIONS = ("check", "shape", "group_relative")
 @dataclass(frozen=True)
 class Declared:
     name: str                          # algo.name
-    path: Path                         # its runner module
+    path: Path                         # its module in rlnotes/algos/
     schema: type                       # its schema's class, made from the class statement alone
     comments: Dict[str, str]           # {field: comment}, inherited fields' included
     ranges: Dict[str, str]             # as Algorithm.ranges
@@ -59,9 +59,9 @@ class Declared:
 
 @functools.lru_cache(maxsize=None)
 def declarations() -> Dict[str, Declared]:
-    """{algo.name: its declaration} of every runner module that declares ALGORITHM."""
+    """{algo.name: its declaration} of every module of rlnotes/algos/ that declares ALGORITHM."""
     found = {}
-    for path in sorted((PACKAGE / "runners").glob("*.py")):
+    for path in sorted((PACKAGE / "algos").glob("*.py")):
         tree = ast.parse(path.read_text(encoding="utf-8"))
         call = next((node.value for node in tree.body if isinstance(node, ast.Assign)
                      and [getattr(t, "id", None) for t in node.targets] == ["ALGORITHM"]), None)
@@ -73,7 +73,7 @@ def declarations() -> Dict[str, Declared]:
 
 def algorithm(name: str) -> Algorithm:
     """The declaration of the algorithm that algo.name names, to check a config with (one line
-    listing the names when it names none); rlnotes.runners.algorithm gives the one that trains."""
+    listing the names when it names none); rlnotes.algos.registry.algorithm gives the one that trains."""
     found = declarations()
     check_choice("algo.name", name, found)
     return found[name].algorithm
@@ -99,14 +99,14 @@ def _declared(path: Path, tree: ast.Module, keywords: Dict[str, ast.expr]) -> De
 
 
 def _not_imported(ctx) -> Dict[str, float]:
-    raise RuntimeError("a declaration read from its runner's source checks configs; train with the imported "
-                       "one (rlnotes.runners.algorithm)")
+    raise RuntimeError("a declaration read from its module's source checks configs; train with the imported "
+                       "one (rlnotes.algos.registry.algorithm)")
 
 
 def _schema(path: Path, tree: ast.Module, name: str) -> type:
-    """The schema class `name` of a runner module, its class statement run alone."""
+    """The schema class `name` of an algorithm's module, its class statement run alone."""
     node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name)
-    namespace = {**SCHEMA_NAMES, "__name__": f"rlnotes.runners.{path.stem}"}
+    namespace = {**SCHEMA_NAMES, "__name__": f"rlnotes.algos.{path.stem}"}
     # dont_inherit: annotations are evaluated here, as types, not left as strings to look up later.
     code = compile(ast.Module(body=[node], type_ignores=[]), str(path), "exec", dont_inherit=True)
     try:
@@ -121,13 +121,13 @@ def _schema(path: Path, tree: ast.Module, name: str) -> type:
 
 
 class _Code:
-    """The code of a runner module that a declaration names (its check, its shape), run alone: with
+    """The code of an algorithm's module that a declaration names (its check, its shape), run alone: with
     the module's imports of the standard library and rlnotes.core, and the module's own top-level
     functions and constants that they use, as the module would run them."""
 
     def __init__(self, path: Path, tree: ast.Module):
         self.path, self.tree = path, tree
-        self.namespace: Dict[str, Any] = {"__name__": f"rlnotes.runners.{path.stem}"}
+        self.namespace: Dict[str, Any] = {"__name__": f"rlnotes.algos.{path.stem}"}
         for node in tree.body:
             if isinstance(node, ast.ImportFrom) and node.level == 0 and _light(node.module) \
                     and node.module != "__future__" or isinstance(node, ast.Import) and all(

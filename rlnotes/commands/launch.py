@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
+from rlnotes.algos.registry import algorithm
 from rlnotes.commands import hydra
 from rlnotes.commands.rundirs import job_dir_override, pin_dirs
 from rlnotes.commands.usage import UsageError
@@ -19,7 +20,6 @@ from rlnotes.core.errors import TrainingError
 from rlnotes.engine.hardware import distributed
 from rlnotes.engine.hardware.devices import resolve_device
 from rlnotes.run.records import objective_metric
-from rlnotes.runners import algorithm
 
 
 def torchrun_command(nproc: int, argv: List[str]) -> List[str]:

@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from rlnotes.agents.environments import EnvironmentFailure
+from rlnotes.algos.registry import algorithm
 from rlnotes.commands import hydra
 from rlnotes.commands.check import check_args
 from rlnotes.commands.launch import (
@@ -42,7 +43,6 @@ from rlnotes.run.records import (
     write_result,
 )
 from rlnotes.run.signals import resume_command
-from rlnotes.runners import algorithm
 from rlnotes.training import loop
 
 

@@ -3,7 +3,7 @@ choices and ranges, the algorithm's own checks, data, rewards, engine and batch 
 checks that need several floors (data, rewards, trackers, checkpoints) meet here, above them.
 
 Light: it imports neither torch nor transformers (a mistake is one line in about a second, not
-after the seconds they take), so the algorithms are their declarations as their runner modules
+after the seconds they take), so the algorithms are their declarations as their modules
 state them (rlnotes.commands.declared), and a check that needs a heavy library imports it when a
 setting asks for it (rollout.engine=vllm, trainer.resume=PATH, reward=model)."""
 
@@ -219,7 +219,7 @@ SCHEMA = "train_schema"
 
 def register() -> None:
     """Store the schemas where conf/ finds them: the run's (train_schema) and each algorithm's
-    (algo_<name>_schema, pulled in by conf/algo/<preset>.yaml), as its runner module declares it."""
+    (algo_<name>_schema, pulled in by conf/algo/<preset>.yaml), as its module declares it."""
     store = ConfigStore.instance()
     store.store(name=SCHEMA, node=TrainConfig)
     for name, declared in declarations().items():

@@ -1,4 +1,4 @@
-"""What an algorithm declares about itself, in one object: the registry (rlnotes.runners) is built
+"""What an algorithm declares about itself, in one object: the registry (rlnotes.algos.registry) is built
 from these declarations, and every other floor asks the declaration instead of comparing names."""
 
 from __future__ import annotations

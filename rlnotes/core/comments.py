@@ -1,7 +1,7 @@
 """The comment above each field of a config schema: the one text that explains a setting.
 
 A field's comment is the run of `#` lines directly above it in its dataclass (rlnotes/core/schema.py,
-rollout_schema.py, each algorithm's schema in its runner module). Its first sentence says what the
+rollout_schema.py, each algorithm's schema in its module in rlnotes/algos/). Its first sentence says what the
 setting is, short enough to close an error line (`algo.beta=-0.1 must be at least 0 (...)`); what
 follows is detail: units, what null means, the paper's value. `rlnotes config` and docs/config.md
 print the whole comment, range errors its first sentence. Read from the .py source, which ships in
@@ -56,7 +56,7 @@ def comments(schema: type) -> Dict[str, str]:
 
 def source_file(cls: type) -> str:
     """The .py file a class is written in. An algorithm's schema made from its class statement alone
-    (rlnotes.commands.declared: its runner module is not imported) names it in __source_file__."""
+    (rlnotes.commands.declared: its module is not imported) names it in __source_file__."""
     return vars(cls).get("__source_file__") or inspect.getsourcefile(cls)
 
 

@@ -2,7 +2,7 @@
 
 Hydra merges the YAML files of `conf/` into these dataclasses, so a misspelled key or a value of
 the wrong type fails at composition, before any model loads. Each algorithm's own section
-(`algo`) is declared by its runner module (rlnotes.runners) on AlgoConfig, the data and rollout
+(`algo`) is declared by its algorithm module (rlnotes.algos) on AlgoConfig, the data and rollout
 sections in data_schema.py and rollout_schema.py beside this file; string options that name a
 choice are checked by rlnotes.commands.validate against the tables that define them. The comment
 above each field is what the setting means (rlnotes.core.comments; `rlnotes config` lists them).
@@ -20,22 +20,22 @@ from rlnotes.core.data_schema import DataConfig
 from rlnotes.core.rollout_schema import RolloutConfig
 
 # ---------------------------------------------------------------------------------------------
-# algo: the fields every algorithm's schema has; the rest is the algorithm's own (rlnotes.runners).
+# algo: the fields every algorithm's schema has; the rest is the algorithm's own (rlnotes.algos).
 
 
 @dataclass
 class AlgoConfig:
     # The algo= option this config came from (conf/algo/<preset>.yaml: rloo, dapo, dr_grpo, ...): the
-    # name run dirs and the start line give the run. `name` is the runner that serves it (rloo is
-    # REINFORCE with baseline=group). null = the runner's name.
+    # name run dirs and the start line give the run. `name` is the algorithm that serves it (rloo is
+    # REINFORCE with baseline=group). null = that algorithm's name.
     preset: Optional[str] = None
-    # The algorithm that runs: a runner of rlnotes.runners, whose schema gives the rest of this
+    # The algorithm that runs: a module of rlnotes.algos, whose schema gives the rest of this
     # section (each schema sets its own name as the default).
     name: str = MISSING
 
 
 def preset_name(algo) -> str:
-    """The algorithm a run is named for: the algo= option the user chose, else its runner."""
+    """The algorithm a run is named for: the algo= option the user chose, else the algorithm serving it."""
     return algo.get("preset") or algo.name
 
 
@@ -329,7 +329,7 @@ class SFTWarmupConfig:
 
 @dataclass
 class TrainConfig:
-    # The algorithm and its settings (algo=grpo, ppo, ...: conf/algo/); its keys are its runner's schema.
+    # The algorithm and its settings (algo=grpo, ppo, ...: conf/algo/); its keys are its module's schema.
     algo: Any = MISSING
     # The policy model and its LoRA adapter (model=tiny, smollm2-135m: conf/model/).
     model: ModelConfig = field(default_factory=ModelConfig)

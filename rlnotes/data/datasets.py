@@ -56,7 +56,7 @@ def read(cfg) -> Data:
 
 def load_task(cfg) -> Split:
     """(train rows, eval rows) of the data config `cfg`: a built-in task, a file or a hub dataset,
-    normalised to the rows the runners read."""
+    normalised to the rows the algorithms read."""
     return read(cfg).split()
 
 

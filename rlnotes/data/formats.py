@@ -1,5 +1,5 @@
 """Rows of a file or hub dataset in the shapes the Hugging Face ecosystem gives them (TRL's
-dataset formats), checked and normalised to the rows the runners read (rlnotes.data.tasks).
+dataset formats), checked and normalised to the rows the algorithms read (rlnotes.data.tasks).
 
 Accepted shapes (after `data.columns` renames the source's columns to ours):
   prompt                          plain text, or a conversation: a list of {role, content} messages
@@ -132,7 +132,7 @@ def describe(value) -> str:
 
 
 def normalise_row(row: Row, table: Table, i: int) -> Row:
-    """One row in the shape the runners read (see the module docstring); other columns kept."""
+    """One row in the shape the algorithms read (see the module docstring); other columns kept."""
     row = dict(row)
     where = lambda column: table.where(i, column)  # noqa: E731
     if "prompt" not in row and "messages" in row:

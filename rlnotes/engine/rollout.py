@@ -1,6 +1,6 @@
 """A batch of samples, as every floor holds it: N = prompts x G completions, each prompt's G next to
 each other, prompts left-padded and completions right-padded. The sampler makes them
-(rlnotes.engine.sampling), the runners train on them, the rewards and the agents read them.
+(rlnotes.engine.sampling), the algorithms train on them, the rewards and the agents read them.
 """
 
 from __future__ import annotations

@@ -58,7 +58,7 @@ def _plain(args) -> dict:
     return OmegaConf.to_container(args, resolve=True) if isinstance(args, DictConfig) else dict(args)
 
 
-# Metrics the runners write under reward/; no function's metric may take these names.
+# Metrics the algorithms write under reward/; no function's metric may take these names.
 RESERVED = ("mean", "std", "zero_std_frac", "failures", "baseline", "resample_rounds")
 
 
@@ -73,11 +73,11 @@ def metric_names(fns: Sequence[str], names: Sequence[Optional[str]]) -> List[str
     """Each function's metric name (reward/<name>): its configured `name`, else the last part of
     its import path, lengthened part by part while another function's name is the same ("a.score"
     and "b.score" rather than "score" twice); the same function twice gets "_2", "_3", ...
-    Names the runners use under reward/ (RESERVED) are never taken."""
+    Names the algorithms use under reward/ (RESERVED) are never taken."""
     given = [n for n in names if n]
     for n in given:
         if n in RESERVED or given.count(n) > 1:
-            why = "a metric the runners write" if n in RESERVED else "given to two functions"
+            why = "a metric the algorithms write" if n in RESERVED else "given to two functions"
             raise ConfigError(f"reward function name {n!r} is {why}; choose another name")
     parts = [_name_parts(fn) for fn in fns]
     depth = [1] * len(fns)

@@ -4,9 +4,9 @@ A checkpoint is the state at the end of a step, after its metrics row was writte
 
   adapter_model.safetensors ...  the policy as Policy.save writes it (a peft adapter dir, or a full
                                  model dir with model.lora=null), loadable like final/
-  <head>.safetensors             each head a runner trains beside the policy (value_head, reward_head)
+  <head>.safetensors             each head an algorithm trains beside the policy (value_head, reward_head)
   trainer_state.pt               optimizer and scheduler state, the RNG states (python, torch CPU,
-                                 CUDA, the sampling generator) and the runner's cross-step state
+                                 CUDA, the sampling generator) and the algorithm's cross-step state
                                  (Context.cache); plain tensors and numbers, read with weights_only.
                                  Under FSDP the optimizer state is a list of every rank's shards,
                                  so such a checkpoint resumes on as many FSDP processes
@@ -57,7 +57,7 @@ from rlnotes.run.steplogs import last_logged
 # run), their bytes cannot be.
 FORMAT = 2
 READABLE_FORMATS = (1, 2)
-# Run.cache entries (training.context) a runner rebuilds on first use and that are not saved: DPO's reference
+# Run.cache entries (training.context) an algorithm rebuilds on first use and that are not saved: DPO's reference
 # log-probs (a function of the fixed reference model and the data, and as large as the train set).
 RECOMPUTED = frozenset({"ref", "eval_ref"})
 
@@ -88,7 +88,7 @@ def rng_state(generator: torch.Generator, device: torch.device) -> Dict[str, obj
 
 def capture(run, sampler, device: torch.device) -> Boundary:
     """The boundary state now of the run (training.context.Run: its step counters, random stream
-    and runner state) and of its data `sampler` (copies: later steps do not change it)."""
+    and the algorithm's state) and of its data `sampler` (copies: later steps do not change it)."""
     cache = {k: copy.deepcopy(v) for k, v in run.cache.items() if k not in RECOMPUTED}
     return Boundary(run.step, run.bad_steps, sampler.state_dict(), rng_state(run.generator, device), cache)
 

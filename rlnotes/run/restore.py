@@ -199,7 +199,7 @@ def load_policy(policy, path: Path) -> None:
 def load(ctx, path: Path, manifest: Dict[str, object]) -> None:
     """Restore into the run `ctx` (training.context.Context) everything but the weights (load_policy,
     before FSDP shards them) and the heads (the caller adds those first, so that the optimizer has
-    their parameter groups): optimizer, scheduler, RNG, data position, runner state."""
+    their parameter groups): optimizer, scheduler, RNG, data position, the algorithm's state."""
     state = torch.load(path / STATE, map_location="cpu", weights_only=True)
     model, run = ctx.model, ctx.run
     saved_by = manifest.get("optimizer_shards")

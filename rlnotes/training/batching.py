@@ -1,4 +1,4 @@
-"""Micro-batches: one path for every runner. A batch is cut into index chunks of at most
+"""Micro-batches: one path for every algorithm. A batch is cut into index chunks of at most
 trainer.micro_batch_size rows or, without it, of at most a token budget a pass
 (trainer.micro_batch_tokens, or trainer.micro_batch_memory GiB of activations as tokens); each
 chunk's loss, times its weight, is its share of the global batch's loss (every rank's rows), so

@@ -1,4 +1,4 @@
-"""What the train loop and a runner's steps share, in typed parts: what the run is and where it
+"""What the train loop and an algorithm's steps share, in typed parts: what the run is and where it
 stands (Run), what trains (Model), the data and rewards (Data), how batches are sampled (Rollouts)
 and the run dir and logging (Output). rlnotes.training.setup makes them; a helper takes the parts or
 the values it reads, so that its signature says what it depends on.
@@ -44,7 +44,7 @@ class Run:
     # An optimizer update has run since the last completed step: a stop now cannot go back to that
     # step's state (see signals.StopSignals); set by optimizer_step, cleared by the train loop.
     updating: bool = False
-    # A runner's own state kept across steps (e.g. REINFORCE's running-mean baseline): plain numbers,
+    # An algorithm's own state kept across steps (e.g. REINFORCE's running-mean baseline): plain numbers,
     # strings and tensors, saved in checkpoints (see rlnotes.run.checkpoint.RECOMPUTED for what is not).
     cache: Dict[str, object] = field(default_factory=dict)
     # The current step's wall times, `time/<name>_s` (see timed).
@@ -89,7 +89,7 @@ class Model:
     lr: float                      # optim.lr, which a head joins at
     lr_factor: Callable[[int], float]   # the schedule: optimizer step -> factor of lr
     max_grad_norm: Optional[float]      # optim.max_grad_norm
-    # Modules a runner trains beside the policy (a reward model's scalar head), made on its first
+    # Modules an algorithm trains beside the policy (a reward model's scalar head), made on its first
     # step and added with add_head: clipped with the policy, saved next to it as <name>.safetensors.
     heads: Dict[str, torch.nn.Module] = field(default_factory=dict)
 
@@ -156,8 +156,8 @@ class Output:
 
 @dataclass
 class Context:
-    """What the train loop and a runner's steps share: the composed config (a runner reads its own
-    algo section) and the parts."""
+    """What the train loop and an algorithm's steps share: the composed config (an algorithm reads
+    its own algo section) and the parts."""
     cfg: DictConfig
     run: Run
     model: Model

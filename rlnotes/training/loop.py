@@ -169,7 +169,7 @@ def open_run(ctx: Context, algo: Algorithm, resume_from: Optional[Path]) -> None
 
 def resume(ctx: Context, path: Path) -> None:
     """Load a checkpoint into a context set up from it (setup loaded the policy's weights): heads
-    first (they join the optimizer), then optimizer, scheduler, RNG, data position and runner state."""
+    first (they join the optimizer), then optimizer, scheduler, RNG, data position and the algorithm's state."""
     manifest = checkpoint.read_manifest(path)
     for name, head in restore.load_heads(path, manifest, ctx.model.device).items():
         ctx.model.add_head(name, head, ctx.run.step)

@@ -1,4 +1,4 @@
-"""The optimizer step every runner (and the SFT warm-up) calls once its gradients are in place, and
+"""The optimizer step every algorithm (and the SFT warm-up) calls once its gradients are in place, and
 the learning-rate schedule it follows."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The sampler shared by every runner that samples: G completions of each prompt.
+"""The sampler shared by every algorithm that samples: G completions of each prompt.
 
 G completions per prompt, batched with left-padded prompts and a KV cache. Each prompt is
 encoded once and its cache copied G times; a finished sequence leaves the batch, so no

@@ -60,7 +60,7 @@ from rlnotes.training.sampling import (
 class PPOConfig(AlgoConfig):
     name: str = "ppo"
     # Completions sampled per prompt, G. InstructGPT samples 1; any G works, and 4 keeps the batch
-    # shape of the other runners: 32 completions per batch by default.
+    # shape of the other algorithms: 32 completions per batch by default.
     group_size: int = 4
     # The weight of the KL penalty; 0 turns it off. PPO's is a per-token KL(pi || pi_ref) penalty in
     # the reward (InstructGPT: 0.02); at 0 the reference pass is skipped.

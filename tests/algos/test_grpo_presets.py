@@ -7,9 +7,9 @@ import pytest
 import torch
 from rich.console import Console
 
+from rlnotes.algos import grpo
 from rlnotes.commands.train import train
 from rlnotes.notes import informative_groups
-from rlnotes.runners import grpo
 from tests.conftest import compose
 
 

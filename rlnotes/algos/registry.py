@@ -1,9 +1,7 @@
-"""The algorithms, one module each, and the registry built from their declarations.
-
-Each module reads like its algorithm (a `train_step(ctx) -> metrics`) and ends with its
-`ALGORITHM`: its config schema, default task, batch arithmetic, checks and evaluation (see
-rlnotes.core.algorithm.Algorithm). The registry takes every module of this package that declares
-one, so adding an algorithm is one module here and its YAML in conf/algo/.
+"""The registry of the algorithms, built from their declarations: every module of rlnotes.algos that
+declares an ALGORITHM (its config schema, default task, batch arithmetic, checks and evaluation;
+see rlnotes.core.algorithm.Algorithm), so adding an algorithm is one module there and its YAML in
+conf/algo/.
 """
 
 from __future__ import annotations
@@ -12,14 +10,17 @@ import importlib
 import pkgutil
 from typing import Dict
 
+import rlnotes.algos as algos
 from rlnotes.core.algorithm import Algorithm
 from rlnotes.core.checks import check_choice
 
 
 def _declared() -> Dict[str, Algorithm]:
     found = {}
-    for info in pkgutil.iter_modules(__path__):
-        declaration = getattr(importlib.import_module(f"{__name__}.{info.name}"), "ALGORITHM", None)
+    for info in pkgutil.iter_modules(algos.__path__):
+        if info.name == __name__.rsplit(".", 1)[1]:
+            continue
+        declaration = getattr(importlib.import_module(f"{algos.__name__}.{info.name}"), "ALGORITHM", None)
         if isinstance(declaration, Algorithm):
             found[declaration.name] = declaration
     return found

@@ -86,7 +86,7 @@ def mean_baseline(state: dict, returns: torch.Tensor, momentum: float) -> torch.
     return torch.full_like(returns, b)
 
 
-# algo.baseline -> b per completion [N] from the algo section, the runner's state kept across steps
+# algo.baseline -> b per completion [N] from the algo section, the algorithm's state kept across steps
 # and the returns G_0 [N]; "value" subtracts V(s_t) per token on top of a zero here, from the same
 # forward pass as the log-probs.
 BASELINES = {

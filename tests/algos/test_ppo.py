@@ -8,8 +8,9 @@ from statistics import median
 import pytest
 from rich.console import Console
 
+from rlnotes.algos import ppo
+from rlnotes.algos.registry import REGISTRY
 from rlnotes.commands.train import train
-from rlnotes.runners import REGISTRY, ppo
 from rlnotes.training.setup import setup
 from tests.conftest import compose, record_passes
 

@@ -83,7 +83,7 @@ def test_same_seed_same_run(tmp_path):
 
 def test_non_finite_loss_skips_updates_then_stops(tmp_path, monkeypatch):
     from rlnotes.core.errors import TrainingError
-    from rlnotes.runners import grpo
+    from rlnotes.algos import grpo
 
     real = grpo.grpo_loss
 
@@ -106,7 +106,8 @@ def test_final_policy_is_saved(tmp_path):
 def test_ctrl_c_keeps_the_policy_and_the_metrics(tmp_path, monkeypatch):
     import dataclasses
 
-    from rlnotes.runners import REGISTRY, grpo
+    from rlnotes.algos import grpo
+    from rlnotes.algos.registry import REGISTRY
 
     real, calls = grpo.train_step, []
 

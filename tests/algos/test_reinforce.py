@@ -7,9 +7,9 @@ import pytest
 import torch
 from rich.console import Console
 
+from rlnotes.algos.reinforce import mean_baseline
 from rlnotes.commands.train import train
 from rlnotes.notes.reinforce import leave_one_out_baseline, terminal_rewards
-from rlnotes.runners.reinforce import mean_baseline
 from tests.conftest import compose
 
 

@@ -7,7 +7,7 @@ For each batch of pairs (x, y_w, y_l), micro-batch by micro-batch:
      (Eq. 1), head and adapter together, one optimizer step per batch;
   3. report how often r(y_w) > r(y_l), on the batch and, every trainer.eval_every steps, on held-out pairs.
 Rewards are defined up to a constant (only differences enter the loss); InstructGPT normalises
-them afterwards so that the demonstrations score 0 on average; this runner does not.
+them afterwards so that the demonstrations score 0 on average; this module does not.
 With several processes each rank takes 1/N of the pairs; every mean is over the global batch.
 """
 
