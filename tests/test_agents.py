@@ -329,7 +329,9 @@ def test_builtin_tables():
 
 
 def test_load_tools_builtin_and_from_a_file(tmp_path, monkeypatch):
-    (tmp_path / "my_tools.py").write_text(textwrap.dedent('''
+    # Not my_tools.py: the module a file loads stays in sys.modules under the file's name, and
+    # docs/agents.md's my_tools, run later in the same process, would find this one instead.
+    (tmp_path / "shouting_tools.py").write_text(textwrap.dedent('''
         def shout(text: str) -> str:
             """Upper-case a text.
 
@@ -342,10 +344,10 @@ def test_load_tools_builtin_and_from_a_file(tmp_path, monkeypatch):
             return x
     '''))
     monkeypatch.chdir(tmp_path)
-    calc, shout = load_tools(["calculator", "my_tools.py:shout"])
+    calc, shout = load_tools(["calculator", "shouting_tools.py:shout"])
     assert calc is calculator and shout("hi") == "HI"
     with pytest.raises(ConfigError, match=r"^rollout.tools: tool 'bare' cannot be described"):
-        load_tools(["my_tools.py:bare"])
+        load_tools(["shouting_tools.py:bare"])
 
 
 @pytest.mark.parametrize("spec, says", [
