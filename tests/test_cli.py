@@ -89,6 +89,11 @@ def _options(group):
 
 @pytest.mark.parametrize("override, expected", [
     ("algo=foo", f"algo=foo is not an option; choose one of: {_options('algo')}"),
+    # A hub id or path where a preset's name goes (Hydra reads model=ORG/NAME as the group model/ORG).
+    ("model=HuggingFaceTB/SmolLM2-135M", "model=HuggingFaceTB/SmolLM2-135M: model= takes a preset, one of: "
+     f"{_options('model')}; to load HuggingFaceTB/SmolLM2-135M give model.name_or_path=HuggingFaceTB/SmolLM2-135M"),
+    ("data=runs/rows.jsonl", "to load runs/rows.jsonl give data.path=runs/rows.jsonl"),
+    ("algo=a/b", f"algo=a/b: algo= takes a preset, one of: {_options('algo')}"),
     ("trainer.foo=1", "trainer.foo is not a setting; valid keys under trainer: steps, batch_size"),
     ("data.eval_pth=x.jsonl", "data.eval_pth is not a setting; did you mean data.eval_path? valid keys under data:"),
     ("optim.lr=abc", "optim.lr: Value 'abc' of type 'str' could not be converted to Float"),

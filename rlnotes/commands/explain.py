@@ -40,6 +40,10 @@ def explain(exc: BaseException, configs, overrides: List[str], config_name: str 
         return _in_file(problem, file, configs, overrides, config_name)
     key = problem.key
     if problem.kind == "missing_option":
+        top, _, rest = problem.group.partition("/")
+        if rest and not hydra.group_options(configs, problem.group) and hydra.group_options(configs, top):
+            # group=ORG/NAME: Hydra reads a sub-group of `top`; a hub id or a path goes to a key
+            return _path_given_as_preset(top, f"{rest}/{problem.option}", hydra.group_options(configs, top))
         options = hydra.group_options(configs, problem.group)
         extra = SWEEP_EXTRA if problem.group in ("hydra/sweeper", "hydra/launcher") else ""
         return f"{problem.group}={problem.option} is not an option; choose one of: {', '.join(options)}{extra}"
@@ -64,6 +68,17 @@ def explain(exc: BaseException, configs, overrides: List[str], config_name: str 
     if problem.kind == "unreadable":
         return unreadable(problem.line, overrides)
     return problem.line + (f" (key: {key})" if key else "")
+
+
+# The key that takes a name or path where a config group takes a preset's name.
+PATH_KEYS = {"model": "model.name_or_path", "data": "data.path"}
+
+
+def _path_given_as_preset(group: str, value: str, options: List[str]) -> str:
+    """`group=a/b`: a preset's name was expected; the key that takes a hub id or a path, if any."""
+    key = PATH_KEYS.get(group)
+    to = f"; to load {value} give {key}={value}" if key else ""
+    return f"{group}={value}: {group}= takes a preset, one of: {', '.join(options)}{to}"
 
 
 def unreadable(line: str, overrides: List[str]) -> str:
