@@ -240,3 +240,19 @@ def test_eval_command_names_the_policies_of_a_run_dir_given_as_the_policy(tmp_pa
         f"rlnotes: error: eval.policy={tmp_path} holds neither a LoRA adapter (adapter_config.json) nor a whole model "
         "(config.json); give a run's final/ dir (RUN_DIR/final) or a checkpoint (RUN_DIR/checkpoints/step_N)")
     assert not (tmp_path / "ev").exists()
+
+
+def test_eval_command_output_keeps_long_paths_whole_when_piped(tmp_path, capsys):
+    """stdout and stderr captured (not a terminal: rich's 80 columns): the line naming what was
+    evaluated on which rows, and the one naming the results' dir, each keep their paths whole."""
+    long = tmp_path / ("a_dir_with_a_long_name_" * 5)
+    long.mkdir()
+    path = long / "rows.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"Say a {i}", "letter": "a"}) + "\n" for i in range(3)))
+    out = long / "evaluation"
+    assert main(["eval", f"data.path={path}", f"data.eval_path={path}", "reward=letters",
+                 f"eval.out={out}"]) == 0
+    said = capsys.readouterr()
+    assert f"tiny on {path} (3 completions)" in said.out.splitlines(), said.out
+    assert any("eval/accuracy" in line for line in said.out.splitlines())
+    assert f"config.yaml, eval.jsonl and samples.jsonl written to {out}" in said.err.splitlines(), said.err

@@ -164,3 +164,13 @@ def test_exporting_a_run_dir_names_the_policy_to_pass(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"rlnotes: error: POLICY_DIR={run} is a run's dir, not a policy it saved; give {run / 'final'}"]
     assert not (tmp_path / "out").exists()
+
+
+def test_export_says_where_it_wrote_on_one_line_when_piped(tmp_path, capsys):
+    """stderr captured (not a terminal, where rich wraps at 80 columns): the line naming a long
+    OUT_DIR keeps the path whole, so a log or CI output greps for it."""
+    run, _ = _trained_run(tmp_path)
+    out = tmp_path / ("an_output_dir_with_a_long_name_" * 4) / "model"
+    assert main(["export", str(run / "final"), str(out)]) == 0
+    lines = capsys.readouterr().err.splitlines()
+    assert any(line.startswith(f"exported {run / 'final'} ") and line.endswith(f"-> {out}") for line in lines), lines

@@ -42,6 +42,7 @@ from rlnotes.engine.policy.policy import Policy
 from rlnotes.rewards.builtin import REWARDS
 from rlnotes.rewards.scoring import RewardFailure, Rewards, TrainerState
 from rlnotes.run import config_file, files, rundir
+from rlnotes.run.display import stdout_console
 from rlnotes.training.evaluation import (
     Evaluation,
     checker_config,
@@ -89,16 +90,25 @@ def main(argv: List[str]) -> int:
     except (ConfigError, RewardFailure, EnvironmentFailure) as e:
         console.print(f"[red]rlnotes: error:[/] {e}")
         return INPUT_ERROR if isinstance(e, ConfigError) else 1  # the user's input, as for a usage error
-    table = Table(title=f"{cfg.eval.policy or cfg.model.name_or_path} on "
-                        f"{cfg.data.eval_path or cfg.data.path or cfg.data.name} "
-                        f"({len(evaluation.samples)} completions)")
+    show(cfg, evaluation)
+    console.print(f"config.yaml, eval.jsonl and samples.jsonl written to {out}")
+    return 0
+
+
+def show(cfg, evaluation: Evaluation) -> None:
+    """What was evaluated on which rows, then the metrics as a table, on stdout. The first is a line of
+    its own (a table's title wraps at the table's width) and stdout is wide when piped
+    (stdout_console): its paths stay whole in a log file or CI output, where grep finds them."""
+    console = stdout_console()
+    what, rows = cfg.eval.policy or cfg.model.name_or_path, cfg.data.eval_path or cfg.data.path or cfg.data.name
+    console.print(f"{what} on {rows} ({len(evaluation.samples)} completions)", soft_wrap=True, highlight=False,
+                  markup=False)
+    table = Table()
     table.add_column("metric")
     table.add_column("value", justify="right")
     for key, value in evaluation.metrics.items():
         table.add_row(key, f"{value:.4g}")
-    Console().print(table)
-    console.print(f"config.yaml, eval.jsonl and samples.jsonl written to {out}")
-    return 0
+    console.print(table)
 
 
 def with_run_settings(cfg, overrides: List[str]):

@@ -167,7 +167,8 @@ def main(argv: List[str]) -> int:
                         help="dtype of the saved weights (default float32)")
     args = parser.parse_args(argv)
     try:
-        export(args.policy, args.out, args.dtype, Console(stderr=True))
+        # soft_wrap: a message is one line (its paths whole) however narrow the screen, or a pipe's 80 columns.
+        export(args.policy, args.out, args.dtype, Console(stderr=True, soft_wrap=True))
     except ConfigError as e:
         raise UsageError(str(e)) from None
     return 0

@@ -24,13 +24,13 @@ from rlnotes.commands.sweep import (
     objective_sense,
     optuna_history,
     print_summary,
-    stdout_console,
     summarize,
     sweep_sections,
     write_summary,
 )
 from rlnotes.commands.usage import Parser, UsageError
 from rlnotes.run import files, places
+from rlnotes.run.display import stdout_console
 from rlnotes.run.records import (
     OPTUNA_FILE,
     Run,

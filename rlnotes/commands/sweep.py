@@ -9,7 +9,6 @@ from __future__ import annotations
 import csv
 import io
 import math
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -17,10 +16,10 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import yaml
 from hydra.experimental.callback import Callback
 from omegaconf import OmegaConf
-from rich.console import Console
 from rich.table import Table
 
 from rlnotes.run import files
+from rlnotes.run.display import stdout_console
 from rlnotes.run.records import (
     KEY_METRICS,
     OPTUNA_FILE,
@@ -223,12 +222,6 @@ def write_summary(summary: Summary, out_dir: Path, sections: Sequence[str] = ())
     note = f"sorted by {summary.sort_by}, best first\n\n" if summary.sort_by else ""
     files.write_text(md, note + to_markdown(summary) + "".join(f"\n{section}" for section in sections))
     return [md, write_csv(summary, out_dir / "summary.csv")]
-
-
-def stdout_console():
-    """A rich console on stdout; when stdout is not a terminal (a log file, a pipe) it is wide
-    enough that a table keeps one line per run."""
-    return Console() if sys.stdout.isatty() else Console(width=240)
 
 
 def print_summary(summary: Summary, console=None, title: Optional[str] = None) -> None:

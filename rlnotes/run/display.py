@@ -6,6 +6,7 @@ end-of-run summary. rlnotes.run.logger decides when each is shown.
 from __future__ import annotations
 
 import math
+import sys
 import time
 from pathlib import Path
 from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence
@@ -41,6 +42,12 @@ KEY_METRICS = (
     ("policy/entropy", "entropy", None),
     ("completion/len_mean", "length", None),
 )
+
+
+def stdout_console() -> Console:
+    """A rich console on stdout; when stdout is not a terminal (a log file, a pipe, CI) it is wide
+    enough that a table keeps one line per row, and a line printed with soft_wrap stays whole."""
+    return Console() if sys.stdout.isatty() else Console(width=240)
 
 
 def fmt(value: Optional[float]) -> str:
