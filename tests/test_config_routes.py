@@ -172,3 +172,34 @@ def test_a_value_set_again_after_the_users_file_is_not_blamed_on_it(tmp_path):
     assert setter([file], [], "algo.group_size", OmegaConf.create({"algo": {"group_size": 8}})) is None
     assert setter([file], ["algo.group_size=3"], "algo.group_size") is None  # the command line's
     assert setter([file], ["algo={group_size: 3}"], "algo.group_size") is None
+
+
+def test_a_config_dir_that_does_not_exist_is_one_line_and_nothing_is_made(conf, capsys):
+    """Hydra's own check came after the run dir was made (and exited 1): now one line, exit 2."""
+    assert refused(capsys, "--config-dir", "nope") == "--config-dir: no such directory: nope"
+    (conf.parent / "afile").write_text("")
+    assert refused(capsys, "--config-dir", "afile") == "--config-dir: not a directory: afile"
+    assert not (conf.parent / "outputs").exists()
+
+
+def test_a_config_name_the_dir_lacks_lists_the_yaml_files_it_has(conf, capsys):
+    (conf / "mine.yaml").write_text(MINE_HEAD)
+    (conf / "other.yaml").write_text(MINE_HEAD)
+    assert refused(capsys, "--config-dir", "myconf", "--config-name", "mien") == (
+        "--config-name mien: no mien.yaml in --config-dir myconf; its YAML files: mine.yaml, other.yaml; did you mean "
+        "--config-name mine?")
+    assert refused(capsys, "--config-name", "mine") == (
+        "--config-name mine: no such config; add --config-dir DIR, the dir that holds mine.yaml")
+
+
+@pytest.mark.parametrize("where, argv, body, line", [
+    ("mine.yaml", ["--config-name", "mine"], "defaults:\n  - config\n  - override algo: grpoo\n  - _self_\n", 3),
+    ("mine.yaml", ["--config-name", "mine"], "defaults:\n  - config\n  - _self_\n  - algo: grpoo\n", 4),
+    ("experiment/port.yaml", ["experiment=port"], "# @package _global_\ndefaults:\n  - override /algo: grpoo\n", 3),
+])
+def test_a_bad_preset_in_a_users_defaults_list_names_the_file_and_line(conf, capsys, where, argv, body, line):
+    (conf / where).write_text(body)
+    err = refused(capsys, "--config-dir", "myconf", *argv)
+    assert err.startswith(f"myconf/{where}, line {line}: algo=grpoo is not an option; choose one of: dapo, dpo,"), err
+    assert refused(capsys, "--config-dir", "myconf", *argv, "algo=ppoo").startswith(
+        "algo=ppoo is not an option")  # the command line's own choice is named as itself

@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 from rlnotes.commands import hydra
 from rlnotes.commands.explain import explain
 from rlnotes.commands.usage import UsageError
-from rlnotes.commands.userfiles import without_defaults
+from rlnotes.commands.userfiles import missing_primary, without_defaults
 from rlnotes.commands.validate import SCHEMA, register, resolve_auto, validate
 from rlnotes.core.errors import ConfigError
 
@@ -32,6 +32,8 @@ def check(overrides: List[str], multirun: bool, config_dir: Optional[str],
     settings of the run that trained its policy). Returns the composed configs (with their hydra
     node), one per job."""
     configs, name = loader(config_dir), config_name or "config"
+    if not hydra.has_config(configs, name):
+        raise UsageError(missing_primary(name, config_dir))
     jobs = []
     try:
         job_overrides = members(overrides, multirun, configs, name)

@@ -35,18 +35,12 @@ def explain(exc: BaseException, configs, overrides: List[str], config_name: str 
         where = _value_source(str(exc), configs, overrides, config_name, composed)
         return f"{where}: {exc}" if where else str(exc)
     problem = hydra.read_error(exc)
+    if problem.kind == "missing_option":
+        return _not_an_option(problem, configs, overrides, config_name)
     file = hydra.user_file(configs, problem.config) if problem.config else None
     if file is not None:
         return _in_file(problem, file, configs, overrides, config_name)
     key = problem.key
-    if problem.kind == "missing_option":
-        top, _, rest = problem.group.partition("/")
-        if rest and not hydra.group_options(configs, problem.group) and hydra.group_options(configs, top):
-            # group=ORG/NAME: Hydra reads a sub-group of `top`; a hub id or a path goes to a key
-            return _path_given_as_preset(top, f"{rest}/{problem.option}", hydra.group_options(configs, top))
-        options = hydra.group_options(configs, problem.group)
-        extra = SWEEP_EXTRA if problem.group in ("hydra/sweeper", "hydra/launcher") else ""
-        return f"{problem.group}={problem.option} is not an option; choose one of: {', '.join(options)}{extra}"
     if problem.kind == "unknown_key":
         parent, _, _ = key.rpartition(".")
         named = lambda o: o.lstrip("+~").split("=", 1)[0]  # noqa: E731  (the key an override sets)
@@ -79,6 +73,24 @@ def _path_given_as_preset(group: str, value: str, options: List[str]) -> str:
     key = PATH_KEYS.get(group)
     to = f"; to load {value} give {key}={value}" if key else ""
     return f"{group}={value}: {group}= takes a preset, one of: {', '.join(options)}{to}"
+
+
+def _not_an_option(problem: hydra.Problem, configs, overrides: List[str], config_name: str) -> str:
+    """An option a group lacks, with the group's options; where a defaults list of the user's chose it
+    (not the command line), that file and line first."""
+    top, _, rest = problem.group.partition("/")
+    if rest and not hydra.group_options(configs, problem.group) and hydra.group_options(configs, top):
+        # group=ORG/NAME: Hydra reads a sub-group of `top`; a hub id or a path goes to a key
+        return _path_given_as_preset(top, f"{rest}/{problem.option}", hydra.group_options(configs, top))
+    options = hydra.group_options(configs, problem.group)
+    extra = SWEEP_EXTRA if problem.group in ("hydra/sweeper", "hydra/launcher") else ""
+    line = f"{problem.group}={problem.option} is not an option; choose one of: {', '.join(options)}{extra}"
+    chosen = [o.lstrip("+~").split("=", 1) for o in overrides if "=" in o]
+    if [problem.group, problem.option] in chosen:
+        return line
+    roots = [config_name] + [f"{group}/{option}" for group, option in chosen]
+    where = userfiles.chooser(configs, roots, problem.group, problem.option)
+    return f"{where}: {line}" if where else line
 
 
 def unreadable(line: str, overrides: List[str]) -> str:

@@ -52,6 +52,9 @@ def config_loader(config_dir: Optional[str]) -> ConfigLoaderImpl:
     # no --config-dir; its config loader composes standalone on the search path hydra.main builds
     # (Hydra's configs, a --config-dir, ours), the hydra node included, and lists a group's options.
     search = create_automatic_config_search_path(None, None, f"pkg://{CONFIG_MODULE}")
+    if config_dir and not os.path.isdir(config_dir):  # Hydra's own check comes late, after the run dir is made
+        what = "not a directory" if os.path.exists(config_dir) else "no such directory"
+        raise UsageError(f"--config-dir: {what}: {config_dir}")
     if config_dir:
         search.prepend("command-line", f"file://{os.path.abspath(config_dir)}")
     return ConfigLoaderImpl(config_search_path=search)
@@ -80,6 +83,13 @@ def user_file(loader: ConfigLoaderImpl, config: str) -> Optional[Path]:
         if source.is_config(config):
             return Path(source.path) / f"{config}.yaml" if source.scheme() == "file" else None
     return None
+
+
+def has_config(loader: ConfigLoaderImpl, config: str) -> bool:
+    """Whether some source on the search path holds config `config` (mine, or mine.yaml as Hydra
+    takes it too)."""
+    name = config.removesuffix(".yaml")
+    return any(source.is_config(name) for source in loader.get_sources())
 
 
 def includes(loader: ConfigLoaderImpl, overrides: List[str], config_name: str, config: str) -> bool:

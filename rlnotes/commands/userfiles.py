@@ -6,14 +6,16 @@ composition read (rlnotes.commands.hydra.user_files)."""
 
 from __future__ import annotations
 
+import difflib
 import functools
 import re
 from pathlib import Path
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from rlnotes.commands import hydra
 from rlnotes.commands.hydra import UserFile
 
 _INDEX = re.compile(r"\[\d+\]")
@@ -144,3 +146,58 @@ def without_defaults(file: Path) -> str:
     return (f"{shown(file)} does not start from rlnotes' settings: put `defaults: [config, _self_]` on its first "
             "line (rlnotes' config, then this file's values over it; docs/runs.md, 'Your own config file')")
 
+
+
+def missing_primary(name: str, config_dir: Optional[str]) -> str:
+    """A --config-name that no config dir holds: the YAML files the --config-dir does hold (the names
+    --config-name takes), the closest first when one is close."""
+    stem = name.removesuffix(".yaml")
+    if not config_dir:
+        return f"--config-name {name}: no such config; add --config-dir DIR, the dir that holds {stem}.yaml"
+    found = sorted(p.name for p in Path(config_dir).glob("*.yaml"))
+    if not found:
+        return f"--config-name {name}: no {stem}.yaml in --config-dir {config_dir}, which holds no YAML files"
+    close = difflib.get_close_matches(stem, [Path(f).stem for f in found], n=1)
+    hint = f"; did you mean --config-name {close[0]}?" if close else ""
+    return f"--config-name {name}: no {stem}.yaml in --config-dir {config_dir}; its YAML files: {', '.join(found)}{hint}"
+
+
+def _defaults(path: Path, group: str) -> List[Tuple[str, Optional[str], int]]:
+    """(group, option, line) of each `group: option` entry of the file's defaults list (`override`
+    and `optional` taken off, a package `@pkg` too); a group is relative to the file's own (`group`)
+    unless it starts with /."""
+    try:
+        root = yaml.compose(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return []
+    items = next((v.value for k, v in root.value if k.value == "defaults" and isinstance(v, yaml.SequenceNode)), []) \
+        if isinstance(root, yaml.MappingNode) else []
+    out = []
+    for item in items:
+        if not (isinstance(item, yaml.MappingNode) and len(item.value) == 1 and isinstance(item.value[0][1],
+                                                                                          yaml.ScalarNode)):
+            continue
+        key, value = item.value[0]
+        name = key.value.split()[-1].split("@")[0]  # "optional override /algo@x" -> "/algo"
+        full = name[1:] if name.startswith("/") else f"{group}/{name}" if group else name
+        out.append((full, None if value.value in ("null", "~", "") else value.value, key.start_mark.line + 1))
+    return out
+
+
+def chooser(configs, roots: Sequence[str], group: str, option: str) -> Optional[str]:
+    """'FILE, line N' of the user's defaults-list entry that chooses `option` for `group` (`- algo:
+    grpoo`, `- override /algo: grpoo`): in the configs `roots` (the primary, the command line's
+    choices) when they are the user's files, and in the user's files their defaults lists choose."""
+    todo, seen = list(roots), set()
+    while todo:
+        config = todo.pop(0)
+        path = hydra.user_file(configs, config)
+        if path is None or path in seen:
+            continue
+        seen.add(path)
+        for entry_group, entry_option, line in _defaults(path, config.rpartition("/")[0]):
+            if (entry_group, entry_option) == (group, option):
+                return f"{shown(path)}, line {line}"
+            if entry_option is not None:
+                todo.append(f"{entry_group}/{entry_option}")
+    return None
