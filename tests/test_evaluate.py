@@ -256,3 +256,51 @@ def test_eval_command_output_keeps_long_paths_whole_when_piped(tmp_path, capsys)
     assert f"tiny on {path} (3 completions)" in said.out.splitlines(), said.out
     assert any("eval/accuracy" in line for line in said.out.splitlines())
     assert f"config.yaml, eval.jsonl and samples.jsonl written to {out}" in said.err.splitlines(), said.err
+
+
+def test_eval_of_a_run_that_held_out_nothing_says_its_rows_were_trained_on(tmp_path, capsys):
+    """A run on a whole file (no eval split, no trainer.eval_every) holds nothing out; `rlnotes eval`
+    of its policy holds out 10% of that file, rows the run trained on: one line says so, on the
+    console and in eval.jsonl. Rows of an eval file of their own, or a run that held rows out, are
+    held-out figures and get no such line."""
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"Say a {i}", "letter": "a"}) + "\n" for i in range(20)))
+    common = [f"data.path={path}", "reward=letters", "trainer.steps=1", "trainer.batch_size=4",
+              "logging.progress=false"]
+    assert main(["train", *common, f"hydra.run.dir={tmp_path / 'whole'}"]) == 0
+    assert main(["train", *common, "data.eval_size=4", f"hydra.run.dir={tmp_path / 'held'}"]) == 0
+    capsys.readouterr()
+    note = (f"note: the policy's run trained on every row of {path} (it held none out), these eval rows included, so "
+            "these scores are not held-out figures; evaluate on rows it never saw (data.eval_path=FILE), or hold rows "
+            "out when training (data.eval_size=N, or data.eval_path=FILE)")
+    assert main(["eval", f"eval.policy={tmp_path / 'whole' / 'final'}", f"eval.out={tmp_path / 'ev'}"]) == 0
+    assert note in capsys.readouterr().err.splitlines()
+    assert json.loads((tmp_path / "ev" / "eval.jsonl").read_text())["note"] == note.removeprefix("note: ")
+    other = tmp_path / "other.jsonl"
+    other.write_text(path.read_text())
+    for policy, extra in (("whole", [f"data.eval_path={other}"]), ("held", [])):
+        out = tmp_path / f"ev_{policy}"
+        assert main(["eval", f"eval.policy={tmp_path / policy / 'final'}", f"eval.out={out}", *extra]) == 0
+        assert "note:" not in capsys.readouterr().err
+        assert "note" not in json.loads((out / "eval.jsonl").read_text())
+
+
+def test_seen_in_training_follows_how_the_run_held_rows_out():
+    """Data.held_out's rule, read from two data configs: the run held none out of the rows the
+    evaluation holds its eval rows out of."""
+    from omegaconf import OmegaConf
+
+    from rlnotes.core.data_schema import DataConfig
+    from rlnotes.data.fitting import seen_in_training
+
+    def data(**settings):
+        return OmegaConf.merge(OmegaConf.structured(DataConfig), {"source": "hub", "name": "org/set", **settings})
+
+    assert seen_in_training(data(), False, data())                           # nothing held out, nothing evaluated
+    assert not seen_in_training(data(), True, data())                        # the run held out the default 10%
+    assert not seen_in_training(data(eval_size=5), False, data(eval_size=5))
+    assert seen_in_training(data(eval_size=0), False, data(eval_size=5))
+    assert seen_in_training(data(eval_split="test"), True, data())           # trained on all of train, eval on its rows
+    assert not seen_in_training(data(), False, data(eval_split="test"))      # rows of a split of their own
+    assert not seen_in_training(data(), False, data(split="validation"))     # other rows
+    assert not seen_in_training(data(source="task", name="arith"), False, data(source="task", name="arith"))

@@ -25,6 +25,7 @@ from typing import Dict, List, Optional, Tuple
 
 from omegaconf import OmegaConf, open_dict
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from rlnotes.agents.builtin import ENVIRONMENTS, TOOLS
@@ -35,6 +36,7 @@ from rlnotes.commands.check import check
 from rlnotes.core.errors import INPUT_ERROR, ConfigError
 from rlnotes.core.schema import saved_run_config
 from rlnotes.data.datasets import load_checked
+from rlnotes.data.fitting import evaluates, seen_in_training
 from rlnotes.engine.hardware.devices import configure_backends, mixed_precision, resolve_device
 from rlnotes.engine.hardware.threads import set_threads
 from rlnotes.engine.model.loading import context_length, load_base
@@ -165,12 +167,18 @@ def check_trust(cfg, trained, given: List[str]) -> None:
 
 
 def run(cfg, console) -> Tuple[Evaluation, Path]:
-    """Claim the output dir, load the policy, evaluate it on the task's eval split, write the results."""
+    """Claim the output dir, load the policy, evaluate it on the task's eval split, write the results;
+    when the eval rows are rows the policy trained on, a line that says so (`seen_note`) goes on the
+    console and into eval.jsonl as its "note"."""
     out, made = claim_out(cfg.eval.out)
     try:
         evaluation = _evaluate(cfg, console, out)
+        note = seen_note(cfg)
+        if note is not None:
+            console.print(f"[yellow]note:[/] {escape(note)}", highlight=False)
         files.write_text(out / "samples.jsonl", "".join(json.dumps(s, default=str) + "\n" for s in evaluation.samples))
-        files.write_text(out / "eval.jsonl", json.dumps({"step": 0, **evaluation.metrics}) + "\n")
+        files.write_text(out / "eval.jsonl", json.dumps({"step": 0, **evaluation.metrics,
+                                                          **({"note": note} if note else {})}) + "\n")
     except BaseException as e:
         _unclaim(out, made)
         if isinstance(e, OSError) and e.errno in (*files.FULL, errno.EACCES, errno.EROFS, errno.EPERM):
@@ -178,6 +186,22 @@ def run(cfg, console) -> Tuple[Evaluation, Path]:
                               "dir (eval.out=DIR)") from None
         raise
     return evaluation, out
+
+
+def seen_note(cfg) -> Optional[str]:
+    """A line for eval rows that eval.policy's run trained on (rlnotes.data.fitting.seen_in_training: a
+    run on a file or hub split that held none of its rows out, evaluated on rows held out of them
+    now), with how to get held-out figures; None otherwise."""
+    trained = saved_run_config(cfg.eval.policy) if cfg.eval.policy else None
+    if trained is None or "data" not in trained:
+        return None
+    d = eval_data(cfg)
+    if not seen_in_training(trained.data, evaluates(trained), d):
+        return None
+    source = d.path if d.source == "file" else d.name
+    return (f"the policy's run trained on every row of {source} (it held none out), these eval rows included, so "
+            "these scores are not held-out figures; evaluate on rows it never saw (data.eval_path=FILE), or hold "
+            "rows out when training (data.eval_size=N, or data.eval_path=FILE)")
 
 
 def _evaluate(cfg, console, out: Path) -> Evaluation:

@@ -6,13 +6,14 @@ the model's positions refused, then the eval rows held out of the train rows.
 from __future__ import annotations
 
 import json
+import os
 import random
 from dataclasses import dataclass, replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from rlnotes.core.errors import ConfigError
 from rlnotes.data.formats import ANSWER_COLUMNS, Table
-from rlnotes.data.settings import system_prompt
+from rlnotes.data.settings import own_eval_rows, system_prompt
 from rlnotes.data.tasks import Row, Split
 from rlnotes.engine.prompts import Prompt, encode_prompts
 
@@ -60,6 +61,28 @@ def default_held_out(n: int) -> int:
     """Rows a file or hub dataset of n rows without an eval split holds out when the run evaluates
     and data.eval_size is null: 10%, at least 1 (of 2 or more rows) and at most 200."""
     return min(DEFAULT_EVAL_ROWS, max(n // 10, 1 if n >= 2 else 0))
+
+
+def seen_in_training(trained, trained_evaluates: bool, d) -> bool:
+    """Whether the eval rows of data config `d` are rows that a run on data config `trained` trained
+    on: `d` holds them out of a file's or hub split's rows (Data.split), and the run, on those same
+    rows, held none out (its eval rows came from elsewhere, data.eval_size=0, or by default because
+    it did not evaluate: `trained_evaluates` false; see Data.held_out)."""
+    if d.source == "task" or own_eval_rows(d) or not _same_rows(trained, d):
+        return False
+    return own_eval_rows(trained) or trained.eval_size == 0 or (trained.eval_size is None and not trained_evaluates)
+
+
+def _same_rows(a, b) -> bool:
+    """Whether data configs `a` and `b` read the same train rows: one file, or one hub split."""
+    if a.source != b.source:
+        return False
+    if a.source == "hub":
+        return (a.name, a.subset, a.split) == (b.name, b.subset, b.split)
+    try:
+        return os.path.samefile(a.path, b.path)
+    except OSError:  # one is gone: the paths as given decide
+        return os.path.abspath(a.path) == os.path.abspath(b.path)
 
 
 def _key(prompt: Prompt) -> str:

@@ -36,6 +36,12 @@ def prompt_format(cfg) -> PromptFormat:
     return PromptFormat(cfg.model.chat_template, system_prompt(cfg))
 
 
+def own_eval_rows(d) -> bool:
+    """Whether a file or hub dataset (data config `d`) takes its eval rows from a source of their own
+    (data.eval_path, a hub's data.eval_split) rather than holding them out of its train rows."""
+    return d.eval_path is not None or (d.source == "hub" and d.eval_split is not None)
+
+
 def check_data_config(d, trainer) -> None:
     """The data settings `d` a schema type cannot check, before anything loads, with the trainer
     settings they must agree with (trainer.batch_size, trainer.eval_every)."""
@@ -66,8 +72,7 @@ def check_data_config(d, trainer) -> None:
         raise ConfigError(f"data.max_prompt_len={d.max_prompt_len} must be at least 1 (tokens), or null for none")
     if d.eval_size is not None and d.eval_size < 0:
         raise ConfigError(f"data.eval_size={d.eval_size} must be 0 or more (or null: the default)")
-    held_out = d.eval_path is not None or (d.source == "hub" and d.eval_split is not None)
-    if d.eval_size == 0 and not held_out and trainer.eval_every:
+    if d.eval_size == 0 and not own_eval_rows(d) and trainer.eval_every:
         raise ConfigError(f"trainer.eval_every={trainer.eval_every} evaluates held-out rows and data.eval_size=0 "
                           "holds out none; set data.eval_size to 1 or more (or null), give data.eval_path (a hub "
                           "dataset: data.eval_split) or set trainer.eval_every=null")
