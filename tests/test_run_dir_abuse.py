@@ -6,10 +6,11 @@ run wrote and checks that nothing of it is lost or silently changed: a command t
 overwrite it is refused in one line, and a damaged checkpoint is named and set aside, never
 deleted or used.
 
-98 abuses (test cases), by section: reusing a run or sweep dir 11; two processes 2; SIGKILL at
+102 abuses (test cases), by section: reusing a run or sweep dir 11; two processes 2; SIGKILL at
 each phase 8; damaged checkpoints 28; torn step logs 5; links, hard-linked copies, lock files,
 checkpoints, policies, run folders, files, unwritable and not-a-run dirs given as run dirs, fewer
-steps than the checkpoint, a second sweep into a sweep dir in use or into a run, changed data 34; rlnotes eval
+steps than the checkpoint, a second sweep into a sweep dir in use or into a run, changed data 34; a run
+that fails before it starts, in a dir it made or one the user named 4; rlnotes eval
 into a run, into another evaluation, from inside a run, unwritable, of a pruned checkpoint, of a shared
 run's code 10.
 """
@@ -607,6 +608,49 @@ def test_a_dir_that_holds_something_else_than_a_run_is_refused(tmp_path, capsys,
     code, err = cli(capsys, run_dir, "trainer.steps=1", *resume)
     assert code == 2 and len(err.strip().splitlines()) == 1 and message in err, err
     assert snapshot(run_dir) == before
+
+
+@pytest.mark.parametrize("mistake, says", [
+    ("data.path=missing.jsonl", "data.path=missing.jsonl: no such file"),
+    ("data.path=bad.jsonl", "bad.jsonl line 2, column 15: not valid JSON"),
+])
+def test_a_run_that_fails_before_it_starts_leaves_no_dir_it_made(tmp_path, capsys, monkeypatch, mistake, says):
+    """Before: an input error found when the run starts left outputs/DATE/TIME-ALGO holding Hydra's
+    .hydra/, an empty train.log and the lock, which `rlnotes plot outputs/*/*` then tripped over. The
+    dirs the command made go (outputs/ and DATE/ too, when it made them and they are empty); a dir
+    already there keeps what it holds."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "a", "letter": "a"}\n{"prompt": "b"\n')
+    argv = ["train", *SETTINGS, "trainer.steps=1", "reward=letters", mistake]
+    for earlier in (None, tmp_path / "outputs" / "2020-01-01" / "12-00-00-grpo"):
+        if earlier is not None:
+            earlier.mkdir(parents=True)
+            (earlier / "notes.txt").write_text("mine\n")
+        with pytest.raises(SystemExit) as stop:
+            main(argv)
+        assert stop.value.code == 2 and says in capsys.readouterr().err
+        assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == (
+            ["bad.jsonl"] if earlier is None else
+            ["bad.jsonl", "outputs", "outputs/2020-01-01", "outputs/2020-01-01/12-00-00-grpo",
+             "outputs/2020-01-01/12-00-00-grpo/notes.txt"])
+
+
+@pytest.mark.parametrize("held", [{}, {".hydra/keep.yaml": "mine\n", "earlier.log": "an earlier attempt\n"}])
+def test_a_dir_the_user_named_keeps_what_it_held_when_the_run_fails_before_it_starts(tmp_path, capsys, held):
+    """A new (empty, or holding only what Hydra leaves before a run) dir given as hydra.run.dir: after
+    an input error it still exists and holds what it held; what this command added at its top (the
+    job log, the lock) goes, and the dir is a new one for the next attempt."""
+    run_dir = tmp_path / "mine"
+    run_dir.mkdir()
+    for name, text in held.items():
+        (run_dir / name).parent.mkdir(exist_ok=True)
+        (run_dir / name).write_text(text)
+    before = snapshot(run_dir)
+    code, err = cli(capsys, run_dir, "trainer.steps=1", "reward=letters", f"data.path={tmp_path / 'missing.jsonl'}")
+    assert code == 2 and "missing.jsonl: no such file" in err, err
+    assert run_dir.is_dir() and before.items() <= snapshot(run_dir).items()
+    assert sorted(p.name for p in run_dir.iterdir()) == sorted({name.split("/")[0] for name in held})
+    assert rundir.contents(run_dir) == "new"
 
 
 @pytest.mark.parametrize("kind", ["a file", "read-only"])

@@ -34,6 +34,7 @@ from rlnotes.commands.validate import register, resolve_auto
 from rlnotes.core.errors import INPUT_ERROR, ConfigError, SaveFailed, TrainingError
 from rlnotes.engine.hardware import distributed
 from rlnotes.rewards.scoring import RewardFailure
+from rlnotes.run import rundir
 from rlnotes.run.checkpoint import checkpoints
 from rlnotes.run.records import (
     METRICS_FILE,
@@ -124,6 +125,8 @@ def train_job(cfg) -> Optional[float]:
         if not isinstance(e, (ConfigError, SaveFailed)):  # a setting is fixed anew; SaveFailed says how
             _resume_hint(console, run_dir)
         if not member:  # a setting, the data or the hardware: the user's input, as for a usage error
+            if distributed.world_size() == 1:  # a run that never started leaves no empty dir (a sweep's
+                rundir.discard_unstarted(run_dir)  # member keeps its result.json: the summary's row)
             sys.exit(INPUT_ERROR if isinstance(e, ConfigError) else 1)
         error = str(e)
     except KeyboardInterrupt:  # however it stopped (loading, a step, a save, a sweep member): how to go on

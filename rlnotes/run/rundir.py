@@ -22,10 +22,12 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import itertools
 import json
 import os
+import shutil
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Set, Tuple
 
 import yaml
 
@@ -178,6 +180,9 @@ def _check_steps(resume, steps: int) -> None:
 # One owner per run dir.
 
 _OWNED: Dict[str, int] = {}  # run dirs this process holds the lock of: resolved path -> lock file descriptor
+# What taking a dir's lock found (`own`, `discard_unstarted`): resolved path -> (the dirs it made, the
+# run dir first and then those above it; the names the run dir held when it was there already).
+_FOUND: Dict[str, Tuple[List[Path], Optional[Set[str]]]] = {}
 
 
 def _holds(fd: int, lock: Path) -> bool:
@@ -204,11 +209,14 @@ def own(run_dir: Path, elsewhere: str = "start this run in another dir (hydra.ru
         if _holds(_OWNED[key], lock):
             return
         os.close(_OWNED.pop(key))  # the dir was deleted and made anew since
+    made = list(itertools.takewhile(lambda p: not p.exists(), [run_dir, *run_dir.parents]))
     try:
+        held = None if made else set(os.listdir(run_dir))
         run_dir.mkdir(parents=True, exist_ok=True)
         fd = _locked(run_dir, lock, elsewhere)
     except OSError as e:
         raise ConfigError(_lock_problem(run_dir, lock, e)) from None
+    _FOUND[key] = (made, held)
     files.detach_tree(run_dir, skip=(CHECKPOINTS, "final", "interrupted"), deep=deep)
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
@@ -267,6 +275,39 @@ def release(run_dir: Path) -> None:
     fd = _OWNED.pop(str(Path(run_dir).resolve()), None)
     if fd is not None:
         os.close(fd)
+
+
+def discard_unstarted(run_dir: Path) -> bool:
+    """Remove what this process added to `run_dir` since it first took its lock, when no run wrote
+    there (`contents` is still "new": Hydra's .hydra/ and job log and the lock alone): the dir, and
+    the empty dirs above it, when this process made it; else only the entries it added, so that a
+    dir the user named keeps all it held. Whether anything went. A run that never started has
+    nothing of value; one that wrote its config.yaml, a row or a checkpoint is never touched."""
+    key = str(Path(run_dir).resolve())
+    found = _FOUND.pop(key, None)
+    if found is None:
+        return False
+    try:
+        own(run_dir)  # no other process may start in it while it goes
+    except ConfigError:
+        return False
+    finally:
+        _FOUND.pop(key, None)
+    made, before = found
+    try:
+        if contents(run_dir) != "new":
+            return False
+        for name in [name for name in os.listdir(run_dir) if before is None or name not in before]:
+            path = Path(run_dir) / name
+            shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+        for path in made:  # the run dir first, then those above it this process made, while empty
+            try:
+                path.rmdir()
+            except OSError:
+                break
+        return True
+    finally:
+        release(run_dir)
 
 
 def check_owner(run_dir: Path) -> None:
