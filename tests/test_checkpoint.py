@@ -4,8 +4,10 @@ bad resume settings fail in one line before any model loads."""
 
 import dataclasses
 import importlib
+import io
 import json
 import random
+import shutil
 import signal
 
 import pytest
@@ -14,6 +16,7 @@ from omegaconf import OmegaConf
 from rich.console import Console
 
 import rlnotes
+from rlnotes.algos import grpo
 from rlnotes.algos.registry import REGISTRY
 from rlnotes.commands.cli import UsageError
 from rlnotes.commands.train import train
@@ -158,6 +161,36 @@ def test_a_finished_run_extends_and_a_path_carries_its_history(tmp_path):
     assert [r["step"] for r in rows(tmp_path / "short")] == [1, 2, 3]  # the source run is left alone
     # A run dir also works as the path: its latest checkpoint.
     assert restore.resolve(str(tmp_path / "long")) == tmp_path / "long" / "checkpoints" / "step_000006"
+
+
+def test_optimizer_settings_changed_on_resume_apply_from_the_checkpoints_step(tmp_path, monkeypatch):
+    """trainer.resume=auto optim.lr=1e-4 on a run trained at 3e-5: before, the optimizer's rate and the
+    schedule's base came back from the checkpoint and the new rate was ignored. Now every setting the
+    user changed is in the optimizer from the resumed step, at the schedule's position there: linear
+    over 4 steps, step 3 (after 2) runs at lr (1 - 2/4), step 4 at lr (1 - 3/4)."""
+    seen = []
+
+    def step(ctx):
+        group = ctx.model.optimizer.param_groups[0]
+        seen.append((group["lr"], group["betas"], group["eps"], group["weight_decay"]))
+        return grpo.train_step(ctx)
+
+    monkeypatch.setitem(REGISTRY, "grpo", dataclasses.replace(REGISTRY["grpo"], train_step=step))
+    common = ("trainer.steps=4", "optim.schedule=linear")
+    run(tmp_path, *common, "optim.lr=3e-5", "trainer.save_every=2")
+    assert [r["optim/lr"] for r in rows(tmp_path)] == pytest.approx([3e-5, 3e-5 * 0.75, 3e-5 * 0.5, 3e-5 * 0.25])
+    shutil.rmtree(tmp_path / "final")
+    shutil.rmtree(tmp_path / "checkpoints" / "step_000004")  # the run as if it had stopped after step 2
+    seen.clear()
+    console = Console(file=io.StringIO(), width=500)
+    train(compose("logging.progress=false", "trainer.batch_size=4", *common, "optim.lr=1e-4", "optim.beta1=0.8",
+                  "optim.weight_decay=0.1", "trainer.resume=auto"), tmp_path, console)
+    assert seen == [(pytest.approx(1e-4 * 0.5), (0.8, 0.999), 1e-8, 0.1), (pytest.approx(1e-4 * 0.25), (0.8, 0.999),
+                                                                           1e-8, 0.1)]
+    assert [r["optim/lr"] for r in rows(tmp_path)][2:] == pytest.approx([1e-4 * 0.5, 1e-4 * 0.25])
+    said = console.file.getvalue()
+    assert (f"resuming from {tmp_path / 'checkpoints' / 'step_000002'} at step 2; optim.lr 3e-05 -> 0.0001, "
+            "optim.weight_decay 0.0 -> 0.1, optim.beta1 0.9 -> 0.8 from step 2") in said, said
 
 
 def test_resuming_an_earlier_checkpoint_drops_later_rows_and_checkpoints(tmp_path):

@@ -19,6 +19,7 @@ from rlnotes.run import checkpoint, config_file, files, restore, rundir, signals
 from rlnotes.run.logger import passed_multiple
 from rlnotes.training.context import Context
 from rlnotes.training.evaluation import eval_metrics
+from rlnotes.training.optimizer import apply_settings, changed_settings
 from rlnotes.training.setup import open_logger, setup
 from rlnotes.training.warmup import warming_up, warmup_step
 
@@ -158,7 +159,9 @@ def open_run(ctx: Context, algo: Algorithm, resume_from: Optional[Path]) -> None
         step = checkpoint.read_manifest(resume_from)["step"]
         notes += steplogs.carry_logs(resume_from.parent.parent, run_dir, step)
         dropped = restore.drop_later(run_dir, step)
+        changed = changed_settings(resume_from, cfg.optim)  # applied by `resume`
         console.print(f"resuming from {escape(str(resume_from))} at step {step}"
+                      + (f"; {', '.join(changed)} from step {step}" if changed else "")
                       + (f"; later checkpoints dropped: {', '.join(p.name for p in dropped)}" if dropped else ""),
                       highlight=False)
     for note in notes:
@@ -169,11 +172,14 @@ def open_run(ctx: Context, algo: Algorithm, resume_from: Optional[Path]) -> None
 
 def resume(ctx: Context, path: Path) -> None:
     """Load a checkpoint into a context set up from it (setup loaded the policy's weights): heads
-    first (they join the optimizer), then optimizer, scheduler, RNG, data position and the algorithm's state."""
+    first (they join the optimizer), then optimizer, scheduler, RNG, data position and the algorithm's
+    state; optimizer settings this run changes (optim.lr, ...) then apply from the checkpoint's step."""
     manifest = checkpoint.read_manifest(path)
     for name, head in restore.load_heads(path, manifest, ctx.model.device).items():
         ctx.model.add_head(name, head, ctx.run.step)
     restore.load(ctx, path, manifest)
+    if changed_settings(path, ctx.cfg.optim):
+        apply_settings(ctx.model, ctx.cfg.optim)
 
 
 def capture(ctx: Context) -> checkpoint.Boundary:

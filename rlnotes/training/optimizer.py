@@ -1,13 +1,15 @@
-"""The optimizer step every algorithm (and the SFT warm-up) calls once its gradients are in place, and
-the learning-rate schedule it follows."""
+"""The optimizer step every algorithm (and the SFT warm-up) calls once its gradients are in place, the
+learning-rate schedule it follows, and the optimizer settings a resumed run changes."""
 
 from __future__ import annotations
 
 import math
 import warnings
-from typing import TYPE_CHECKING, Callable, Dict
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Dict, List
 
 import torch
+from omegaconf import OmegaConf
 
 from rlnotes.core.errors import TrainingError
 from rlnotes.engine.hardware import distributed
@@ -61,3 +63,27 @@ def schedule(cfg) -> Callable[[int], float]:
     o, start = cfg.optim, cfg.sft_warmup.steps
     factor = lr_lambda(o.schedule, o.warmup_steps, cfg.trainer.steps - start)
     return lambda step: factor(max(step - start, 0))
+
+
+# The optim settings a resumed run takes from its own config rather than the checkpoint's optimizer
+# and scheduler state (which hold the rate, betas, eps and weight decay they were saved with).
+RESUMABLE = ("lr", "weight_decay", "beta1", "beta2", "eps", "warmup_steps", "schedule")
+
+
+def changed_settings(checkpoint: Path, o) -> List[str]:
+    """"optim.KEY old -> new" for each RESUMABLE setting of this run's optim section `o` that differs
+    from that of the run which saved `checkpoint` (its config.yaml)."""
+    saved = OmegaConf.select(OmegaConf.load(Path(checkpoint) / "config.yaml"), "optim", default=None) or {}
+    return [f"optim.{key} {saved[key]} -> {o[key]}" for key in RESUMABLE if key in saved and saved[key] != o[key]]
+
+
+def apply_settings(model: Model, o) -> None:
+    """This run's optimizer settings `o` (its optim section) over those restored from a checkpoint, from
+    its step on: every parameter group's betas, eps, weight decay and base rate optim.lr, and the
+    schedule rebuilt at the step it had reached (so the rate now is optim.lr times this run's schedule
+    there); Adam's moments and the schedule's position carry over. A user who changes a setting on
+    resume means it; a resume that changes none never calls this, and stays exact."""
+    for group in model.optimizer.param_groups:
+        group.update(initial_lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
+    model.scheduler = torch.optim.lr_scheduler.LambdaLR(model.optimizer, model.lr_factor,
+                                                        last_epoch=model.scheduler.last_epoch - 1)
