@@ -6,9 +6,11 @@ For each batch of preference pairs (x, y_w, y_l), micro-batch by micro-batch:
   2. log pi(y|x) for y_w and y_l in one forward pass of the policy (both halves in one batch);
   3. minimise the mean over pairs of -log sigma(beta [log pi/pi_ref (y_w) - log pi/pi_ref (y_l)])
      (Eq. 7), one optimizer step per batch;
-  4. report the implicit rewards r = beta log pi/pi_ref (Eq. 5) and how often r(y_w) > r(y_l),
-     on the batch and, every trainer.eval_every steps, on held-out pairs
-     (the train loop's schedule: before the first step, then after every N steps and the last).
+  4. report the implicit rewards r = beta log pi/pi_ref (Eq. 5), how often r(y_w) > r(y_l) (strict, as
+     TRL counts it) and how often they tie exactly, on the batch and, every trainer.eval_every steps,
+     on held-out pairs (the train loop's schedule: before the first step, then after every N steps and
+     the last). Before the first update the policy is the reference: every r is exactly 0, every pair
+     a tie, and the accuracy 0 (dpo/ties, eval/dpo_ties: 1).
 With several processes each rank takes 1/N of the pairs; every mean is over the global batch.
 """
 
@@ -101,7 +103,8 @@ def evaluate(ctx: Context) -> Dict[str, float]:
         r = dpo_implicit_rewards(logp, ref, cfg.algo.beta)
         margins.append(r[:len(chunk)] - r[len(chunk):])
     margin = torch.cat(margins)
-    return {"eval/dpo_margin": float(margin.mean()), "eval/dpo_accuracy": float((margin > 0).float().mean())}
+    return {"eval/dpo_margin": float(margin.mean()), "eval/dpo_accuracy": float((margin > 0).float().mean()),
+            "eval/dpo_ties": float((margin == 0).float().mean())}
 
 
 def train_step(ctx: Context) -> Dict[str, float]:
@@ -116,7 +119,7 @@ def train_step(ctx: Context) -> Dict[str, float]:
     rows = next_rows(ctx.data.sampler)
     totals = row_totals(len(rows))  # the global batch's pairs
     sums = {"loss": 0.0, "dpo/chosen_reward": 0.0, "dpo/rejected_reward": 0.0, "dpo/margin": 0.0,
-            "dpo/accuracy": 0.0}
+            "dpo/accuracy": 0.0, "dpo/ties": 0.0}
     tokens = 0.0
     for idx, seqs in pair_micro_batches(model, rows):
         chunk, share = [rows[i] for i in idx], len(idx) / totals.rows  # the chunk's share of the global batch
@@ -137,7 +140,8 @@ def train_step(ctx: Context) -> Dict[str, float]:
         chosen, rejected = out.chosen_rewards, out.rejected_rewards
         for key, value in (("loss", loss.detach()), ("dpo/chosen_reward", chosen.mean()),
                            ("dpo/rejected_reward", rejected.mean()), ("dpo/margin", (chosen - rejected).mean()),
-                           ("dpo/accuracy", (chosen > rejected).float().mean())):
+                           ("dpo/accuracy", (chosen > rejected).float().mean()),
+                           ("dpo/ties", (chosen == rejected).float().mean())):
             sums[key] += float(value) * share
         tokens += seqs.tokens()
     metrics.update(distributed.sum_shares(sums), **{"perf/tokens": tokens})  # tokens: summed by the train loop

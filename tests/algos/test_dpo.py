@@ -37,6 +37,18 @@ def test_first_loss_is_log_2(tmp_path):
     assert row["optim/grad_norm"] > 0
 
 
+def test_accuracy_0_before_the_first_update_is_every_pair_tied(tmp_path):
+    """Pair accuracy counts strict wins r(y_w) > r(y_l), as TRL does; before the first update the
+    policy is the reference, every implicit reward is exactly 0 and so every pair ties: accuracy 0,
+    ties 1 (dpo/ties, eval/dpo_ties), which says what that 0 means. Once the policy moves, no pair ties."""
+    rows = run(tmp_path, "data=letters_pairs", "trainer.steps=3", "trainer.eval_every=1", "eval.size=16")
+    assert (rows[0]["eval/dpo_accuracy"], rows[0]["eval/dpo_ties"]) == (0.0, 1.0)  # step 0: the evaluation before it
+    assert (rows[1]["dpo/accuracy"], rows[1]["dpo/ties"]) == (0.0, 1.0)  # step 1's batch, measured before its update
+    for row in rows[2:]:
+        assert row["dpo/ties"] == 0.0 and row["eval/dpo_ties"] == 0.0
+        assert row["eval/dpo_accuracy"] == pytest.approx(round(row["eval/dpo_accuracy"] * 16) / 16)  # a share of 16
+
+
 def test_precomputed_reference_gives_the_same_step(tmp_path):
     per_batch = run(tmp_path / "a", "trainer.steps=2", "trainer.batch_size=4", "data.train_size=16")
     table = run(tmp_path / "b", "trainer.steps=2", "trainer.batch_size=4", "data.train_size=16",
