@@ -47,6 +47,10 @@ CASES = {
     # multi-turn episodes: each rank runs its own episodes and environments
     "episodes": ("rollout=multi_turn", "rollout.env=letters", "rollout.max_turns=2", "rollout.max_new_tokens=6",
                  "rollout.max_episode_tokens=64", "reward=env", *SMALL),
+    # two environments that rows choose among (MIXED_ROWS): env/NAME/... over both ranks' episodes
+    "environments": ("rollout=multi_turn", "rollout.env={letters: letters, again: tests.test_routing:Again}",
+                     "data=file", "data.path={OUT}/mixed.jsonl", "rollout.max_turns=2", "rollout.max_new_tokens=6",
+                     "reward=env", *SMALL),
     "system": (*SMALL, f"data.system_prompt='{SYSTEM}'"),  # its prefix forwarded once on each rank
     "fsdp_system": ("hardware.strategy=fsdp", *SMALL, f"data.system_prompt='{SYSTEM}'"),
     "grpo_4": ("trainer.steps=4", "trainer.batch_size=4", "trainer.save_every=2", "trainer.keep_last=null"),
@@ -60,8 +64,11 @@ CASES = {
     "fsdp_resumed": ("hardware.strategy=fsdp", "trainer.steps=4", "trainer.batch_size=4",
                      "trainer.resume={OUT}/fsdp_4/checkpoints/step_000002"),
 }
-EXACT = ("grpo", "dapo", "reinforce", "dpo", "sft", "rm", "episodes", "system", "fsdp_grpo", "fsdp_dpo",
-         "fsdp_full_sft", "fsdp_system")
+EXACT = ("grpo", "dapo", "reinforce", "dpo", "sft", "rm", "episodes", "environments", "system", "fsdp_grpo",
+         "fsdp_dpo", "fsdp_full_sft", "fsdp_system")
+# The rows of the "environments" case, written to OUT/mixed.jsonl before the processes start.
+MIXED_ROWS = "".join(json.dumps({"prompt": f"Write the letter {c}:", "letter": c, "environment": name}) + "\n"
+                     for name in ("letters", "again") for c in "abc") * 3
 
 
 @pytest.fixture(autouse=True)
@@ -223,6 +230,8 @@ def test_two_processes_train_as_one(tmp_path):
     from tests.conftest import compose
 
     out = tmp_path / "ddp"
+    out.mkdir()
+    (out / "mixed.jsonl").write_text(MIXED_ROWS)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                str(ROOT / "tests" / "ddp_worker.py"), str(out)]
     done = subprocess.run(command, capture_output=True, text=True, env=_env(), timeout=280)
@@ -230,7 +239,8 @@ def test_two_processes_train_as_one(tmp_path):
     assert "Unable to fetch remote file" not in done.stderr  # FSDP's saves never ask the hub about "tiny"
     for name in EXACT:
         one = tmp_path / "one" / name
-        train(compose("logging.progress=false", "rollout.per_prompt_seed=true", *CASES[name]), one, Console(quiet=True))
+        overrides = [o.replace("{OUT}", str(out)) for o in CASES[name]]
+        train(compose("logging.progress=false", "rollout.per_prompt_seed=true", *overrides), one, Console(quiet=True))
         a, b = _rows(one / "metrics.jsonl"), _rows(out / name / "metrics.jsonl")
         assert [r["step"] for r in a] == [r["step"] for r in b]
         for x, y in zip(a, b):
@@ -245,6 +255,8 @@ def test_two_processes_train_as_one(tmp_path):
             _same(x, y, f"{resumed} step {x['step']}")
     assert (out / "fsdp_full_sft" / "final" / "model.safetensors").is_file()  # FSDP's shards gathered for saving
     assert len(_rows(out / "grpo" / "eval.jsonl")) == 2  # before the first step and after the last, once each
+    mixed = _rows(out / "environments" / "metrics.jsonl")   # each environment's metrics were compared above
+    assert all(any(f"env/{name}/reward_mean" in r for r in mixed) for name in ("letters", "again"))
 
 
 @pytest.mark.timeout(200)

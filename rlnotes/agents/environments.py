@@ -50,29 +50,29 @@ class EnvironmentFailure(RuntimeError):
     environment, unlike a failed tool call (the model's), which the model is told about."""
 
 
-def load_environment(spec: str, style: str = "auto") -> Callable[[], object]:
-    """The factory (a class or zero-argument callable) that `rollout.env` names: a built-in
-    (`rlnotes.agents.builtin.ENVIRONMENTS`) or 'pkg.module:Class' / 'path/to/env.py:Class'. One
-    instance is made here, as TRL does, to check before a model loads that it has a `reset`, that it
-    is of the `style` (rollout.env_style) asked for, and that the methods the model would call can be
-    described to it."""
-    factory = resolve_callable(spec, ENVIRONMENTS, "rollout.env: environment", ("envs", "MyEnv"))
+def load_environment(spec: str, style: str = "auto", setting: str = "rollout.env") -> Callable[[], object]:
+    """The factory (a class or zero-argument callable) that `rollout.env` names (`setting`: the key
+    its errors name, rollout.env.NAME in a mapping): a built-in (`rlnotes.agents.builtin.ENVIRONMENTS`)
+    or 'pkg.module:Class' / 'path/to/env.py:Class'. One instance is made here, as TRL does, to check
+    before a model loads that it has a `reset`, that it is of the `style` (rollout.env_style) asked
+    for, and that the methods the model would call can be described to it."""
+    factory = resolve_callable(spec, ENVIRONMENTS, f"{setting}: environment", ("envs", "MyEnv"))
     try:
         env = factory()
     except KeyboardInterrupt:
         raise
     except BaseException as e:  # noqa: BLE001 - the user's constructor may raise anything, sys.exit() too
-        raise ConfigError(f"rollout.env: environment {spec!r} could not be created with no arguments "
+        raise ConfigError(f"{setting}: environment {spec!r} could not be created with no arguments "
                           f"({first_line(e)}); give every argument of its __init__ a default") from None
     if not callable(getattr(env, "reset", None)):
-        raise ConfigError(f"rollout.env: environment {spec!r} ({type(env).__name__}) has no reset method; define "
+        raise ConfigError(f"{setting}: environment {spec!r} ({type(env).__name__}) has no reset method; define "
                           "reset(self, **row) returning None, a string or a list of messages")
     if style == "gym" and not callable(getattr(env, "step", None)):
         raise ConfigError(f"rollout.env_style=gym: environment {spec!r} ({type(env).__name__}) has no step method; "
                           "define step(self, action) returning (observation, reward, done), or set "
                           "rollout.env_style=tools (its public methods are the model's tools, as in TRL)")
     for method in env_tools(env, is_step_style(env, style)).values():
-        tool_schema(method, "rollout.env")
+        tool_schema(method, setting)
     return factory
 
 

@@ -1,8 +1,9 @@
-"""Multi-turn episodes as conversations: the run's tools and environment (MultiTurn), which runs a
-batch's episodes through the sampler's episode loop (rlnotes.engine.sampling.episodes), and the
-batch's conversations (Conversations): the prompt each episode starts from, the tokens of every
-observation between the model's turns, and what reward functions, which score each whole episode
-with the environment's own reward, and the samples table see afterwards.
+"""Multi-turn episodes as conversations: the run's tools and environments (MultiTurn; several that
+rows choose among: rlnotes.agents.routing), which runs a batch's episodes through the sampler's
+episode loop (rlnotes.engine.sampling.episodes), and the batch's conversations (Conversations):
+the prompt each episode starts from, the tokens of every observation between the model's turns,
+and what reward functions, which score each whole episode with the environment's own reward, and
+the samples table see afterwards.
 
 Tokens. The model's turns are trained on as sampled, each ending with its EOS. An observation's
 tokens are what the chat template adds to the conversation when the observation follows the
@@ -23,9 +24,11 @@ from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from rlnotes.agents.environments import EnvironmentFailure, Episode, load_environment
+from rlnotes.agents.environments import EnvironmentFailure, Episode
+from rlnotes.agents.routing import COLUMN, environment_of, load_environments, per_environment
 from rlnotes.agents.tools import load_tools, template_takes_tools, tools_system_prompt
 from rlnotes.core.errors import ConfigError
+from rlnotes.engine.hardware import distributed
 from rlnotes.engine.model.loading import context_length
 from rlnotes.engine.prompts import PromptFormat, as_messages, render_plain
 from rlnotes.engine.rollout import Rollout
@@ -39,11 +42,12 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class MultiTurn:
-    """The multi-turn side of a run (rollout.tools / rollout.env): its tools and environment, loaded
+    """The multi-turn side of a run (rollout.tools / rollout.env): its tools and environments, loaded
     once, how their calls are made (the rollout section's tool and environment keys), and how long an
-    episode may run (limits); it runs a batch's episodes."""
+    episode may run (limits); it runs a batch's episodes. `envs`: {} without an environment, {None:
+    factory} for one, {name: factory} for rollout.env's mapping, whose names the rows choose among."""
     tools: tuple
-    env_factory: Optional[Callable]
+    envs: Dict[Optional[str], Callable]
     limits: EpisodeLimits
     max_tool_calls: int
     tool_format: str
@@ -61,12 +65,24 @@ class MultiTurn:
         if not rollout.tools and not rollout.env:
             return None
         tools = tuple(load_tools(list(rollout.tools)))
-        env = load_environment(rollout.env, rollout.env_style) if rollout.env else None
-        return cls(tools, env, EpisodeLimits.of(rollout), rollout.max_tool_calls, rollout.tool_format,
+        envs = load_environments(rollout.env, rollout.env_style)
+        return cls(tools, envs, EpisodeLimits.of(rollout), rollout.max_tool_calls, rollout.tool_format,
                    rollout.tool_timeout, rollout.env_timeout, rollout.env_style)
 
-    def episode(self) -> Episode:
-        return Episode(list(self.tools), self.env_factory, self.max_tool_calls, self.tool_format, self.tool_timeout,
+    @property
+    def names(self) -> List[str]:
+        """The environments rows choose among (rollout.env's mapping); [] when every row has the same
+        one, or none."""
+        return [name for name in self.envs if name is not None]
+
+    def environment_of(self, row: dict, where: str) -> Optional[str]:
+        """The name of the environment `row` chose (None when there is nothing to choose); a row that
+        names none of them is a ConfigError beginning with `where`."""
+        return environment_of(row, self.names, where) if self.names else None
+
+    def episode(self, name: Optional[str] = None) -> Episode:
+        """An episode in environment `name` (None: the one environment, or none)."""
+        return Episode(list(self.tools), self.envs.get(name), self.max_tool_calls, self.tool_format, self.tool_timeout,
                        self.env_timeout, self.watchdog, self.env_style)
 
     def run_episodes(self, model, tokenizer, rows: Sequence[dict], group_size: int, sampling: SamplingSettings,
@@ -119,33 +135,44 @@ class Conversations:
                  prompt_format: PromptFormat = PromptFormat()):
         self.multi_turn, self.tokenizer, self.group_size = multi_turn, tokenizer, group_size
         self.templated = bool(prompt_format.chat_template and tokenizer.chat_template)
-        self.episodes = [multi_turn.episode() for _ in range(len(rows) * group_size)]
-        # Every episode has the same tools (its environment's methods are bound to it, their schemas alike).
-        schemas = self.episodes[0].schemas if self.episodes else []
-        self.template_tools = schemas if (schemas and self.templated and template_takes_tools(tokenizer)) else None
+        in_template = self.templated and template_takes_tools(tokenizer)
+        # Each episode's environment, by name (None: the run's one, or none), its row's choice.
+        self.env_names = [multi_turn.environment_of(row, f"row {k + 1} of the batch") for k, row in enumerate(rows)
+                          for _ in range(group_size)]
+        self.episodes = [multi_turn.episode(name) for name in self.env_names]
+        # The episodes of one environment have the same tools (its methods are bound to each instance,
+        # their schemas alike): described once per environment.
+        schemas = {name: self.episodes[self.env_names.index(name)].schemas for name in dict.fromkeys(self.env_names)}
+        # The tools' schemas of each episode where the chat template renders them (else None: they are
+        # in its system message, or it has none).
+        self.template_tools: List[Optional[List[dict]]] = []
         self.messages: List[List[dict]] = []
         self.reset_added: List[bool] = []   # whether the environment's reset added to each episode's prompt
+        self.env_scores: Optional[torch.Tensor] = None   # the environments' rewards, once scored
         for i, episode in enumerate(self.episodes):
-            row = rows[i // group_size]
-            start = episode.start(row)
+            row, tools = rows[i // group_size], schemas[self.env_names[i]]
+            start = episode.start({k: v for k, v in row.items() if k != COLUMN} if multi_turn.names else row)
             messages = _with_start(as_messages(row["prompt"], prompt_format.system_prompt), start)
-            if schemas and self.template_tools is None:
-                messages = _with_tools(messages, schemas)
+            if tools and not in_template:
+                messages = _with_tools(messages, tools)
+            self.template_tools.append(tools if tools and in_template else None)
             self.messages.append(messages)
             self.reset_added.append(bool(start))
         self.prompt_lengths = [len(m) for m in self.messages]
 
     # -- rendering ---------------------------------------------------------------------------------
 
-    def _render(self, messages: List[dict], generation: bool) -> str:
-        extra = {"tools": self.template_tools} if self.template_tools else {}
+    def _render(self, i: int, messages: List[dict], generation: bool) -> str:
+        """`messages` of episode i through the chat template, with its tools where the template renders them."""
+        extra = {"tools": self.template_tools[i]} if self.template_tools[i] else {}
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation, **extra)
 
     def prompt_ids(self) -> tuple[List[List[int]], int]:
         """The token ids episodes start from and how many episodes share each: one entry per row
         (G each) when an environment's reset left the G prompts of every row alike, else one per episode."""
         if self.templated:
-            ids = [self.tokenizer(self._render(m, True), add_special_tokens=False)["input_ids"] for m in self.messages]
+            ids = [self.tokenizer(self._render(i, m, True), add_special_tokens=False)["input_ids"]
+                   for i, m in enumerate(self.messages)]
         else:
             ids = [self.tokenizer(render_plain(m), add_special_tokens=False)["input_ids"] for m in self.messages]
         g = self.group_size
@@ -174,8 +201,8 @@ class Conversations:
         if not self.templated:
             text = "".join(f"\n{m['role']}: {m['content']}" for m in observation) + "\nassistant:"
             return self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        before = self._render(self.messages[i], generation=False)
-        after = self._render(self.messages[i] + observation, generation=True)
+        before = self._render(i, self.messages[i], generation=False)
+        after = self._render(i, self.messages[i] + observation, generation=True)
         eos = self.tokenizer.eos_token or ""
         cut = before.rfind(eos) + len(eos) if eos and eos in before else len(before)
         if after[:cut] != before[:cut]:
@@ -214,9 +241,10 @@ class Conversations:
         messages (the system prompt's too) with what the environment's reset added, and the tools'
         descriptions, in the system message or, where the chat template renders them itself, as a
         first "tools" entry holding their schemas."""
-        tools = [{"role": "tools", "content": "\n".join(json.dumps(s) for s in self.template_tools)}] \
-            if self.template_tools else []
-        return [tools + [dict(m) for m in messages[:n]] for messages, n in zip(self.messages, self.prompt_lengths)]
+        tools = [[{"role": "tools", "content": "\n".join(json.dumps(s) for s in schemas)}] if schemas else []
+                 for schemas in self.template_tools]
+        return [first + [dict(m) for m in messages[:n]]
+                for first, messages, n in zip(tools, self.messages, self.prompt_lengths)]
 
     def texts(self) -> List[str]:
         """Each episode as text for the samples table: its messages after the prompt, role by role."""
@@ -226,40 +254,67 @@ class Conversations:
         """Each episode's environment instance (None without one): TRL's `environments` keyword."""
         return [e.env for e in self.episodes]
 
-    def env_name(self) -> str:
-        """The environment's class name, for messages."""
-        return type(self.episodes[0].env).__name__ if self.episodes else "?"
-
     def env_rewards(self) -> Optional[torch.Tensor]:
         """The environments' rewards [N] (0 for an episode whose environment gave none), or None
         when there is no environment."""
-        if self.multi_turn.env_factory is None:
+        if not self.multi_turn.envs:
             return None
         return torch.tensor([float(r) if (r := e.reward()) is not None else 0.0 for e in self.episodes])
+
+    def _counters(self, rollout: Rollout) -> torch.Tensor:
+        """Each episode's model turns, tokens of the model and of the observations, tool calls and
+        failed calls [N, 5]."""
+        model = rollout.completion_mask.sum(-1).double().cpu()
+        turns = [sum(m["role"] == "assistant" for m in c) for c in self.completions()]
+        return torch.stack([torch.tensor(turns, dtype=torch.float64), model,
+                            rollout.real.sum(-1).double().cpu() - model,
+                            torch.tensor([e.tool_calls for e in self.episodes], dtype=torch.float64),
+                            torch.tensor([e.tool_failures for e in self.episodes], dtype=torch.float64)], 1)
 
     def metrics(self, rollout: Rollout) -> Dict[str, float]:
         """episode/turns, episode/model_tokens and episode/env_tokens (means per episode),
         tools/calls (per episode) and tools/failure_frac (of the calls)."""
-        calls = sum(e.tool_calls for e in self.episodes)
-        model = rollout.completion_mask.sum(-1)
-        turns = sum(m["role"] == "assistant" for c in self.completions() for m in c)
-        return {"episode/turns": turns / len(self.episodes),
-                "episode/model_tokens": float(model.mean()),
-                "episode/env_tokens": float((rollout.real.sum(-1) - model).mean()),
-                "tools/calls": calls / len(self.episodes),
-                "tools/failure_frac": sum(e.tool_failures for e in self.episodes) / calls if calls else 0.0}
+        turns, model, env, calls, failures = self._counters(rollout).mean(0).tolist()
+        return {"episode/turns": turns, "episode/model_tokens": model, "episode/env_tokens": env,
+                "tools/calls": calls, "tools/failure_frac": failures / calls if calls else 0.0}
+
+    def environment_metrics(self, rollout: Rollout, totals: torch.Tensor) -> Dict[str, float]:
+        """env/NAME/... of each environment of rollout.env's mapping (rlnotes.agents.routing.
+        per_environment; {} without one) over the global batch: every rank's scored episodes, their
+        rewards `totals`, gathered (so every rank calls it, after `score`)."""
+        names = self.multi_turn.names
+        if not names:
+            return {}
+        index = torch.tensor([names.index(name) for name in self.env_names], dtype=torch.float64)
+        episodes = torch.cat([index[:, None], totals.detach().double().cpu()[:, None],
+                              self.env_scores.double()[:, None], self._counters(rollout)], 1)
+        return per_environment(names, distributed.gather_rows(episodes))
+
+    def _fallback(self, rewards: Rewards, env: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """The environments' rewards with reward.fallback for each NaN or inf one, and how many were:
+        each environment's apart (Rewards.fallback_for), so that one that gives no finite reward stops
+        the run by its name, whatever the others give."""
+        out, failed = env.clone(), 0
+        for name in dict.fromkeys(self.env_names):
+            mine = torch.tensor([n == name for n in self.env_names])
+            cls = type(self.episodes[self.env_names.index(name)].env).__name__
+            out[mine], bad = rewards.fallback_for(f"environment {cls}" if name is None else
+                                                  f"environment {name} ({cls})", env[mine])
+            failed += bad
+        return out, failed
 
     def score(self, rewards: Rewards, rows: Sequence[dict], rollout: Rollout) -> tuple[torch.Tensor, Dict[str, float]]:
         """Each episode's reward (the episodes of `rows`, sampled as `rollout`): the reward functions'
         weighted sum over its messages after the prompt (TRL's `completions` of a multi-turn rollout,
-        with `environments`), plus the environment's reward (weight 1, logged as reward/env; a NaN or
+        with `environments`), plus its environment's reward (weight 1, logged as reward/env; a NaN or
         inf one gets reward.fallback and counts in reward/failures, as a function's does). Metrics:
         the rewards', and the episodes' own."""
         totals, metrics = rewards.score_groups(rows, self.completions(), rollout.token_lists(), self.group_size,
                                                environments=self.environments())
         env = self.env_rewards()
         if env is not None:
-            env, failed = rewards.fallback_for(f"environment {self.env_name()}", env)
+            env, failed = self._fallback(rewards, env)
+            self.env_scores = env
             totals = totals + env
             metrics["reward/env"] = float(env.mean())
             metrics["reward/failures"] += failed

@@ -36,6 +36,7 @@ from rlnotes.core.checks import (
     DEVICES,
     DIRECTIONS,
     ENGINES,
+    ENV_FORMS,
     ENV_STYLES,
     PRECISIONS,
     RANGES,
@@ -106,7 +107,7 @@ def valid_text(key: str, ranges: Dict[str, str], choices: Dict[str, tuple]) -> s
         return range_text(ranges[key])
     if key in choices:
         return "one of: " + ", ".join(map(str, choices[key]))
-    return THREADS if key == "hardware.threads" else ""
+    return {"hardware.threads": THREADS, "rollout.env": ENV_FORMS}.get(key, "")
 
 
 def sections(cfg, algo: Declared) -> List[Section]:

@@ -30,6 +30,7 @@ from rich.table import Table
 
 from rlnotes.agents.builtin import ENVIRONMENTS, TOOLS
 from rlnotes.agents.environments import EnvironmentFailure
+from rlnotes.agents.routing import environment_names
 from rlnotes.agents.tools import FORMATS
 from rlnotes.commands import hydra
 from rlnotes.commands.check import check
@@ -140,12 +141,14 @@ def with_run_settings(cfg, overrides: List[str]):
 
 def run_code(cfg) -> Dict[str, str]:
     """The settings of `cfg` (any config: a run's config.yaml too) that name code to import rather
-    than a built-in: reward functions, tools, an environment, a tool-call parser. {key: value}."""
+    than a built-in: reward functions, tools, environments, a tool-call parser. {key: value}."""
     at = lambda key: OmegaConf.select(cfg, key, default=None)  # noqa: E731
     named = {f"reward.functions.{i}.fn": f.get("fn") for i, f in enumerate(at("reward.functions") or [])}
     named.update({"reward.target": at("reward.target"), "eval.reward": at("eval.reward"),
-                  "rollout.env": at("rollout.env"), "rollout.tool_format": at("rollout.tool_format")})
+                  "rollout.tool_format": at("rollout.tool_format")})
     named.update({f"rollout.tools.{i}": tool for i, tool in enumerate(at("rollout.tools") or [])})
+    env, names = at("rollout.env"), environment_names(at("rollout.env"))  # one environment, or a mapping
+    named.update({f"rollout.env.{name}": env[name] for name in names} if names else {"rollout.env": env})
     builtin = {**REWARDS, **TOOLS, **ENVIRONMENTS, **dict.fromkeys(FORMATS)}
     return {key: str(value) for key, value in named.items() if value is not None and value not in builtin}
 
@@ -210,7 +213,8 @@ def _evaluate(cfg, console, out: Path) -> Evaluation:
     scorer = Rewards(checker_config(cfg), console)
     scorer.state = TrainerState(max_steps=cfg.trainer.steps)   # a reward may divide by max_steps
     # Rows to sample from, and the columns a checker needs: a mistake fails now, before the model loads.
-    load_checked(eval_data(cfg), None, scorer.fns, generating="evaluation")
+    load_checked(eval_data(cfg), None, scorer.fns, generating="evaluation",
+                 environments=environment_names(cfg.rollout.env))
     config_file.write(out / "config.yaml", cfg)
     policy = _policy(cfg, device)
     threads = set_threads(cfg.hardware.threads, policy.model)

@@ -27,7 +27,9 @@ from rlnotes.core.checks import (
     STRATEGIES,
     check_choice,
     check_ranges,
+    check_env,
     check_threads,
+    env_text,
     planned_world_size,
 )
 from rlnotes.core.errors import ConfigError
@@ -147,8 +149,8 @@ def _check_episodes(cfg, algo: Algorithm) -> None:
         raise ConfigError("rollout.tools need rollout.max_turns >= 2 (a turn to call a tool and one to read its "
                           "result): add rollout=multi_turn or set rollout.max_turns=4")
     if r.env and r.max_turns < 2:  # refused, not implied: the run's printed config must be the one that runs
-        raise ConfigError(f"rollout.env={r.env} needs rollout.max_turns >= 2 (with one turn the environment never "
-                          "answers the model): add rollout=multi_turn or set rollout.max_turns=4")
+        raise ConfigError(f"rollout.env={env_text(r.env)} needs rollout.max_turns >= 2 (with one turn the environment "
+                          "never answers the model): add rollout=multi_turn or set rollout.max_turns=4")
     if r.max_episode_tokens is not None and r.max_episode_tokens < r.max_new_tokens:
         raise ConfigError(f"rollout.max_episode_tokens={r.max_episode_tokens} is below rollout.max_new_tokens="
                           f"{r.max_new_tokens}: not even one whole turn fits; raise it or set it to null")
@@ -188,6 +190,7 @@ def validate(cfg) -> Algorithm:
             check_choice(key, OmegaConf.select(cfg, key), valid)
     check_ranges(cfg, algo)
     check_threads(cfg.hardware.threads)
+    check_env(cfg.rollout.env)
     if algo.samples and cfg.eval.generate is False:
         raise ConfigError(f"eval.generate=false: algo={cfg.algo.name} evaluates by generating completions; drop it, "
                           "or set trainer.eval_every=null for no evaluation")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from typing import Any, Dict, Optional
 
 from omegaconf import OmegaConf
@@ -74,6 +75,12 @@ RANGES: Dict[str, str] = {
 }
 # hardware.threads, a number or a word, has its own check (check_threads): these values.
 THREADS = "auto, null or an integer of at least 1"
+# rollout.env, one environment or a mapping of names to them, has its own check (check_env): these.
+ENV_FORMS = ("null, an environment (letters, pkg.module:Class, path/to/env.py:Class) or a mapping of names to "
+             "environments ({math: my_envs:MathEnv, words: letters})")
+# A name in rollout.env's mapping: a row's `environment` value, a part of the metrics' env/NAME/...,
+# and a key of its own (rollout.env.NAME): no dot, which would read as a deeper key.
+ENV_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_-]*")
 # Numeric settings whose valid values depend on other settings: checked beside those.
 CHECKED_ELSEWHERE = ("trainer.save_every", "trainer.keep_last", "algo.max_resample_rounds", "data.max_prompt_len",
                      "data.eval_size")
@@ -87,6 +94,36 @@ def check_threads(value) -> None:
     if type(value) is int:
         raise ConfigError(f"hardware.threads={value} must be at least 1 ({meaning})")
     raise ConfigError(f"hardware.threads={value!r} is not valid; give {THREADS} ({meaning})")
+
+
+def check_env(value) -> None:
+    """rollout.env: one of ENV_FORMS (the environments themselves load when the run starts, before
+    the model), else one line saying what is wrong and what to give."""
+    if value is None or isinstance(value, str):
+        return
+    if not OmegaConf.is_dict(value) and not isinstance(value, dict):
+        shown = OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
+        raise ConfigError(f"rollout.env={shown!r} is not valid; give {ENV_FORMS}")
+    if not value:
+        raise ConfigError("rollout.env={} names no environment; give at least one name: environment, or null")
+    for name, spec in value.items():
+        if not isinstance(name, str):
+            raise ConfigError(f"rollout.env: the name {name!r} is not a word; name each environment with letters, "
+                              "digits, _ and - (e.g. env1)")
+        if not ENV_NAME.fullmatch(name):
+            raise ConfigError(f"rollout.env: {name!r} cannot name an environment (a row's `environment` value and "
+                              "the metrics' env/NAME/...): use letters, digits, _ and -")
+        if not isinstance(spec, str) or not spec:
+            shown = OmegaConf.to_container(spec) if OmegaConf.is_config(spec) else spec
+            raise ConfigError(f"rollout.env.{name}={shown!r} is not an environment; give a built-in name (letters), "
+                              "pkg.module:Class or path/to/env.py:Class")
+
+
+def env_text(value) -> str:
+    """rollout.env as an override writes it: `letters`, `{math: my_envs:MathEnv, words: letters}`."""
+    if value is None or isinstance(value, str):
+        return str(value)
+    return "{" + ", ".join(f"{name}: {spec}" for name, spec in value.items()) + "}"
 
 
 def _in_range(value: float, spec: str) -> bool:

@@ -4,7 +4,7 @@ multi-turn episodes are sampled."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Any, List, Optional
 
 
 @dataclass
@@ -54,8 +54,11 @@ class RolloutConfig:
     tools: List[str] = field(default_factory=list)
     # An environment, one instance per episode: a built-in name (letters) or 'pkg.module:Class' /
     # 'path/to/env.py:Class' with reset(**row), and step(action) -> (observation, reward, done) or,
-    # as TRL's environment_factory takes, public methods that become tools and get_reward().
-    env: Optional[str] = None
+    # as TRL's environment_factory takes, public methods that become tools and get_reward(). Or a
+    # mapping of names to environments, as TRL's environment_factory takes a dict: each row names its
+    # own in its `environment` column, and its episodes see that environment's tools alone
+    # (rlnotes.agents.routing).
+    env: Any = None
     # How rollout.env's class is read: gym (step-style: the model's reply goes to step(action), which
     # returns (observation, reward, done)), tools (TRL's environment_factory: every public method but
     # reset and get_reward is a tool, step included), or auto: tools unless the class has a step that

@@ -13,6 +13,7 @@ import inspect
 from dataclasses import replace
 from typing import Dict, List, Optional, Sequence
 
+from rlnotes.agents.routing import COLUMN, environment_of
 from rlnotes.core.algorithm import Algorithm
 from rlnotes.core.errors import ConfigError
 from rlnotes.data.fitting import Data
@@ -130,11 +131,24 @@ def refuse_call_names(table: Table) -> None:
                           + " ".join(f"data.columns.data_{name}={name}" for name in taken))
 
 
-def load_checked(d, algo: Optional[Algorithm], reward_fns: Sequence = (), generating: Optional[str] = None) -> Data:
+def require_environments(table: Table, names: Sequence[str]) -> None:
+    """Every row names one of rollout.env's environments `names` in its `environment` column
+    (rlnotes.agents.routing), each row checked now rather than when a batch first draws it."""
+    if COLUMN not in column_names(table):
+        raise ConfigError(f"{table.source} has no column {COLUMN!r}: rollout.env maps names to environments, and each "
+                          f"row picks its own there (one of: {', '.join(names)}); or name another column with "
+                          f"data.columns.{COLUMN}=COLUMN")
+    for i, row in enumerate(table.rows):
+        environment_of(row, names, table.where(i, COLUMN))
+
+
+def load_checked(d, algo: Optional[Algorithm], reward_fns: Sequence = (), generating: Optional[str] = None,
+                 environments: Sequence[str] = ()) -> Data:
     """The rows of data config `d`, read and checked for what the algorithm `algo` and the reward
-    functions need, and for prompts to sample from when something generates: the algorithm, when it
-    samples, else what `generating` names (evaluation, eval.generate; None: nothing). A mistake in
-    the data fails here, before the model loads. `algo` None: rows for evaluation alone."""
+    functions need, for prompts to sample from when something generates (the algorithm, when it
+    samples, else what `generating` names: evaluation, eval.generate; None: nothing), and for one
+    of `environments` in each row when rollout.env maps names to them. A mistake in the data fails
+    here, before the model loads. `algo` None: rows for evaluation alone."""
     data = read(d)
     needs = needed_columns(algo, reward_fns)
     if generating is None and algo is not None and algo.samples:
@@ -145,4 +159,6 @@ def load_checked(d, algo: Optional[Algorithm], reward_fns: Sequence = (), genera
                 require_prompts(table, generating)
                 refuse_call_names(table)  # its rows go to reward functions
             require(table, needs)
+            if environments:
+                require_environments(table, environments)
     return data

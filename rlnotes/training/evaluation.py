@@ -24,6 +24,7 @@ import torch
 from omegaconf import OmegaConf, open_dict
 
 from rlnotes.agents.multi_turn import MultiTurn
+from rlnotes.agents.routing import environment_names
 from rlnotes.data.datasets import load_checked
 from rlnotes.data.fitting import fit_and_split
 from rlnotes.data.settings import prompt_format
@@ -54,14 +55,15 @@ def eval_data(cfg):
 
 def eval_rows(cfg, tokenizer, limit: Optional[int], console=None) -> List[dict]:
     """The eval split: the training data's, or that of `data` + `eval.data` when eval.data is set."""
+    names = environment_names(cfg.rollout.env)  # each row's environment, where rows choose one
     if not cfg.eval.data:
-        data = load_checked(cfg.data, None, generating="evaluation")
+        data = load_checked(cfg.data, None, generating="evaluation", environments=names)
         return fit_and_split(data, cfg, tokenizer, limit, console, evaluating=True, training=False)[1]
     other = cfg.copy()
     with open_dict(other):
         other.data = eval_data(cfg)
-    rows = fit_and_split(load_checked(other.data, None, generating="evaluation"), other, tokenizer, limit,
-                         evaluating=True, training=False)[1]
+    rows = fit_and_split(load_checked(other.data, None, generating="evaluation", environments=names), other,
+                         tokenizer, limit, evaluating=True, training=False)[1]
     if console is not None:
         console.print(f"eval: {len(rows)} rows of data + eval.data {OmegaConf.to_container(cfg.eval.data)}")
     return rows
@@ -121,6 +123,11 @@ def evaluate(policy, cfg, rows: List[dict], scorer, step: int = 0) -> Evaluation
         per_prompt = [sum(correct[i:i + n]) for i in range(0, len(correct), n)]
         for k in sorted({1, n}):
             metrics[f"eval/pass@{k}"] = sum(pass_at_k(n, c, k) for c in per_prompt) / len(per_prompt)
+    for name in multi_turn.names if multi_turn is not None else ():  # rows choose among several environments
+        mine = [s for s in samples if s["environment"] == name]
+        if mine:
+            metrics[f"eval/env/{name}/reward"] = sum(s["reward"] for s in mine) / len(mine)
+            metrics[f"eval/env/{name}/accuracy"] = sum(s["correct"] for s in mine) / len(mine)
     return Evaluation(metrics, samples)
 
 

@@ -62,12 +62,17 @@ def sample_and_score(rollouts: Rollouts, model: Model, data: Data, run: Run, row
     # An episode's prompt as the model saw it: with what reset added and the tools' descriptions.
     prompts = conversations.prompts() if conversations is not None else \
         [r["prompt"] for r in rows for _ in range(group_size)]
+    extra = scorer.extra
+    if conversations is not None and conversations.multi_turn.names:  # which environment each episode ran in
+        extra = {"environment": conversations.env_names, **extra}
     run.samples = {"prompts": prompts, "completions": list(rollout.texts), "rewards": rewards.tolist(),
-                   "extra": scorer.extra}
+                   "extra": extra}
     # Each rank scored its own completions: failures add up, per-function means average (the ranks
     # score equally many completions), generation speeds add up (the ranks sample side by side).
     ops = {key: "sum" if key == "reward/failures" else "mean" for key in reward_metrics}
     metrics = distributed.reduce_metrics({**metrics, **reward_metrics}, {**ops, "perf/gen_tokens_per_s": "sum"})
+    if conversations is not None:  # each environment's own, with several (env/NAME/...)
+        metrics.update(conversations.environment_metrics(rollout, rewards))
     return rollout, rewards.to(model.device), metrics
 
 

@@ -50,7 +50,8 @@ def setup(cfg, algo: Algorithm, run_dir: Path, console: Console, resume_from: Op
     with distributed.main_first():  # caches (a converted model, a downloaded dataset) are written once
         # A data mistake fails before the model loads; evaluations that generate sample its prompts too.
         data = load_checked(cfg.data, algo, rewards.fns if rewards else [],
-                            "eval.generate" if cfg.trainer.eval_every and cfg.eval.generate else None)
+                            "eval.generate" if cfg.trainer.eval_every and cfg.eval.generate else None,
+                            multi_turn.names if multi_turn else ())
         if cfg.sft_warmup.steps:
             require_demonstrations(data.train, cfg.sft_warmup.column, f"sft_warmup.steps={cfg.sft_warmup.steps}")
         policy = Policy.from_config(cfg.model, device, share_prompts=cfg.trainer.shared_prompt)
