@@ -325,6 +325,9 @@ USER_FILES: Dict[str, str] = {
     "chats.jsonl": "".join(f'{{"messages": [{{"role": "user", "content": "What is {a}+{b}?"}}, '
                            f'{{"role": "assistant", "content": "{a + b}"}}]}}\n' for a, b in _ROWS),
     "guesses.jsonl": "".join(f'{{"prompt": "Guess my number from 1 to 9:", "answer": "{a + b}"}}\n' for a, b in _ROWS),
+    "mixed.jsonl": "".join(f'{{"prompt": "Count to {n}.", "target": {n}, "environment": "counter"}}\n'
+                           f'{{"prompt": "Guess my number from 1 to 9:", "answer": "{n + 4}", '
+                           f'"environment": "guess"}}\n' for n in (1, 2, 3, 4) * 2),
     "problems.jsonl": "".join(f'{{"prompt": "How many letters has the word {w}?", "answer": "{len(w)}"}}\n'
                               for w in ("cat", "horse", "banana", "me") * 4),
     "my_rewards.py": "def right(completions, answer, **kwargs):\n"
