@@ -8,7 +8,7 @@ from rlnotes.core.schema import TinyModelConfig
 from rlnotes.engine.model.loading import tiny_model, tiny_tokenizer
 from rlnotes.engine.policy.passes import sequence_logprobs
 from rlnotes.engine.prompts import encode_prompts
-from rlnotes.engine.sampling.generate import generate, next_tokens, top_p_filter
+from rlnotes.engine.sampling.generate import draw_tokens, generate, top_p_filter
 from rlnotes.engine.sampling.settings import SamplingSettings
 
 PROMPTS = ["Write the letter a:", "What is 2+3?", "Hi"]
@@ -92,10 +92,12 @@ def test_sampled_tokens_follow_the_probabilities():
     # One uniform number per row through the cumulative distribution, the generator's stream:
     # frequencies match the (unnormalised) probabilities, zero-probability tokens never come up.
     probs = torch.tensor([[0.2, 0.0, 1.2, 0.6]]).expand(40_000, 4)
-    tokens = next_tokens(probs.log(), 1.0, False, None, 0, torch.Generator().manual_seed(3))
+    settings = SamplingSettings(1)
+    tokens, logps = draw_tokens(probs.log(), settings, None, 0, torch.Generator().manual_seed(3))
     freq = torch.bincount(tokens, minlength=4) / 40_000
     assert freq[1] == 0 and torch.allclose(freq, probs[0] / 2.0, atol=0.01), freq
-    again = next_tokens(probs.log(), 1.0, False, None, 0, torch.Generator().manual_seed(3))
+    torch.testing.assert_close(logps, (probs[0] / 2.0).log()[tokens])
+    again, _ = draw_tokens(probs.log(), settings, None, 0, torch.Generator().manual_seed(3))
     assert torch.equal(tokens, again)
 
 

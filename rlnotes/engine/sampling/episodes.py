@@ -33,7 +33,7 @@ from rlnotes.engine.model.loading import context_length
 from rlnotes.engine.policy.kvcache import plain_layers
 from rlnotes.engine.rollout import Rollout, left_pad
 from rlnotes.engine.sampling.decoder import Step, decoding_step
-from rlnotes.engine.sampling.generate import next_tokens, prefill
+from rlnotes.engine.sampling.generate import draw_tokens, prefill
 from rlnotes.engine.sampling.settings import EpisodeLimits, SamplingSettings
 
 # respond(rows, turns, last) -> one observation per row: token ids to prefill, or None (the episode
@@ -218,10 +218,8 @@ def _sample_turn(step: Step, batch: _Batch, logits, episodes: List[EpisodeTokens
     for r in batch.rows.tolist():
         episodes[r].turns += 1
     for t in range(max_new_tokens):
-        scaled = logits.float() / s.temperature
-        tok = next_tokens(scaled, s.top_p, s.greedy, seeds[batch.rows] if seeds is not None else None,
-                          counts[batch.rows], draw.generator)
-        logp = scaled.log_softmax(-1).gather(-1, tok[:, None]).squeeze(-1)
+        tok, logp = draw_tokens(logits, s, seeds[batch.rows] if seeds is not None else None, counts[batch.rows],
+                                draw.generator)
         counts[batch.rows] += 1
         ended = torch.isin(tok, eos)
         for r, token, lp, end in zip(batch.rows.tolist(), tok.tolist(), logp.tolist(), ended.tolist()):

@@ -72,13 +72,17 @@ def seeded_uniform(seeds: torch.Tensor, t: Union[int, torch.Tensor]) -> torch.Te
 
 
 def sample_inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
-    """Inverse-CDF sampling: token i of each row where the cumulative probability first reaches
-    that row's uniform number. probs [N, V] (rows need not sum to 1), uniform [N] in (0, 1) -> [N].
-    One number per row: torch.multinomial draws one per vocabulary entry (a tenth of a step's
-    generation time at a 49k vocabulary on a CPU)."""
+    """Inverse-CDF sampling: token i of a row where its cumulative probability first reaches a
+    uniform number times the row's total. probs [N, V] (rows need not sum to 1), uniform [N] in
+    (0, 1) -> [N], or uniform [N, k] -> [N, k] (k draws from each row). One number per draw:
+    torch.multinomial draws one per vocabulary entry (a tenth of a step's generation time at a 49k
+    vocabulary on a CPU). The sums are float64: in float32 the steps of a 49k-token cumulative sum
+    near 1 are about 6e-8, the size of a tail token's probability."""
     cdf = probs.double().cumsum(-1)
-    target = uniform.to(cdf.device, torch.float64) * cdf[:, -1]
-    return torch.searchsorted(cdf, target[:, None]).squeeze(-1).clamp(max=probs.shape[-1] - 1)
+    u = uniform.to(cdf.device, torch.float64)
+    target = (u if u.dim() == 2 else u[:, None]) * cdf[:, -1:]
+    tokens = torch.searchsorted(cdf, target).clamp(max=probs.shape[-1] - 1)
+    return tokens if u.dim() == 2 else tokens.squeeze(-1)
 
 
 def sample_seeded(probs: torch.Tensor, seeds: torch.Tensor, t: Union[int, torch.Tensor]) -> torch.Tensor:
@@ -87,18 +91,34 @@ def sample_seeded(probs: torch.Tensor, seeds: torch.Tensor, t: Union[int, torch.
     return sample_inverse_cdf(probs, seeded_uniform(seeds, t))
 
 
-def next_tokens(scaled: torch.Tensor, top_p: float, greedy: bool, seeds: Optional[torch.Tensor],
-                t: Union[int, torch.Tensor],
-                generator: Optional[torch.Generator]) -> torch.Tensor:
-    """Token t of each row [N] from its logits z / temperature [N, V]: the most likely (greedy), or
-    a draw from the top-p filtered softmax, seeded by `seeds` [N] (sample_seeded) or from `generator`."""
-    if greedy:
-        return scaled.argmax(-1)
-    probs = top_p_filter(scaled, top_p).softmax(-1)
+def uniforms(n: int, seeds: Optional[torch.Tensor], t: Union[int, torch.Tensor],
+             generator: Optional[torch.Generator], device) -> torch.Tensor:
+    """The uniform numbers behind n draws (float64, [n]): hashed from `seeds` [n] and t
+    (seeded_uniform), else the next n of `generator`'s stream."""
     if seeds is not None:
-        return sample_seeded(probs, seeds, t)
-    device = generator.device if generator is not None else probs.device
-    return sample_inverse_cdf(probs, torch.rand(len(probs), generator=generator, device=device, dtype=torch.float64))
+        return seeded_uniform(seeds, t)
+    device = generator.device if generator is not None else device
+    return torch.rand(n, generator=generator, device=device, dtype=torch.float64)
+
+
+def sampling_probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """p = softmax(z / T) cut to its top-p nucleus (top_p_filter) and renormalised, in float32:
+    [N, V] -> [N, V]."""
+    return top_p_filter(logits.float() / temperature, top_p).softmax(-1)
+
+
+def draw_tokens(logits: torch.Tensor, sampling: SamplingSettings, seeds: Optional[torch.Tensor],
+                t: Union[int, torch.Tensor], generator: Optional[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token t of each row from its logits z [N, V], and its log-prob log softmax(z / T) [N]: the
+    most likely token (sampling.greedy), or a draw from sampling_probs by sample_inverse_cdf with
+    the uniform numbers of `seeds` [N] or `generator` (uniforms)."""
+    logp = (logits.float() / sampling.temperature).log_softmax(-1)
+    if sampling.greedy:
+        tokens = logits.argmax(-1)
+    else:
+        probs = sampling_probs(logits, sampling.temperature, sampling.top_p)
+        tokens = sample_inverse_cdf(probs, uniforms(len(probs), seeds, t, generator, probs.device))
+    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
 
 
 def prefill(model, prompts: Sequence[Sequence[int]], pad_id: int, group_size: int, device, room: int = 0):
@@ -129,11 +149,11 @@ def generate(model, tokenizer, prompts: Sequence[Sequence[int]], group_size: int
              generator: Optional[torch.Generator] = None, eos_ids: Optional[Sequence[int]] = None,
              seeds: Optional[torch.Tensor] = None) -> Rollout:
     """Sample `group_size` completions for each prompt (token id lists) as `sampling` says (greedy:
-    the most likely token). With `seeds` (one per completion, from completion_seeds) each token is
-    drawn by sample_seeded instead of from `generator`, so a completion does not depend on the rest
-    of the batch."""
-    max_new_tokens, temperature, top_p, greedy = (sampling.max_new_tokens, sampling.temperature, sampling.top_p,
-                                                  sampling.greedy)
+    the most likely token; draw_tokens), each ending at one of `eos_ids` (default: the tokenizer's EOS). With
+    `seeds` (one per completion, from completion_seeds) each token's uniform number is hashed from
+    its seed (seeded_uniform) instead of drawn from `generator`, so a completion does not depend on
+    the rest of the batch."""
+    max_new_tokens = sampling.max_new_tokens
     device = next(model.parameters()).device
     step = decoding_step(model, sampling.fast_decode)
     pad_id = tokenizer.pad_token_id
@@ -150,11 +170,8 @@ def generate(model, tokenizer, prompts: Sequence[Sequence[int]], group_size: int
     seeds = seeds.to(device) if seeds is not None else None
 
     for t in range(max_new_tokens):
-        scaled = logits.float() / temperature
-        logp = scaled.log_softmax(-1)
-        tok = next_tokens(scaled, top_p, greedy, seeds[alive] if seeds is not None else None, t, generator)
+        tok, logps[alive, t] = draw_tokens(logits, sampling, seeds[alive] if seeds is not None else None, t, generator)
         tokens[alive, t] = tok
-        logps[alive, t] = logp.gather(-1, tok[:, None]).squeeze(-1)
         done = torch.isin(tok, eos)
         lengths[alive[done]] = t + 1
         if t == max_new_tokens - 1 or bool(done.all()):
