@@ -1,6 +1,7 @@
 """The rollout engine: groups laid out prompt by prompt, reproducible, stopping at EOS, and
 recording the same log-probs that a training forward pass computes."""
 
+import pytest
 import torch
 from omegaconf import OmegaConf
 
@@ -8,7 +9,7 @@ from rlnotes.core.schema import TinyModelConfig
 from rlnotes.engine.model.loading import tiny_model, tiny_tokenizer
 from rlnotes.engine.policy.passes import sequence_logprobs
 from rlnotes.engine.prompts import encode_prompts
-from rlnotes.engine.sampling.generate import draw_tokens, generate, top_p_filter
+from rlnotes.engine.sampling.generate import draw_tokens, generate, stop_ids, top_p_filter
 from rlnotes.engine.sampling.settings import SamplingSettings
 
 PROMPTS = ["Write the letter a:", "What is 2+3?", "Hi"]
@@ -64,6 +65,38 @@ def test_completions_stop_at_eos_and_truncation_is_flagged():
         assert all(t == tok.pad_token_id for t in tokens[n:])
     eos_rows = (~r.truncated).sum()
     assert 0 < eos_rows < len(r), "the test needs some rows that stop early and some that do not"
+
+
+@pytest.mark.parametrize("eos,expected", [(2, [2]), ([2, 7], [2, 7]), ([7, 2], [2, 7]), ([7], [2, 7]), (None, [2])])
+def test_stop_ids_are_the_tokenizers_eos_and_the_generation_configs(eos, expected):
+    model, tok, _ = setup()
+    model.generation_config.eos_token_id = eos
+    assert stop_ids(model, tok) == expected
+
+
+def test_completions_and_turns_end_at_every_eos_id_of_the_generation_config():
+    """A model whose generation config lists a second EOS id beside the tokenizer's (as chat models
+    list <|im_end|> and <|endoftext|>): completions and an episode's turns end at either, not
+    truncated, as transformers' generate and TRL end them."""
+    from rlnotes.engine.sampling.episodes import generate_episodes
+    from rlnotes.engine.sampling.settings import EpisodeLimits
+
+    model, tok, prompts = setup()
+    other = tok.convert_tokens_to_ids("!")
+    with torch.no_grad():  # "!" about four times as likely as a common character; EOS a logit of 0
+        model.lm_head.weight[other] = 4.0 * model.lm_head.weight[75]
+        model.lm_head.weight[tok.eos_token_id] = 0.0
+    model.generation_config.eos_token_id = [tok.eos_token_id, other]
+    r = sample(model, tok, prompts, max_new_tokens=32)
+    episodes = generate_episodes(model, tok, prompts, 4, lambda rows, turns, last: [None] * len(rows),
+                                 SamplingSettings(32), EpisodeLimits(1), torch.Generator().manual_seed(0))
+    for rollout in (r, episodes):
+        lengths = rollout.completion_mask.sum(-1).long()
+        last = rollout.completion_ids.gather(1, (lengths - 1)[:, None]).squeeze(-1)
+        assert (last == other).any(), "the test needs completions that end at the second id"
+        assert not rollout.truncated[last == other].any()
+        for row, n in zip(rollout.completion_ids.tolist(), lengths.tolist()):
+            assert other not in row[:n - 1]  # nothing goes on past it
 
 
 def test_forced_eos_gives_one_token_completions():

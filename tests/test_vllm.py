@@ -106,7 +106,7 @@ class StandIn:
     below the true ones, as a sampler with other numerics would."""
     offset = 0.05
 
-    def __init__(self, cfg, tokenizer):
+    def __init__(self, cfg, tokenizer, stops):
         self.cfg, self.synced = cfg, []
 
     def sync(self, policy, step):
@@ -170,7 +170,7 @@ class FakeLLM:
             self.requests.append(list(prompt["prompt_token_ids"]))
             r = generate(self.model, self.tokenizer, [prompt["prompt_token_ids"]], p["n"],
                          SamplingSettings(p["max_tokens"], p["temperature"], p["top_p"]),
-                         torch.Generator().manual_seed(p["seed"] or 0))
+                         torch.Generator().manual_seed(p["seed"] or 0), eos_ids=p["stop_token_ids"])
             completions = []
             for k, ids in enumerate(r.token_lists()):
                 logps = [{t: NS(logprob=float(lp))} for t, lp in zip(ids, r.logprobs[k].tolist())]
@@ -194,6 +194,35 @@ def fake_vllm(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm.inputs", inputs)
 
 
+def test_vllm_stops_at_the_policys_stop_ids(fake_vllm):
+    """vLLM is asked to stop at every stop id of the policy (generate.stop_ids), and a turn that
+    ends at one that is not the tokenizer's EOS is not taken for a cut one."""
+    from types import SimpleNamespace as NS
+
+    from omegaconf import OmegaConf
+
+    from rlnotes.core.schema import RolloutConfig
+    from rlnotes.engine.model.loading import tiny_tokenizer
+    from rlnotes.engine.sampling.settings import EpisodeLimits
+    from rlnotes.engine.sampling.vllm_engine import VLLMEngine
+
+    tok = tiny_tokenizer()
+    asked = []
+
+    def answer(prompts, params, lora_request=None, use_tqdm=False):  # every request ends at id 7
+        asked.extend(params)
+        return [NS(outputs=[NS(token_ids=[5, 7], logprobs=[{5: NS(logprob=-1.0)}, {7: NS(logprob=-0.5)}],
+                               finish_reason="stop")]) for _ in prompts]
+
+    engine = object.__new__(VLLMEngine)
+    engine.llm, engine.tokenizer, engine.request, engine.stops = NS(generate=answer), tok, None, [tok.eos_token_id, 7]
+    engine.cfg = OmegaConf.create({"rollout": OmegaConf.structured(RolloutConfig(max_new_tokens=6))})
+    r = engine.generate_episodes([[10, 11]], 2, lambda rows, turns, last: [None] * len(rows), EpisodeLimits(2, 40),
+                                 None, torch.device("cpu"))
+    assert all(p["stop_token_ids"] == [tok.eos_token_id, 7] for p in asked)
+    assert not r.truncated.any()
+
+
 def test_vllm_samples_multi_turn_episodes_through_its_prefix_cache(fake_vllm):
     from omegaconf import OmegaConf
 
@@ -211,7 +240,7 @@ def test_vllm_samples_multi_turn_episodes_through_its_prefix_cache(fake_vllm):
     with torch.no_grad():  # turns that end: EOS as likely as a common character, thrice over
         model.lm_head.weight[tok.eos_token_id] = 3 * model.lm_head.weight[75]
     engine = object.__new__(VLLMEngine)
-    engine.llm, engine.tokenizer, engine.request = FakeLLM(model, tok), tok, None
+    engine.llm, engine.tokenizer, engine.request, engine.stops = FakeLLM(model, tok), tok, None, [tok.eos_token_id]
     engine.cfg = OmegaConf.create({"rollout": OmegaConf.structured(RolloutConfig(max_new_tokens=6))})
     observation = tok("\nuser: go on\nassistant:", add_special_tokens=False)["input_ids"]
     told = []
@@ -248,8 +277,8 @@ def test_a_multi_turn_run_samples_with_vllm(tmp_path, monkeypatch, fake_vllm):
     from tests.conftest import compose
 
     class Engine(vllm_engine.VLLMEngine):
-        def __init__(self, cfg, tokenizer):
-            self.cfg, self.tokenizer, self.request, self.step = cfg, tokenizer, None, None
+        def __init__(self, cfg, tokenizer, stops):
+            self.cfg, self.tokenizer, self.stops, self.request, self.step = cfg, tokenizer, stops, None, None
 
         def sync(self, policy, step):
             self.llm = FakeLLM(policy.model, self.tokenizer)

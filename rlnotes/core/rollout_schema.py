@@ -9,7 +9,9 @@ from typing import Any, List, Optional
 
 @dataclass
 class RolloutConfig:
-    # Completion tokens at most; a completion that reaches it counts as truncated.
+    # Completion tokens at most; a completion that reaches it counts as truncated. A completion ends
+    # at the tokenizer's EOS or at any EOS id the model's generation config lists (as TRL's and
+    # transformers' generate end it).
     max_new_tokens: int = 16
     # The sampling temperature; log-probs divide by it, in sampling and in the loss alike.
     temperature: float = 1.0

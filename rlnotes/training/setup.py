@@ -25,6 +25,7 @@ from rlnotes.engine.hardware.threads import set_threads
 from rlnotes.engine.model.loading import context_length
 from rlnotes.engine.policy.policy import Policy
 from rlnotes.engine.sampling import vllm_engine
+from rlnotes.engine.sampling.generate import stop_ids
 from rlnotes.engine.sampling.settings import SamplingSettings
 from rlnotes.rewards.scoring import Rewards
 from rlnotes.run import restore
@@ -82,7 +83,8 @@ def setup(cfg, algo: Algorithm, run_dir: Path, console: Console, resume_from: Op
     describe_steps(cfg, algo, len(train_rows), console)
     scorer = Rewards(checker_config(cfg), console) if cfg.trainer.eval_every and generates(cfg, algo) else None
     sampler_engine = rewards is not None and cfg.rollout.engine == "vllm"  # else the policy samples itself
-    engine = vllm_engine.VLLMEngine(cfg, policy.tokenizer) if sampler_engine else None
+    stops = stop_ids(policy.model, policy.tokenizer)
+    engine = vllm_engine.VLLMEngine(cfg, policy.tokenizer, stops) if sampler_engine else None
     r = cfg.rollout
     per_prompt_seed = distributed.world_size() > 1 if r.per_prompt_seed is None else bool(r.per_prompt_seed)
     return Context(

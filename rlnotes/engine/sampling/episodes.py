@@ -33,7 +33,7 @@ from rlnotes.engine.model.loading import context_length
 from rlnotes.engine.policy.kvcache import plain_layers
 from rlnotes.engine.rollout import Rollout, left_pad
 from rlnotes.engine.sampling.decoder import Step, decoding_step
-from rlnotes.engine.sampling.generate import draw_tokens, prefill
+from rlnotes.engine.sampling.generate import draw_tokens, prefill, stop_ids
 from rlnotes.engine.sampling.settings import EpisodeLimits, SamplingSettings
 
 # respond(rows, turns, last) -> one observation per row: token ids to prefill, or None (the episode
@@ -131,7 +131,7 @@ def generate_episodes(model, tokenizer, prompts: Sequence[Sequence[int]], group_
     tokens). Returns the compacted episodes (module docstring)."""
     device = next(model.parameters()).device
     pad_id = tokenizer.pad_token_id
-    eos = torch.tensor(eos_ids if eos_ids is not None else [tokenizer.eos_token_id], device=device)
+    eos = torch.tensor(eos_ids if eos_ids is not None else stop_ids(model, tokenizer), device=device)
     budget = budgets(prompts, group_size, limits.max_episode_tokens, context_length(model))
     prompt_ids, prompt_mask, cache, cache_mask, logits, next_pos = prefill(model, prompts, pad_id, group_size,
                                                                            device)

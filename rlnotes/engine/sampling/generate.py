@@ -8,7 +8,7 @@ comes out of the same pass that sampled it.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+from typing import List, Optional, Sequence, Union
 
 import torch
 from transformers import DynamicCache
@@ -121,6 +121,17 @@ def draw_tokens(logits: torch.Tensor, sampling: SamplingSettings, seeds: Optiona
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
 
 
+def stop_ids(model, tokenizer) -> List[int]:
+    """The ids that end a completion: the tokenizer's EOS and each EOS id of the model's generation
+    config, which some chat models list beside it (an end of turn and an end of text: <|im_end|>
+    and <|endoftext|>). transformers' generate stops at the config's ids; TRL 1.16's GRPOTrainer
+    and vLLM at both."""
+    config = model.generation_config
+    listed = config.eos_token_id if config is not None else None
+    listed = [] if listed is None else [listed] if isinstance(listed, int) else list(listed)
+    return list(dict.fromkeys([tokenizer.eos_token_id, *listed]))
+
+
 def prefill(model, prompts: Sequence[Sequence[int]], pad_id: int, group_size: int, device, room: int = 0):
     """Each prompt (token id lists) forwarded once (a prefix they all share once: passes.prompt_pass),
     its KV cache and last logits then copied for its `group_size` samples: (prompt ids [N, P], mask
@@ -149,7 +160,7 @@ def generate(model, tokenizer, prompts: Sequence[Sequence[int]], group_size: int
              generator: Optional[torch.Generator] = None, eos_ids: Optional[Sequence[int]] = None,
              seeds: Optional[torch.Tensor] = None) -> Rollout:
     """Sample `group_size` completions for each prompt (token id lists) as `sampling` says (greedy:
-    the most likely token; draw_tokens), each ending at one of `eos_ids` (default: the tokenizer's EOS). With
+    the most likely token; draw_tokens), each ending at one of `eos_ids` (default: stop_ids). With
     `seeds` (one per completion, from completion_seeds) each token's uniform number is hashed from
     its seed (seeded_uniform) instead of drawn from `generator`, so a completion does not depend on
     the rest of the batch."""
@@ -157,7 +168,7 @@ def generate(model, tokenizer, prompts: Sequence[Sequence[int]], group_size: int
     device = next(model.parameters()).device
     step = decoding_step(model, sampling.fast_decode)
     pad_id = tokenizer.pad_token_id
-    eos = torch.tensor(eos_ids if eos_ids is not None else [tokenizer.eos_token_id], device=device)
+    eos = torch.tensor(eos_ids if eos_ids is not None else stop_ids(model, tokenizer), device=device)
     prompt_ids, prompt_mask, cache, attn, logits, next_pos = prefill(model, prompts, pad_id, group_size, device,
                                                                      room=max_new_tokens)
     n = prompt_ids.shape[0]

@@ -86,7 +86,8 @@ def _logprobs(completion) -> List[float]:
 class VLLMEngine:
     """A vLLM engine on this process's GPU, sampling with the policy's current LoRA adapter."""
 
-    def __init__(self, cfg, tokenizer):
+    def __init__(self, cfg, tokenizer, stops: Sequence[int]):
+        """`stops`: the ids that end a completion (generate.stop_ids of the policy)."""
         from vllm import LLM  # optional: vllm, only with rollout.engine=vllm
 
         lora = cfg.model.lora
@@ -95,7 +96,7 @@ class VLLMEngine:
                        max_lora_rank=lora.r, max_loras=1, gpu_memory_utilization=cfg.rollout.vllm_gpu_memory,
                        seed=cfg.seed + distributed.rank(), logprobs_mode="processed_logprobs",  # log softmax(z / T)
                        enable_prefix_caching=True, **extra)
-        self.tokenizer, self.cfg = tokenizer, cfg
+        self.tokenizer, self.cfg, self.stops = tokenizer, cfg, list(stops)
         self.dir = Path(tempfile.mkdtemp(prefix="rlnotes-lora-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
         self.step: Optional[int] = None
         self.request = None
@@ -129,7 +130,7 @@ class VLLMEngine:
 
         r = self.cfg.rollout
         params = [SamplingParams(n=n, temperature=r.temperature, top_p=r.top_p, max_tokens=int(m), logprobs=0,
-                                 stop_token_ids=[self.tokenizer.eos_token_id], seed=None if seeds is None else seeds[i])
+                                 stop_token_ids=self.stops, seed=None if seeds is None else seeds[i])
                   for i, m in enumerate(max_tokens)]
         return self.llm.generate([TokensPrompt(prompt_token_ids=list(q)) for q in sequences], params,
                                  lora_request=self.request, use_tqdm=False)
@@ -155,7 +156,7 @@ class VLLMEngine:
                 ep.ids += list(out.token_ids)
                 ep.model_mask += [1.0] * len(out.token_ids)
                 ep.logps += _logprobs(out)
-                ep.truncated = not out.token_ids or out.token_ids[-1] != self.tokenizer.eos_token_id  # cut
+                ep.truncated = not out.token_ids or out.token_ids[-1] not in self.stops  # cut
             running = sorted(between_turns(episodes, running, respond, limits.max_turns, budget))
         prompt_ids, prompt_mask = left_pad(starts, self.tokenizer.pad_token_id)
         rollout = episode_rollout(self.tokenizer, prompt_ids, prompt_mask, episodes, device)
