@@ -38,7 +38,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
@@ -159,11 +159,15 @@ def make_rows(shape: Shape, n: int, chat: bool, count_tokens) -> List[dict]:
 
 
 def prepare(model: str, out: Path, shapes: Dict[str, Shape], steps: int) -> dict:
-    """The model dir both tools load and one prompt file per shape (a fresh batch for every step):
-    {"model_dir", "data": {shape: path}, "prompt_tokens": {shape: mean prompt tokens}}."""
+    """The model dir both tools load and two prompt files per shape, one fresh batch for every step:
+    rlnotes' file, and TRL's with the same rows in the order rlnotes draws them (rlnotes' data
+    sampler with the bench's seed), which TRL reads unshuffled, so both tools sample the same
+    prompts at every step. {"model_dir", "data": {shape: path}, "trl_data": {shape: path},
+    "batches": {shape: each step's prompts (prompt_key)}, "prompt_tokens": {shape: mean prompt tokens}}."""
     from transformers import AutoTokenizer
 
     from rlnotes.core.schema import TinyModelConfig
+    from rlnotes.data.sampler import PromptSampler
     from rlnotes.engine.model.loading import smollm2_dir, tiny_model, tiny_tokenizer
     from rlnotes.engine.prompts import encode_prompts
 
@@ -177,16 +181,26 @@ def prepare(model: str, out: Path, shapes: Dict[str, Shape], steps: int) -> dict
         model_dir = smollm2_dir()
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     chat = bool(tokenizer.chat_template)
-    data, lengths = {}, {}
+    data, trl_data, batches, lengths = {}, {}, {}, {}
     for name, shape in shapes.items():
         rows = make_rows(shape, shape.prompts * steps, chat, lambda p: len(encode_prompts(tokenizer, [p], chat)[0]))
-        path = out / "data" / f"{model}-{name}.jsonl"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        data[name] = str(path)
+        sampler = PromptSampler(rows, shape.prompts, SEED)
+        drawn = [sampler.next_batch() for _ in range(steps)]
+        batches[name] = [[prompt_key(r["prompt"]) for r in batch] for batch in drawn]
+        for paths, suffix, written in ((data, "", rows), (trl_data, "-trl", [r for b in drawn for r in b])):
+            path = out / "data" / f"{model}-{name}{suffix}.jsonl"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text("".join(json.dumps(r) + "\n" for r in written))
+            paths[name] = str(path)
         lengths[name] = statistics.mean(len(ids) for ids in encode_prompts(tokenizer, [r["prompt"] for r in rows],
                                                                             chat))
-    return {"model_dir": str(model_dir), "chat": chat, "data": data, "prompt_tokens": lengths}
+    return {"model_dir": str(model_dir), "chat": chat, "data": data, "trl_data": trl_data, "batches": batches,
+            "prompt_tokens": lengths}
+
+
+def prompt_key(prompt) -> str:
+    """A prompt (text or messages) as one string, to compare the prompts of a step."""
+    return json.dumps(prompt, sort_keys=True)
 
 
 def rlnotes_command(prep: dict, model: str, shape: Shape, data: str, threads: str, steps: int,
@@ -263,7 +277,7 @@ def wait_rusage(proc: subprocess.Popen, timeout: Optional[float]) -> tuple[int, 
 def run_one(tool: str, prep: dict, model: str, shape_name: str, shape: Shape, threads: str, steps: int,
             run_dir: Path, timeout: Optional[float] = None) -> dict:
     """One run of one tool in its own process: its per-step rows, peak RSS, wall time and exit code."""
-    data = prep["data"][shape_name]
+    data = prep["data" if tool == "rlnotes" else "trl_data"][shape_name]
     run_dir.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -325,8 +339,8 @@ def trl_worker(spec: dict) -> None:
     rows = [json.loads(line) for line in Path(spec["data"]).read_text().splitlines()]
     lora = LoraConfig(r=LORA["r"], lora_alpha=LORA["alpha"], lora_dropout=LORA["dropout"],
                       target_modules=LORA["target_modules"], task_type="CAUSAL_LM")
-    timers: Dict[str, float] = {"generate_s": 0.0, "reference_s": 0.0, "completion_tokens": 0.0,
-                                "prompt_tokens": 0.0}
+    timers: Dict[str, Any] = {"generate_s": 0.0, "reference_s": 0.0, "completion_tokens": 0.0,
+                              "prompt_tokens": 0.0, "prompts": []}
     with tempfile.TemporaryDirectory() as tmp:
         # Same optimizer (torch.optim.AdamW, not TRL's fused default) and schedule as rlnotes'
         # defaults; float32 (TRL defaults to bf16), no gradient checkpointing (TRL's default; rlnotes
@@ -343,7 +357,7 @@ def trl_worker(spec: dict) -> None:
 
         class StepTimes(TrainerCallback):
             def on_step_begin(self, args, state, control, **kwargs):
-                timers.update(generate_s=0.0, reference_s=0.0, completion_tokens=0.0, prompt_tokens=0.0)
+                timers.update(generate_s=0.0, reference_s=0.0, completion_tokens=0.0, prompt_tokens=0.0, prompts=[])
                 self.start = time.perf_counter()
 
             def on_step_end(self, args, state, control, **kwargs):
@@ -352,6 +366,7 @@ def trl_worker(spec: dict) -> None:
                 row = step_row(state.global_step, step_s, timers["generate_s"], timers["reference_s"], tokens)
                 if shape.algo == "grpo":
                     row["prompt_tokens"] = timers["prompt_tokens"] / (shape.prompts * shape.group)
+                    row["prompts"] = timers["prompts"]
                 out.write(json.dumps(row) + "\n")
                 out.flush()
 
@@ -376,7 +391,7 @@ def grpo_trainer(shape: Shape, common: dict, model, tokenizer, dataset, lora, ti
     micro = shape.micro_batch or n
     config = GRPOConfig(**common, per_device_train_batch_size=micro, gradient_accumulation_steps=n // micro,
                         num_generations=shape.group, max_completion_length=shape.new_tokens,
-                        temperature=TEMPERATURE, top_p=1.0, top_k=0,
+                        temperature=TEMPERATURE, top_p=1.0, top_k=0, shuffle_dataset=False,  # rlnotes' order
                         beta=GRPO_BETA, epsilon=CLIP_EPS, loss_type="grpo", scale_rewards="group",
                         num_iterations=1, log_completions=False, mask_truncated_completions=False)
     trainer = GRPOTrainer(model=model, reward_funcs=number_match, args=config, train_dataset=dataset,
@@ -389,6 +404,7 @@ def grpo_trainer(shape: Shape, common: dict, model, tokenizer, dataset, lora, ti
         timers["generate_s"] += time.perf_counter() - start
         timers["prompt_tokens"] += sum(len(ids) for ids in result[0])
         timers["completion_tokens"] += sum(len(ids) for ids in result[1])
+        timers["prompts"] += [prompt_key(p) for p in prompts[::shape.group]]  # each prompt comes G times
         return result
 
     trainer._generate = timed_generate
@@ -473,15 +489,24 @@ def tables(summary: Dict[tuple, Dict[str, dict]]) -> str:
 
 
 def prompt_mismatches(preps: Dict[str, dict], runs: List[dict]) -> List[str]:
-    """The GRPO cases whose prompts TRL encoded to another length than rlnotes: every run goes
-    through its prompt file once, so the means over the file must agree."""
+    """The GRPO cases where TRL did not sample the prompts rlnotes samples: other prompts at a step
+    than rlnotes' data sampler draws there, or prompts encoded to another length (every run goes
+    through its prompt file once, so the means over the file must agree)."""
     out = []
     for run in runs:
+        if run["tool"] != "trl" or run["returncode"] != 0:
+            continue
+        prep, case = preps[run["model"]], f"{run['model']} {run['shape']}"
         lengths = [s["prompt_tokens"] for s in run["steps"] if s.get("prompt_tokens") is not None]
-        ours = preps[run["model"]]["prompt_tokens"][run["shape"]]
-        if run["tool"] == "trl" and run["returncode"] == 0 and lengths and abs(statistics.mean(lengths) - ours) > 0.01:
-            out.append(f"{run['model']} {run['shape']}: TRL's prompts have {statistics.mean(lengths):.2f} tokens on "
-                       f"average, rlnotes' {ours:.2f}; the two do not run the same work")
+        ours = prep["prompt_tokens"][run["shape"]]
+        if lengths and abs(statistics.mean(lengths) - ours) > 0.01:
+            out.append(f"{case}: TRL's prompts have {statistics.mean(lengths):.2f} tokens on average, rlnotes' "
+                       f"{ours:.2f}; the two do not run the same work")
+        batches = prep["batches"][run["shape"]]
+        other = [s["step"] for s in run["steps"] if "prompts" in s and s["prompts"] != batches[s["step"] - 1]]
+        if other:
+            out.append(f"{case}: at step(s) {', '.join(map(str, other))} TRL sampled other prompts than rlnotes; "
+                       "lengths and times of those steps do not compare")
     return out
 
 

@@ -118,14 +118,32 @@ def test_rlnotes_command_has_the_shape_and_threads(tmp_path):
     assert "algo=dpo" in default and not any(a.startswith("hardware.threads") for a in default)
 
 
-def test_prompt_lengths_that_differ_are_reported():
-    preps = {"tiny": {"prompt_tokens": {"grpo": 43.0}}}
+def test_prompt_lengths_and_prompts_that_differ_are_reported():
+    preps = {"tiny": {"prompt_tokens": {"grpo": 43.0}, "batches": {"grpo": [["a", "b"], ["c", "d"]]}}}
     run = _run("trl", [1.0, 1.0])
-    for s, n in zip(run["steps"], (42.0, 44.0)):
-        s["prompt_tokens"] = n
+    for s, n, prompts in zip(run["steps"], (42.0, 44.0), (["a", "b"], ["c", "d"])):
+        s["prompt_tokens"], s["prompts"] = n, prompts
     assert bench.prompt_mismatches(preps, [run]) == []
     run["steps"][0]["prompt_tokens"] = 45.0
     assert "TRL's prompts have 44.50 tokens" in bench.prompt_mismatches(preps, [run])[0]
+    run["steps"][0]["prompt_tokens"], run["steps"][1]["prompts"] = 42.0, ["d", "c"]
+    assert bench.prompt_mismatches(preps, [run]) == ["tiny grpo: at step(s) 2 TRL sampled other prompts than "
+                                                     "rlnotes; lengths and times of those steps do not compare"]
+
+
+def test_trl_reads_the_rows_in_the_order_rlnotes_draws_them(tmp_path):
+    """TRL's prompt file holds rlnotes' file's rows in the order rlnotes' data sampler draws them
+    with the bench's seed, one batch per step (TRL reads it unshuffled)."""
+    from rlnotes.data.sampler import PromptSampler
+
+    table = {"grpo": bench.SHAPES["grpo"]}
+    prep = bench.prepare("tiny", tmp_path, table, steps=3)
+    ours = [json.loads(line) for line in Path(prep["data"]["grpo"]).read_text().splitlines()]
+    theirs = [json.loads(line) for line in Path(prep["trl_data"]["grpo"]).read_text().splitlines()]
+    sampler = PromptSampler(ours, 8, bench.SEED)
+    drawn = [sampler.next_batch() for _ in range(3)]
+    assert theirs == [r for batch in drawn for r in batch] and theirs != ours
+    assert prep["batches"]["grpo"] == [[bench.prompt_key(r["prompt"]) for r in batch] for batch in drawn]
 
 
 def test_without_trl_it_says_how_to_install_it(monkeypatch, tmp_path):
@@ -150,4 +168,6 @@ def test_a_tiny_round_of_each_tool(shape, tmp_path):
         assert 0.1 < run["peak_rss_gib"] < 8
         if shape == "grpo":
             assert all(s["generate_s"] > 0 and 0 < s["completion_tokens"] <= 8 * 4 * 32 for s in run["steps"])
+    if shape == "grpo":  # TRL sampled, step by step, the prompts rlnotes' sampler draws
+        assert [s["prompts"] for s in run["steps"]] == prep["batches"]["grpo"]
     assert bench.prompt_mismatches({"tiny": prep}, [run]) == []
