@@ -64,7 +64,8 @@ MODELS = ("tiny", "smollm2-135m")
 # Steps per run; a tiny step takes a fraction of a second, a SmolLM2 step tens of seconds.
 DEFAULT_STEPS = {"tiny": 12, "smollm2-135m": 4}
 # What both sides are given. The learning rate only has to be equal: it changes no timing.
-LR, GRPO_BETA, CLIP_EPS, DPO_BETA, TEMPERATURE, SEED = 1e-5, 0.04, 0.2, 0.1, 1.0, 0
+LR, GRPO_BETA, CLIP_EPS, DPO_BETA, TEMPERATURE = 1e-5, 0.04, 0.2, 0.1, 1.0
+SEED = 0  # both tools' seed unless --seed says another
 LORA = {"r": 16, "alpha": 32, "dropout": 0.0, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
 TOOLS = ("rlnotes", "trl")
 COLUMNS = ("step_s", "generate_s", "reference_s", "train_s", "completion_tokens", "tokens_per_s")
@@ -99,6 +100,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=None,
                         help="where runs, bench_trl.json and bench_trl.md go (default outputs/bench_trl/TIME)")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds one run may take (default 3600)")
+    parser.add_argument("--seed", type=int, default=SEED,
+                        help="both tools' seed: their random numbers and rlnotes' prompt order (default 0)")
     parser.add_argument("--worker", choices=["prepare", "trl"], help=argparse.SUPPRESS)
     parser.add_argument("--spec", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -158,11 +161,11 @@ def make_rows(shape: Shape, n: int, chat: bool, count_tokens) -> List[dict]:
     return rows
 
 
-def prepare(model: str, out: Path, shapes: Dict[str, Shape], steps: int) -> dict:
+def prepare(model: str, out: Path, shapes: Dict[str, Shape], steps: int, seed: int = SEED) -> dict:
     """The model dir both tools load and two prompt files per shape, one fresh batch for every step:
     rlnotes' file, and TRL's with the same rows in the order rlnotes draws them (rlnotes' data
-    sampler with the bench's seed), which TRL reads unshuffled, so both tools sample the same
-    prompts at every step. {"model_dir", "data": {shape: path}, "trl_data": {shape: path},
+    sampler with `seed`), which TRL reads unshuffled, so both tools sample the same prompts at
+    every step. {"model_dir", "chat", "seed", "data": {shape: path}, "trl_data": {shape: path},
     "batches": {shape: each step's prompts (prompt_key)}, "prompt_tokens": {shape: mean prompt tokens}}."""
     from transformers import AutoTokenizer
 
@@ -184,7 +187,7 @@ def prepare(model: str, out: Path, shapes: Dict[str, Shape], steps: int) -> dict
     data, trl_data, batches, lengths = {}, {}, {}, {}
     for name, shape in shapes.items():
         rows = make_rows(shape, shape.prompts * steps, chat, lambda p: len(encode_prompts(tokenizer, [p], chat)[0]))
-        sampler = PromptSampler(rows, shape.prompts, SEED)
+        sampler = PromptSampler(rows, shape.prompts, seed)
         drawn = [sampler.next_batch() for _ in range(steps)]
         batches[name] = [[prompt_key(r["prompt"]) for r in batch] for batch in drawn]
         for paths, suffix, written in ((data, "", rows), (trl_data, "-trl", [r for b in drawn for r in b])):
@@ -194,8 +197,8 @@ def prepare(model: str, out: Path, shapes: Dict[str, Shape], steps: int) -> dict
             paths[name] = str(path)
         lengths[name] = statistics.mean(len(ids) for ids in encode_prompts(tokenizer, [r["prompt"] for r in rows],
                                                                             chat))
-    return {"model_dir": str(model_dir), "chat": chat, "data": data, "trl_data": trl_data, "batches": batches,
-            "prompt_tokens": lengths}
+    return {"model_dir": str(model_dir), "chat": chat, "seed": seed, "data": data, "trl_data": trl_data,
+            "batches": batches, "prompt_tokens": lengths}
 
 
 def prompt_key(prompt) -> str:
@@ -213,7 +216,7 @@ def rlnotes_command(prep: dict, model: str, shape: Shape, data: str, threads: st
            f"model.lora.target_modules=[{','.join(LORA['target_modules'])}]",
            "data=file", f"data.path={data}", f"data.eval_path={data}",
            f"trainer.steps={steps}", f"trainer.batch_size={shape.prompts}", "trainer.log_every=1",
-           "trainer.save_every=0", f"optim.lr={LR}", "optim.schedule=constant", f"seed={SEED}",
+           "trainer.save_every=0", f"optim.lr={LR}", "optim.schedule=constant", f"seed={prep['seed']}",
            "logging.progress=false", f"hydra.run.dir={run_dir}"]
     if prep["chat"]:
         cmd += ["model.chat_template=true", "model.system_prompt=null"]  # the template's own system prompt
@@ -256,8 +259,8 @@ def step_row(step: int, step_s: float, generate_s: float, reference_s: float, to
 
 
 def trl_spec(prep: dict, shape: Shape, data: str, threads: str, steps: int, out: Path) -> dict:
-    return {"model_dir": prep["model_dir"], "data": data, "shape": asdict(shape), "threads": threads,
-            "steps": steps, "out": str(out)}
+    return {"model_dir": prep["model_dir"], "seed": prep["seed"], "data": data, "shape": asdict(shape),
+            "threads": threads, "steps": steps, "out": str(out)}
 
 
 def wait_rusage(proc: subprocess.Popen, timeout: Optional[float]) -> tuple[int, float]:
@@ -349,7 +352,8 @@ def trl_worker(spec: dict) -> None:
                       lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, adam_beta1=0.9,
                       adam_beta2=0.999, adam_epsilon=1e-8, max_grad_norm=1.0, gradient_checkpointing=False,
                       bf16=False, fp16=False, use_cpu=True, logging_steps=1, save_strategy="no",
-                      eval_strategy="no", report_to="none", seed=SEED, disable_tqdm=True, dataloader_num_workers=0)
+                      eval_strategy="no", report_to="none", seed=spec["seed"], disable_tqdm=True,
+                      dataloader_num_workers=0)
         if shape.algo == "grpo":
             trainer = grpo_trainer(shape, common, model, tokenizer, Dataset.from_list(rows), lora, timers)
         else:
@@ -548,7 +552,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     if args.worker == "prepare":
         spec = json.loads(args.spec.read_text())
         shapes = {name: Shape(**shape) for name, shape in spec["shapes"].items()}
-        print(json.dumps(prepare(spec["model"], Path(spec["out"]), shapes, spec["steps"])))
+        print(json.dumps(prepare(spec["model"], Path(spec["out"]), shapes, spec["steps"], spec["seed"])))
         return
     if importlib.util.find_spec("trl") is None:
         sys.exit('bench_trl: error: TRL is not installed; install the bench extra: pip install -e ".[bench]"')
@@ -560,7 +564,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     preps = {}
     for model in args.models:  # in a process of its own: this one stays small while the runs go
         spec = out / f"prepare-{model}.json"
-        spec.write_text(json.dumps({"model": model, "out": str(out), "steps": steps[model],
+        spec.write_text(json.dumps({"model": model, "out": str(out), "steps": steps[model], "seed": args.seed,
                                     "shapes": {name: asdict(shape) for name, shape in args.shape_table.items()}}))
         done = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", "prepare", "--spec", str(spec)],
                               capture_output=True, text=True)

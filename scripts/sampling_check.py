@@ -191,7 +191,7 @@ def bench_setup(model: str, steps: int, out: Path):
     rows = bench_trl.make_rows(shape, shape.prompts * steps, chat, lambda prompt: 0)
     data = out / "prompts.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    prep = {"model_dir": str(smollm2_dir()) if chat else "tiny", "chat": chat}
+    prep = {"model_dir": str(smollm2_dir()) if chat else "tiny", "chat": chat, "seed": bench_trl.SEED}
     cmd = bench_trl.rlnotes_command(prep, model, shape, str(data), "1", steps, out)
     overrides = [c for c in cmd[cmd.index("train") + 1:] if not c.startswith("hydra.")]
     if not chat:  # the tiny model built in code, not the bench's saved copy of it

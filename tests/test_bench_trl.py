@@ -21,7 +21,7 @@ def test_defaults_are_the_full_benchmark():
     args = bench.parse_args([])
     assert args.models == ["tiny", "smollm2-135m"]
     assert args.shapes == ["grpo", "grpo-long", "dpo"]
-    assert (args.rounds, args.steps, args.warmup, args.threads) == (3, 0, 1, None)
+    assert (args.rounds, args.steps, args.warmup, args.threads, args.seed) == (3, 0, 1, None, 0)
     assert bench.default_threads("tiny") == ["default", "1"]
     assert bench.default_threads("smollm2-135m") == [str(os.cpu_count())]
     assert bench.SHAPES["grpo"] == bench.Shape("grpo", prompts=8, group=4, new_tokens=32)
@@ -106,8 +106,9 @@ def test_prompts_long_enough_and_pairs_that_differ():
 
 
 def test_rlnotes_command_has_the_shape_and_threads(tmp_path):
-    prep = {"model_dir": "/m", "chat": True}
+    prep = {"model_dir": "/m", "chat": True, "seed": 3}
     cmd = bench.rlnotes_command(prep, "smollm2-135m", bench.SHAPES["grpo-long"], "/d.jsonl", "2", 5, tmp_path)
+    assert "seed=3" in cmd and bench.trl_spec(prep, bench.SHAPES["grpo"], "/d.jsonl", "2", 5, tmp_path)["seed"] == 3
     for arg in ("algo=grpo", "model.name_or_path=/m", "algo.group_size=8", "rollout.max_new_tokens=64",
                 "trainer.micro_batch_size=16",
                 "trainer.batch_size=8", "trainer.steps=5", "algo.beta=0.04", "hardware.threads=2",
@@ -137,10 +138,10 @@ def test_trl_reads_the_rows_in_the_order_rlnotes_draws_them(tmp_path):
     from rlnotes.data.sampler import PromptSampler
 
     table = {"grpo": bench.SHAPES["grpo"]}
-    prep = bench.prepare("tiny", tmp_path, table, steps=3)
+    prep = bench.prepare("tiny", tmp_path, table, steps=3, seed=5)
     ours = [json.loads(line) for line in Path(prep["data"]["grpo"]).read_text().splitlines()]
     theirs = [json.loads(line) for line in Path(prep["trl_data"]["grpo"]).read_text().splitlines()]
-    sampler = PromptSampler(ours, 8, bench.SEED)
+    sampler = PromptSampler(ours, 8, 5)
     drawn = [sampler.next_batch() for _ in range(3)]
     assert theirs == [r for batch in drawn for r in batch] and theirs != ours
     assert prep["batches"]["grpo"] == [[bench.prompt_key(r["prompt"]) for r in batch] for batch in drawn]
