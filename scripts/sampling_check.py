@@ -16,8 +16,9 @@ or top-k). Printed:
    over the likely tokens one by one and the rest pooled in bins, and the count of rare tokens.
 3. Lengths: --samples completions by rlnotes' generate, as a training step samples (adapter merged,
    weights packed, own decoding step), and as many by transformers' generate with the settings
-   TRL gives it, in alternating rounds: a chi-square on the length bins (the truncated bin
-   included) and a Kolmogorov-Smirnov test. Per-prompt means go to --out (JSON) if given.
+   TRL gives it, in alternating rounds (with --trl, as many by TRL's own GRPOTrainer._generate
+   too): a chi-square on the length bins (the truncated bin included), a Kolmogorov-Smirnov test
+   and a test of the means. Every length and per-prompt means go to --out (JSON) if given.
 A p-value below 0.001 is a difference; the script exits 1 if any test finds one.
 """
 
@@ -361,6 +362,36 @@ def agree(tests: Dict[str, Dict[str, float]]) -> bool:
     return all(t["p"] >= ALPHA for t in tests.values())
 
 
+def trl_lengths(cfg, rows: list, group_size: int, rounds: int, seed: int) -> List[int]:
+    """Completion lengths (EOS included) from TRL 1.16's own generation: a GRPOTrainer built as
+    scripts/bench_trl.py builds it, on a fresh copy of the model, its _generate called on
+    group_size copies of every row per round, the model in training mode as during training."""
+    import tempfile
+
+    from datasets import Dataset
+    from peft import LoraConfig
+
+    from rlnotes.engine.model.loading import load_base
+
+    bench_trl = bench_module()
+    torch.manual_seed(seed)  # the tiny model's weights, as the policy's
+    model, tokenizer = load_base(cfg.model)
+    lora = LoraConfig(r=bench_trl.LORA["r"], lora_alpha=bench_trl.LORA["alpha"], lora_dropout=bench_trl.LORA["dropout"],
+                      target_modules=bench_trl.LORA["target_modules"], task_type="CAUSAL_LM")
+    timers = {"generate_s": 0.0, "reference_s": 0.0, "completion_tokens": 0.0, "prompt_tokens": 0.0, "prompts": []}
+    lengths: List[int] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        common = dict(output_dir=tmp, max_steps=1, use_cpu=True, report_to="none", seed=seed, bf16=False,
+                      gradient_checkpointing=False, save_strategy="no", disable_tqdm=True)
+        trainer = bench_trl.grpo_trainer(bench_trl.SHAPES["grpo"], common, model, tokenizer, Dataset.from_list(rows),
+                                         lora, timers)
+        trainer.model.train()
+        torch.manual_seed(seed + 2)
+        for _ in range(rounds):
+            lengths += [len(ids) for ids in trainer._generate([r["prompt"] for r in rows for _ in range(group_size)])[1]]
+    return lengths
+
+
 def per_prompt_means(lengths: List[int], prompts: int, group_size: int) -> List[float]:
     """Mean length of each prompt's completions over rounds of `group_size` per prompt."""
     rows = torch.tensor(lengths, dtype=torch.float64).view(-1, prompts, group_size)
@@ -368,15 +399,21 @@ def per_prompt_means(lengths: List[int], prompts: int, group_size: int) -> List[
 
 
 def report_lengths(result: Dict[str, object], max_new_tokens: int) -> bool:
-    """Print each side's mean length and truncated share, and the tests; True where they agree."""
+    """Print each side's mean length and truncated share, and the tests of rlnotes' lengths against
+    each other side's; True where no test finds a difference."""
     for side, x in result["lengths"].items():
         print(f"  {side}: {len(x)} completions, mean length {statistics.mean(x):.2f} tokens (sd "
               f"{statistics.stdev(x):.2f}), truncated at {max_new_tokens}: "
               f"{sum(v == max_new_tokens for v in x) / len(x):.1%}, {result['seconds'][side]:.0f} s")
-    chi2, ks, mean = (result["tests"][k] for k in ("chi2", "ks", "mean"))
-    print(f"  chi-square on length bins: {chi2['chi2']:.1f} on {chi2['df']} df, p={chi2['p']:.3f}; "
-          f"Kolmogorov-Smirnov D={ks['D']:.3f}, p={ks['p']:.3f}; means z={mean['z']:.2f}, p={mean['p']:.3f}")
-    return agree(result["tests"])
+    ok = True
+    for other in [side for side in ("generate", "trl") if side in result["lengths"]]:
+        tests = length_tests(result["lengths"]["rlnotes"], result["lengths"][other])
+        chi2, ks, mean = tests["chi2"], tests["ks"], tests["mean"]
+        print(f"  rlnotes against {other}: chi-square on length bins {chi2['chi2']:.1f} on {chi2['df']} df, "
+              f"p={chi2['p']:.3f}; Kolmogorov-Smirnov D={ks['D']:.3f}, p={ks['p']:.3f}; means z={mean['z']:.2f}, "
+              f"p={mean['p']:.3f}")
+        ok &= agree(tests)
+    return ok
 
 
 # ------------------------------------------------------------------------------- the script
@@ -392,6 +429,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--out", type=Path, default=None, help="a JSON file for every length and per-prompt means")
+    parser.add_argument("--trl", action="store_true",
+                        help="also as many completions by TRL's own GRPOTrainer._generate (needs trl: pip extra bench)")
     args = parser.parse_args(argv)
     if min(args.steps, args.group, args.samples, args.draws, args.threads) < 1:
         parser.error("--steps, --group, --samples, --draws and --threads must be positive")
@@ -406,6 +445,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     from rlnotes.engine.sampling.settings import SamplingSettings
 
     args = parse_args(argv)
+    if args.trl and importlib.util.find_spec("trl") is None:
+        print('sampling_check: error: --trl needs TRL; install the bench extra: pip install -e ".[bench]"',
+              file=sys.stderr)
+        return 2
     torch.set_num_threads(args.threads)
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
     print(f"{args.model}; {os.cpu_count()} CPUs ({cpu}), {args.threads} threads; torch {torch.__version__}")
@@ -423,6 +466,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(f"lengths: {len(prompt_ids)} prompts x {args.group} completions x {rounds} rounds per side, at most "
           f"{sampling.max_new_tokens} new tokens, temperature {sampling.temperature}, top_p {sampling.top_p}")
     result = compare_lengths(policy, prompt_ids, args.group, rounds, sampling, args.seed)
+    if args.trl:
+        start = time.perf_counter()
+        result["lengths"]["trl"] = trl_lengths(cfg, rows, args.group, rounds, args.seed)
+        result["seconds"]["trl"] = time.perf_counter() - start
     ok &= report_lengths(result, sampling.max_new_tokens)
     if args.out:
         means = {side: per_prompt_means(x, len(prompt_ids), args.group) for side, x in result["lengths"].items()}

@@ -236,11 +236,40 @@ def test_prompt_ids_are_those_trl_feeds_the_model(chat):
     assert not check.check_prompts(policy, PromptFormat(chat_template=chat, system_prompt="Be brief."), rows)
 
 
-@pytest.mark.slow
-def test_smollm2_samples_what_transformers_generate_samples(tmp_path, capsys):
-    """scripts/sampling_check.py on SmolLM2-135M-Instruct at the bench's shape (about 10 minutes
-    on 2 cores): identical prompts and stop ids, the draw at its logits, 1,024 completions a side."""
+def test_the_script_on_the_tiny_model_with_trls_own_generation(tmp_path, capsys):
+    """The script end to end on the tiny model, TRL's own GRPOTrainer._generate as a third side
+    (where TRL is installed): no difference, every length written out."""
     import json
 
-    assert check.main(["--out", str(tmp_path / "lengths.json")]) == 0, capsys.readouterr().out
-    assert len(json.loads((tmp_path / "lengths.json").read_text())["lengths"]["rlnotes"]) >= 1000
+    pytest.importorskip("trl")
+    out = tmp_path / "lengths.json"
+    code = check.main(["--model", "tiny", "--samples", "256", "--draws", "20000", "--threads", "1", "--trl",
+                       "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    assert "rlnotes against trl:" in printed and "no difference found" in printed
+    assert {side: len(x) for side, x in json.loads(out.read_text())["lengths"].items()} == {
+        "rlnotes": 256, "generate": 256, "trl": 256}
+
+
+def test_trl_asked_for_without_trl_is_one_line(monkeypatch, capsys):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "trl" else find_spec(name, *a))
+    assert check.main(["--model", "tiny", "--trl"]) == 2
+    assert capsys.readouterr().err.strip() == ('sampling_check: error: --trl needs TRL; install the bench extra: '
+                                               'pip install -e ".[bench]"')
+
+
+@pytest.mark.slow
+def test_smollm2_samples_what_transformers_generate_samples(tmp_path, capsys):
+    """scripts/sampling_check.py on SmolLM2-135M-Instruct at the bench's shape (half an hour on 2
+    busy cores): identical prompts and stop ids, the draw at its logits, 1,024 completions a side
+    (TRL's own generation too where TRL is installed)."""
+    import importlib.util
+    import json
+
+    argv = ["--out", str(tmp_path / "lengths.json")] + (["--trl"] if importlib.util.find_spec("trl") else [])
+    assert check.main(argv) == 0, capsys.readouterr().out
+    assert all(len(x) >= 1000 for x in json.loads((tmp_path / "lengths.json").read_text())["lengths"].values())
