@@ -811,6 +811,8 @@ def _bench_trl():
 # What a documented script command gets appended in the test, to run in seconds.
 SCRIPT_SHRINK: Dict[str, Tuple[str, ...]] = {
     "scripts/calculator_sft_data.py": ("data.train_size=16",),  # 16 demonstrations, not 1000
+    # the tiny model for SmolLM2 (minutes); tests/test_sampling_check.py runs it on SmolLM2, slow-marked
+    "scripts/sampling_check.py": ("--model", "tiny", "--samples", "256", "--draws", "20000", "--threads", "1"),
 }
 
 
