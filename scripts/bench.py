@@ -4,6 +4,7 @@ and the step's FLOPs against this machine's measured matmul rate.
     python scripts/bench.py                       # tiny and SmolLM2-135M, 8 prompts x G=4 x 32 tokens
     python scripts/bench.py --models tiny --steps 10
     python scripts/bench.py --shared-prompt       # the policy pass with and without prompt sharing
+    python scripts/bench.py --precision           # bf16 log-probs against fp32's (SmolLM2's own weights)
 
 Each model runs in its own process (so peak RSS is that model's). Figures are medians over the
 steps after the first (warm-up). Run on a quiet machine; compare ratios within one run.
@@ -177,6 +178,64 @@ def shared_prompt_ratio(threads: int, rounds: int, layers: int) -> None:
               f"{s['plain'] / s['groups']:.2f}x | {s['groups'] / s['prefix']:.2f}x", flush=True)
 
 
+def token_stats(diff, mask) -> str:
+    """max, mean and 99th percentile of |diff| over the real tokens, and the largest |sum| of a row."""
+    real = diff[mask.bool()].abs()
+    return (f"max {real.max():.4f}, mean {real.mean():.4f}, p99 {real.quantile(0.99):.4f}; per completion (sum) "
+            f"at most {(diff * mask).sum(1).abs().max():.3f}")
+
+
+def precision_check(name: str, threads: int, new_tokens: int) -> None:
+    """hardware.precision=bf16 against fp32 on one batch of 8 arithmetic prompts x G=4 sampled in
+    fp32 from `name`'s own weights (adapter at its zero start): the log-prob of each sampled token in
+    bf16 (frozen weights stored in bf16, autocast) against fp32's, and in each precision the sampler's
+    log-probs (which PPO and algo.epochs > 1 take as pi_old) against the training pass's."""
+    import copy
+
+    import torch
+    from omegaconf import OmegaConf
+
+    from rlnotes.core.schema import ModelConfig
+    from rlnotes.engine.hardware.devices import bf16_units, mixed_precision
+    from rlnotes.engine.policy.policy import Policy
+    from rlnotes.engine.prompts import encode_prompts
+    from rlnotes.engine.sampling.generate import generate
+    from rlnotes.engine.sampling.settings import SamplingSettings
+
+    torch.set_num_threads(threads)
+    cpu = torch.device("cpu")
+    exact = Policy.from_config(OmegaConf.structured(ModelConfig(name_or_path=name)), cpu)
+    low = copy.deepcopy(exact)
+    low.store_frozen_in_bf16()
+    exact.eval(), low.eval()
+    chat = bool(exact.tokenizer.chat_template)
+    questions = [f"What is {a}+{b}? Answer with just the number."
+                 for a, b in [(12, 35), (7, 8), (41, 9), (23, 45), (3, 4), (66, 27), (19, 81), (50, 50)]]
+    ids = encode_prompts(exact.tokenizer, [[{"role": "user", "content": q}] if chat else q for q in questions], chat)
+
+    def sample(policy, precision):
+        with mixed_precision(precision, cpu), policy.sampling() as model:
+            return generate(model, policy.tokenizer, ids, 4, SamplingSettings(new_tokens),
+                            torch.Generator().manual_seed(0))
+
+    @torch.no_grad()
+    def logprobs(policy, precision, rollout):
+        with mixed_precision(precision, cpu):
+            n = rollout.completion_ids.shape[1]
+            return policy.logprobs(rollout.input_ids, rollout.attention_mask, n) * rollout.completion_mask
+
+    fp32, bf16 = sample(exact, "fp32"), sample(low, "bf16")
+    mask = fp32.completion_mask
+    print(f"{name}, {int(mask.sum())} sampled tokens (8 prompts x G=4 x up to {new_tokens}); bf16 units: "
+          f"{bf16_units(cpu) or 'none (emulated)'}; |difference| of per-token log-probs:")
+    reference = logprobs(exact, "fp32", fp32)
+    bf16_pass = logprobs(low, "bf16", fp32)
+    print(f"bf16 training pass against fp32's, fp32's samples: {token_stats(bf16_pass - reference, mask)}")
+    print(f"fp32 sampler against fp32 training pass: {token_stats(fp32.logprobs - reference, mask)}")
+    print(f"bf16 sampler against bf16 training pass: "
+          f"{token_stats(bf16.logprobs - logprobs(low, 'bf16', bf16), bf16.completion_mask)}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
@@ -185,12 +244,18 @@ def main() -> None:
     parser.add_argument("--shared-prompt", action="store_true",
                         help="instead: time the policy pass with and without prompt sharing "
                              "(a random SmolLM2-shaped model)")
-    parser.add_argument("--threads", type=int, default=2, help="--shared-prompt: torch threads")
+    parser.add_argument("--precision", action="store_true",
+                        help="instead: bf16 log-probs against fp32's and the sampler's against the training pass's "
+                             "(SmolLM2-135M's own weights)")
+    parser.add_argument("--threads", type=int, default=2, help="--shared-prompt, --precision: torch threads")
     parser.add_argument("--rounds", type=int, default=3, help="--shared-prompt: alternating rounds")
     parser.add_argument("--layers", type=int, default=30, help="--shared-prompt: layers of the model (SmolLM2: 30)")
     args = parser.parse_args()
     if args.shared_prompt:
         shared_prompt_ratio(args.threads, args.rounds, args.layers)
+        return
+    if args.precision:
+        precision_check("smollm2-135m", args.threads, 32)
         return
     if args.one:
         print(json.dumps(run_one(args.one, args.steps)))

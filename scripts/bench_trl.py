@@ -3,15 +3,22 @@ training passes, completion tokens per second and peak memory, as ratios TRL / r
 
     make bench-trl                                     # the full benchmark (long: a quiet machine)
     python scripts/bench_trl.py --models tiny --shapes grpo dpo --rounds 1 --steps 3 --threads 1
+    python scripts/bench_trl.py --models smollm2-135m --shapes grpo --precisions fp32 bf16
 
 Both sides train the same saved model dir (the tiny model saved once; SmolLM2-135M-Instruct's
 float32 conversion in ~/.cache/rlnotes) on the same prompt file, with the same shape: prompts and
 completions per step, new tokens, temperature, beta, clip range, learning rate, LoRA (r 16 on
-q/k/v/o, alpha 32, no dropout), float32, threads. TRL runs with the notes' GRPO loss (loss_type
+q/k/v/o, alpha 32, no dropout), precision, threads. TRL runs with the notes' GRPO loss (loss_type
 grpo: 1/|o_i| token averaging; scale_rewards group), gradient checkpointing off, no evaluation,
 no saving, a log row every step. rlnotes runs as `python -m rlnotes train`, TRL's trainers in a
 worker process of this script; rounds alternate (rlnotes, TRL, rlnotes, TRL, ...) so a change of
 load hits both. Peak RSS is each process's own (wait4), model loading included.
+
+--precisions fp32 bf16 runs every case in both, alternating within each round (rlnotes fp32, TRL
+fp32, rlnotes bf16, TRL bf16): rlnotes with hardware.precision=bf16 (frozen weights stored in bf16,
+LoRA and the optimizer in float32), TRL with bf16=True (the float32 model under autocast). The
+report adds each tool's fp32 / bf16 step ratios and the 1-minute load average at the start and end
+of every run (other processes' load moves every figure).
 
 Per step: step = the optimizer step's wall time; generate = sampling; reference = the no-grad
 pass of the base model (adapter off); train = step - generate - reference (rewards, advantages,
@@ -68,6 +75,7 @@ LR, GRPO_BETA, CLIP_EPS, DPO_BETA, TEMPERATURE = 1e-5, 0.04, 0.2, 0.1, 1.0
 SEED = 0  # both tools' seed unless --seed says another
 LORA = {"r": 16, "alpha": 32, "dropout": 0.0, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
 TOOLS = ("rlnotes", "trl")
+PRECISIONS = ("fp32", "bf16")
 COLUMNS = ("step_s", "generate_s", "reference_s", "train_s", "completion_tokens", "tokens_per_s")
 
 
@@ -94,6 +102,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--threads", nargs="+", type=threads_arg, default=None,
                         help="thread counts to run every model at, or 'default' (each tool's own); "
                              "default: tiny at 'default' and 1, SmolLM2 at every core")
+    parser.add_argument("--precisions", nargs="+", default=["fp32"], choices=PRECISIONS,
+                        help="precisions to run every case in, alternating within each round (default fp32); "
+                             "bf16: rlnotes hardware.precision=bf16, TRL bf16=True")
     parser.add_argument("--micro-batch", type=int, default=None,
                         help="completions per forward/backward pass in every GRPO shape, 0 for all at once "
                              "(default: all, and 16 at grpo-long)")
@@ -207,7 +218,7 @@ def prompt_key(prompt) -> str:
 
 
 def rlnotes_command(prep: dict, model: str, shape: Shape, data: str, threads: str, steps: int,
-                    run_dir: Path) -> List[str]:
+                    run_dir: Path, precision: str = "fp32") -> List[str]:
     """`rlnotes train` with the shared settings; the prompt file is also the eval file, so no row
     is held out of training."""
     cmd = [sys.executable, "-m", "rlnotes", "train", f"algo={shape.algo}", f"model={model}",
@@ -217,7 +228,7 @@ def rlnotes_command(prep: dict, model: str, shape: Shape, data: str, threads: st
            "data=file", f"data.path={data}", f"data.eval_path={data}",
            f"trainer.steps={steps}", f"trainer.batch_size={shape.prompts}", "trainer.log_every=1",
            "trainer.save_every=0", f"optim.lr={LR}", "optim.schedule=constant", f"seed={prep['seed']}",
-           "logging.progress=false", f"hydra.run.dir={run_dir}"]
+           "logging.progress=false", f"hardware.precision={precision}", f"hydra.run.dir={run_dir}"]
     if prep["chat"]:
         cmd += ["model.chat_template=true", "model.system_prompt=null"]  # the template's own system prompt
     else:
@@ -258,9 +269,10 @@ def step_row(step: int, step_s: float, generate_s: float, reference_s: float, to
             "tokens_per_s": tokens / step_s if tokens is not None else None, **extra}
 
 
-def trl_spec(prep: dict, shape: Shape, data: str, threads: str, steps: int, out: Path) -> dict:
+def trl_spec(prep: dict, shape: Shape, data: str, threads: str, steps: int, out: Path,
+             precision: str = "fp32") -> dict:
     return {"model_dir": prep["model_dir"], "seed": prep["seed"], "data": data, "shape": asdict(shape),
-            "threads": threads, "steps": steps, "out": str(out)}
+            "threads": threads, "steps": steps, "out": str(out), "precision": precision}
 
 
 def wait_rusage(proc: subprocess.Popen, timeout: Optional[float]) -> tuple[int, float]:
@@ -278,8 +290,9 @@ def wait_rusage(proc: subprocess.Popen, timeout: Optional[float]) -> tuple[int, 
 
 
 def run_one(tool: str, prep: dict, model: str, shape_name: str, shape: Shape, threads: str, steps: int,
-            run_dir: Path, timeout: Optional[float] = None) -> dict:
-    """One run of one tool in its own process: its per-step rows, peak RSS, wall time and exit code."""
+            run_dir: Path, timeout: Optional[float] = None, precision: str = "fp32") -> dict:
+    """One run of one tool in its own process: its per-step rows, peak RSS, wall time, exit code and
+    the 1-minute load average before and after it."""
     data = prep["data" if tool == "rlnotes" else "trl_data"][shape_name]
     run_dir.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
@@ -289,17 +302,18 @@ def run_one(tool: str, prep: dict, model: str, shape_name: str, shape: Shape, th
     else:
         env["OMP_NUM_THREADS"] = threads
     if tool == "rlnotes":
-        cmd = rlnotes_command(prep, model, shape, data, threads, steps, run_dir)
+        cmd = rlnotes_command(prep, model, shape, data, threads, steps, run_dir, precision)
     else:
         spec = run_dir / "spec.json"
-        spec.write_text(json.dumps(trl_spec(prep, shape, data, threads, steps, run_dir / "steps.jsonl")))
+        spec.write_text(json.dumps(trl_spec(prep, shape, data, threads, steps, run_dir / "steps.jsonl", precision)))
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", "trl", "--spec", str(spec)]
-    start = time.perf_counter()
+    load_before, start = os.getloadavg()[0], time.perf_counter()
     with open(run_dir / "output.log", "w") as log:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
         code, rss = wait_rusage(proc, timeout)
-    record = {"tool": tool, "model": model, "shape": shape_name, "threads": threads, "returncode": code,
-              "peak_rss_gib": rss, "wall_s": time.perf_counter() - start, "run_dir": str(run_dir),
+    record = {"tool": tool, "model": model, "shape": shape_name, "threads": threads, "precision": precision,
+              "returncode": code, "peak_rss_gib": rss, "wall_s": time.perf_counter() - start,
+              "load_before": load_before, "load_after": os.getloadavg()[0], "run_dir": str(run_dir),
               "command": shlex.join(cmd), "steps": []}
     try:
         record["steps"] = (rlnotes_steps(run_dir / "metrics.jsonl", shape) if tool == "rlnotes" else
@@ -346,13 +360,13 @@ def trl_worker(spec: dict) -> None:
                               "prompt_tokens": 0.0, "prompts": []}
     with tempfile.TemporaryDirectory() as tmp:
         # Same optimizer (torch.optim.AdamW, not TRL's fused default) and schedule as rlnotes'
-        # defaults; float32 (TRL defaults to bf16), no gradient checkpointing (TRL's default; rlnotes
-        # has none), nothing saved or evaluated.
+        # defaults; float32 unless the spec says bf16 (TRL defaults to bf16), no gradient checkpointing
+        # (TRL's default; rlnotes has none), nothing saved or evaluated.
         common = dict(output_dir=tmp, max_steps=spec["steps"], optim="adamw_torch", learning_rate=LR,
                       lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, adam_beta1=0.9,
                       adam_beta2=0.999, adam_epsilon=1e-8, max_grad_norm=1.0, gradient_checkpointing=False,
-                      bf16=False, fp16=False, use_cpu=True, logging_steps=1, save_strategy="no",
-                      eval_strategy="no", report_to="none", seed=spec["seed"], disable_tqdm=True,
+                      bf16=spec["precision"] == "bf16", fp16=False, use_cpu=True, logging_steps=1,
+                      save_strategy="no", eval_strategy="no", report_to="none", seed=spec["seed"], disable_tqdm=True,
                       dataloader_num_workers=0)
         if shape.algo == "grpo":
             trainer = grpo_trainer(shape, common, model, tokenizer, Dataset.from_list(rows), lora, timers)
@@ -435,13 +449,13 @@ def median_or_none(values: List[Optional[float]]) -> Optional[float]:
 
 
 def summarize(runs: List[dict], warmup: int) -> Dict[tuple, Dict[str, dict]]:
-    """{(model, shape, threads): {tool: medians}} over the measured steps of every successful run
-    (steps after `warmup`, not evaluating), pooled over rounds; peak RSS is the median over runs."""
+    """{(model, shape, threads, precision): {tool: medians}} over the measured steps of every successful
+    run (steps after `warmup`, not evaluating), pooled over rounds; peak RSS is the median over runs."""
     pooled: Dict[tuple, Dict[str, dict]] = {}
     for run in runs:
         if run["returncode"] != 0:
             continue
-        case = pooled.setdefault((run["model"], run["shape"], run["threads"]), {})
+        case = pooled.setdefault((run["model"], run["shape"], run["threads"], run["precision"]), {})
         entry = case.setdefault(run["tool"], {"steps": [], "rss": []})
         entry["steps"] += [s for s in run["steps"] if s["step"] > warmup and not s.get("evaluated")]
         entry["rss"].append(run["peak_rss_gib"])
@@ -467,29 +481,49 @@ def fmt(value: Optional[float], spec: str = ".3g") -> str:
     return "-" if value is None else format(value, spec)
 
 
+RATIO_KEYS = ("step_s", "generate_s", "reference_s", "train_s", "s_per_token", "peak_rss_gib")
+
+
+def ratio_cells(r: Dict[str, Optional[float]]) -> str:
+    return " | ".join(fmt(r[k], ".2f") + ("x" if r[k] is not None else "") for k in RATIO_KEYS)
+
+
 def tables(summary: Dict[tuple, Dict[str, dict]]) -> str:
-    """Markdown: the medians of each tool, then the ratios."""
-    lines = ["| model | shape | threads | tool | steps | step s | generate s | reference s | train s | "
-             "completion tokens | completion tok/s | peak RSS GiB |", "|" + "---|" * 12]
-    for (model, shape, threads), tools in summary.items():
+    """Markdown: the medians of each tool, the ratios TRL / rlnotes and, for cases run in both
+    precisions, each tool's fp32 / bf16 ratios."""
+    lines = ["| model | shape | threads | precision | tool | steps | step s | generate s | reference s | train s | "
+             "completion tokens | completion tok/s | peak RSS GiB |", "|" + "---|" * 13]
+    for (model, shape, threads, precision), tools in summary.items():
         for tool in TOOLS:
             if tool in tools:
                 m = tools[tool]
-                lines.append(f"| {model} | {shape} | {threads} | {tool} | {m['n_steps']} | " + " | ".join(
-                    fmt(m[k]) for k in COLUMNS[:4]) + f" | {fmt(m['completion_tokens'], '.0f')} | "
-                    f"{fmt(m['tokens_per_s'], '.1f')} | {m['peak_rss_gib']:.2f} |")
+                lines.append(f"| {model} | {shape} | {threads} | {precision} | {tool} | {m['n_steps']} | "
+                             + " | ".join(fmt(m[k]) for k in COLUMNS[:4])
+                             + f" | {fmt(m['completion_tokens'], '.0f')} | {fmt(m['tokens_per_s'], '.1f')} | "
+                             f"{m['peak_rss_gib']:.2f} |")
+    head = "| step | generate | reference | train | s per completion token | peak RSS |"
     lines += ["", "Ratios TRL / rlnotes (above 1: rlnotes takes less):", "",
-              "| model | shape | threads | step | generate | reference | train | s per completion token | "
-              "peak RSS |", "|" + "---|" * 9]
-    for (model, shape, threads), tools in summary.items():
-        if set(TOOLS) <= set(tools):
-            r = ratios(tools["rlnotes"], tools["trl"])
-            lines.append(f"| {model} | {shape} | {threads} | " + " | ".join(
-                fmt(r[k], ".2f") + ("x" if r[k] is not None else "") for k in
-                ("step_s", "generate_s", "reference_s", "train_s", "s_per_token", "peak_rss_gib")) + " |")
-        else:
-            lines.append(f"| {model} | {shape} | {threads} | " + " | ".join(["failed"] * 6) + " |")
+              "| model | shape | threads | precision " + head, "|" + "---|" * 10]
+    for (model, shape, threads, precision), tools in summary.items():
+        cells = ratio_cells(ratios(tools["rlnotes"], tools["trl"])) if set(TOOLS) <= set(tools) else \
+            " | ".join(["failed"] * 6)
+        lines.append(f"| {model} | {shape} | {threads} | {precision} | {cells} |")
+    pairs = [(case, tool) for case in summary if case[3] == "fp32" for tool in TOOLS
+             if tool in summary[case] and tool in summary.get((*case[:3], "bf16"), {})]
+    if pairs:
+        lines += ["", "Ratios fp32 / bf16 of each tool (above 1: bf16 takes less):", "",
+                  "| model | shape | threads | tool " + head, "|" + "---|" * 10]
+        for case, tool in pairs:
+            r = ratios(summary[(*case[:3], "bf16")][tool], summary[case][tool])
+            lines.append(f"| {' | '.join(case[:3])} | {tool} | {ratio_cells(r)} |")
     return "\n".join(lines)
+
+
+def load_line(runs: List[dict]) -> str:
+    """The 1-minute load average around the runs: other processes on the machine slow every figure."""
+    before, after = [r["load_before"] for r in runs], [r["load_after"] for r in runs]
+    return (f"1-minute load average: {before[0]:.2f} at the start of the first run, {after[-1]:.2f} at the end of "
+            f"the last; {min(before + after):.2f}-{max(before + after):.2f} at the runs' starts and ends")
 
 
 def prompt_mismatches(preps: Dict[str, dict], runs: List[dict]) -> List[str]:
@@ -516,10 +550,13 @@ def prompt_mismatches(preps: Dict[str, dict], runs: List[dict]) -> List[str]:
 
 def environment(argv: List[str]) -> str:
     """Date, machine, library versions and the command, for the head of the report."""
-    cpu = "unknown CPU"
+    cpu, flags = "unknown CPU", set()
     with contextlib.suppress(OSError):
-        cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-                   cpu)
+        lines = open("/proc/cpuinfo").read().splitlines()
+        cpu = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), cpu)
+        flags = set(next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), []))
+    units = [f for f in ("amx_bf16", "avx512_bf16") if f in flags]
+    cpu += f"; bf16 units: {', '.join(units) if units else 'none'}"
     versions = []
     for name in ("torch", "transformers", "trl", "peft", "accelerate"):
         try:
@@ -541,6 +578,21 @@ def case_line(shape_name: str, s: Shape) -> str:
     prompt += f", micro-batches of {s.micro_batch} completions" if s.micro_batch else ""
     return (f"{shape_name}: GRPO, {s.prompts} prompts x G={s.group} x {s.new_tokens} new tokens{prompt}, "
             f"beta {GRPO_BETA}, temperature {TEMPERATURE}")
+
+
+def run_and_say(args: argparse.Namespace, preps: Dict[str, dict], steps: Dict[str, int], out: Path,
+                case: tuple) -> dict:
+    """One run of `case` (round, model, shape, threads, precision, tool), and a line saying how it went."""
+    r, model, shape, threads, precision, tool = case
+    run_dir = out / "runs" / f"{model}-{shape}-t{threads}-{precision}-r{r}-{tool}"
+    run = run_one(tool, preps[model], model, shape, args.shape_table[shape], threads, steps[model], run_dir,
+                  args.timeout, precision)
+    med = median_or_none([s["step_s"] for s in run["steps"] if s["step"] > args.warmup and not s.get("evaluated")])
+    print(f"round {r + 1}/{args.rounds} {model} {shape} threads={threads} {precision} {tool}: "
+          + (f"step {fmt(med)} s, peak RSS {run['peak_rss_gib']:.2f} GiB, wall {run['wall_s']:.0f} s, load "
+             f"{run['load_before']:.2f} -> {run['load_after']:.2f}" if run["returncode"] == 0 else
+             f"failed (exit {run['returncode']}), see {run_dir / 'output.log'}"), flush=True)
+    return run
 
 
 def main(argv: Optional[List[str]] = None) -> None:
@@ -578,17 +630,10 @@ def main(argv: Optional[List[str]] = None) -> None:
         for model in args.models:
             for shape in args.shapes:
                 for threads in args.threads or default_threads(model):
-                    for tool in TOOLS:
-                        run_dir = out / "runs" / f"{model}-{shape}-t{threads}-r{r}-{tool}"
-                        run = run_one(tool, preps[model], model, shape, args.shape_table[shape], threads,
-                                      steps[model], run_dir, args.timeout)
-                        runs.append(run)
-                        med = median_or_none([s["step_s"] for s in run["steps"]
-                                              if s["step"] > args.warmup and not s.get("evaluated")])
-                        print(f"round {r + 1}/{args.rounds} {model} {shape} threads={threads} {tool}: "
-                              + (f"step {fmt(med)} s, peak RSS {run['peak_rss_gib']:.2f} GiB, wall "
-                                 f"{run['wall_s']:.0f} s" if run["returncode"] == 0 else
-                                 f"failed (exit {run['returncode']}), see {run_dir / 'output.log'}"), flush=True)
+                    for precision in args.precisions:
+                        for tool in TOOLS:
+                            case = (r, model, shape, threads, precision, tool)
+                            runs.append(run_and_say(args, preps, steps, out, case))
         (out / "bench_trl.json").write_text(json.dumps({"head": head, "warmup": args.warmup, "prepared": preps,
                                                         "runs": runs}, indent=1))
     for line in prompt_mismatches(preps, runs):
@@ -596,7 +641,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     summary = summarize(runs, args.warmup)
     report = "\n".join([head, "", *[case_line(n, s) for n, s in args.shape_table.items()],
                         f"{args.rounds} round(s) of {', '.join(f'{m} {n}' for m, n in steps.items())} steps per run, "
-                        f"the first {args.warmup} of each left out; medians", "", tables(summary), ""])
+                        f"the first {args.warmup} of each left out; medians", load_line(runs), "", tables(summary), ""])
     (out / "bench_trl.md").write_text(report)
     print("\n" + report + f"\nwritten to {out / 'bench_trl.md'} (every step in {out / 'bench_trl.json'})")
 

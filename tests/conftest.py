@@ -23,6 +23,16 @@ def _one_thread():
     torch.set_num_threads(1)
 
 
+@pytest.fixture
+def bf16_cpu(monkeypatch):
+    """hardware.precision=bf16 accepted on this CPU: on one without bf16 units (where a run refuses
+    it) the same roundings run emulated, only slower (a matmul may sum in another order)."""
+    from rlnotes.engine.hardware import devices
+
+    if devices.bf16_units(torch.device("cpu")) is None:
+        monkeypatch.setattr(devices, "bf16_units", lambda device: "emulated")
+
+
 def compose(*overrides: str):
     """The composed, validated train config for `overrides`, as `rlnotes train` would build it."""
     from rlnotes.commands.check import check, loader

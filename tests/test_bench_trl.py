@@ -21,7 +21,8 @@ def test_defaults_are_the_full_benchmark():
     args = bench.parse_args([])
     assert args.models == ["tiny", "smollm2-135m"]
     assert args.shapes == ["grpo", "grpo-long", "dpo"]
-    assert (args.rounds, args.steps, args.warmup, args.threads, args.seed) == (3, 0, 1, None, 0)
+    assert (args.rounds, args.steps, args.warmup, args.threads, args.seed, args.precisions) == (3, 0, 1, None, 0,
+                                                                                             ["fp32"])
     assert bench.default_threads("tiny") == ["default", "1"]
     assert bench.default_threads("smollm2-135m") == [str(os.cpu_count())]
     assert bench.SHAPES["grpo"] == bench.Shape("grpo", prompts=8, group=4, new_tokens=32)
@@ -62,11 +63,11 @@ def test_rlnotes_metrics_become_steps(tmp_path):
     assert second["evaluated"]
 
 
-def _run(tool, step_times, tokens=None, rss=1.0, code=0, evaluated=()):
+def _run(tool, step_times, tokens=None, rss=1.0, code=0, evaluated=(), precision="fp32"):
     steps = [bench.step_row(i + 1, t, 0.1 * t, 0.2 * t, tokens, evaluated=i + 1 in evaluated)
              for i, t in enumerate(step_times)]
-    return {"tool": tool, "model": "tiny", "shape": "grpo", "threads": "1", "returncode": code,
-            "peak_rss_gib": rss, "steps": steps}
+    return {"tool": tool, "model": "tiny", "shape": "grpo", "threads": "1", "precision": precision, "returncode": code,
+            "peak_rss_gib": rss, "steps": steps, "load_before": 1.0, "load_after": 2.0}
 
 
 def test_medians_leave_out_warmup_evaluations_and_failed_runs():
@@ -76,7 +77,7 @@ def test_medians_leave_out_warmup_evaluations_and_failed_runs():
             _run("trl", [50.0, 6.0, 6.0], tokens=150.0, rss=5.0),
             _run("trl", [0.001], code=1, rss=99.0)]
     summary = bench.summarize(runs, warmup=1)
-    rl, trl = summary[("tiny", "grpo", "1")]["rlnotes"], summary[("tiny", "grpo", "1")]["trl"]
+    rl, trl = summary[("tiny", "grpo", "1", "fp32")]["rlnotes"], summary[("tiny", "grpo", "1", "fp32")]["trl"]
     assert rl["n_steps"] == 4 and rl["step_s"] == 3.0 and rl["peak_rss_gib"] == 1.5
     assert trl["n_steps"] == 4 and trl["step_s"] == 6.0 and trl["peak_rss_gib"] == 4.0
     assert rl["generate_s"] == pytest.approx(0.3) and rl["train_s"] == pytest.approx(2.1)
@@ -86,13 +87,25 @@ def test_medians_leave_out_warmup_evaluations_and_failed_runs():
     assert r["s_per_token"] == pytest.approx((100 / 3) / (150 / 6))
     assert r["peak_rss_gib"] == pytest.approx(4.0 / 1.5)
     table = bench.tables(summary)
-    assert "| tiny | grpo | 1 | 2.00x | 2.00x | 2.00x | 2.00x | 1.33x | 2.67x |" in table
-    assert "| tiny | grpo | 1 | rlnotes | 4 | 3 | 0.3 | 0.6 | 2.1 | 100 | 33.3 | 1.50 |" in table
+    assert "| tiny | grpo | 1 | fp32 | 2.00x | 2.00x | 2.00x | 2.00x | 1.33x | 2.67x |" in table
+    assert "| tiny | grpo | 1 | fp32 | rlnotes | 4 | 3 | 0.3 | 0.6 | 2.1 | 100 | 33.3 | 1.50 |" in table
+    assert "fp32 / bf16" not in table  # one precision: no such ratios
+
+
+def test_both_precisions_give_each_tools_fp32_over_bf16_ratios():
+    runs = [_run("rlnotes", [9.0, 4.0], tokens=100.0), _run("trl", [9.0, 8.0], tokens=100.0),
+            _run("rlnotes", [9.0, 2.0], tokens=100.0, precision="bf16"),
+            _run("trl", [9.0, 6.0], tokens=100.0, rss=2.0, precision="bf16")]
+    table = bench.tables(bench.summarize(runs, warmup=1))
+    assert "| tiny | grpo | 1 | bf16 | 3.00x | 3.00x | 3.00x | 3.00x | 3.00x | 2.00x |" in table  # TRL / rlnotes
+    assert "| tiny | grpo | 1 | rlnotes | 2.00x | 2.00x | 2.00x | 2.00x | 2.00x | 1.00x |" in table  # fp32 / bf16
+    assert "| tiny | grpo | 1 | trl | 1.33x | 1.33x | 1.33x | 1.33x | 1.33x | 0.50x |" in table
+    assert bench.load_line(runs).startswith("1-minute load average: 1.00 at the start of the first run, 2.00 at")
 
 
 def test_a_case_without_both_tools_is_marked_failed():
     table = bench.tables(bench.summarize([_run("rlnotes", [1.0, 1.0]), _run("trl", [1.0, 1.0], code=1)], warmup=1))
-    assert "| tiny | grpo | 1 | failed |" in table
+    assert "| tiny | grpo | 1 | fp32 | failed |" in table
 
 
 def test_prompts_long_enough_and_pairs_that_differ():
@@ -115,8 +128,12 @@ def test_rlnotes_command_has_the_shape_and_threads(tmp_path):
                 "model.system_prompt=null", "model.lora.target_modules=[q_proj,k_proj,v_proj,o_proj]",
                 "data.path=/d.jsonl", f"hydra.run.dir={tmp_path}"):
         assert arg in cmd
+    assert "hardware.precision=fp32" in cmd
     default = bench.rlnotes_command(prep, "tiny", bench.SHAPES["dpo"], "/d.jsonl", "default", 5, tmp_path)
     assert "algo=dpo" in default and not any(a.startswith("hardware.threads") for a in default)
+    bf16 = bench.rlnotes_command(prep, "tiny", bench.SHAPES["grpo"], "/d.jsonl", "1", 5, tmp_path, "bf16")
+    assert "hardware.precision=bf16" in bf16
+    assert bench.trl_spec(prep, bench.SHAPES["grpo"], "/d.jsonl", "1", 5, tmp_path, "bf16")["precision"] == "bf16"
 
 
 def test_prompt_lengths_and_prompts_that_differ_are_reported():
@@ -172,3 +189,27 @@ def test_a_tiny_round_of_each_tool(shape, tmp_path):
     if shape == "grpo":  # TRL sampled, step by step, the prompts rlnotes' sampler draws
         assert [s["prompts"] for s in run["steps"]] == prep["batches"]["grpo"]
     assert bench.prompt_mismatches({"tiny": prep}, [run]) == []
+
+
+def test_a_tiny_bf16_round_of_each_tool(tmp_path):
+    """--precisions bf16: rlnotes with hardware.precision=bf16 and TRL with bf16=True, where the CPU
+    has bf16 units; on a CPU without them rlnotes refuses bf16 (exit 2) and says why."""
+    pytest.importorskip("trl")
+    import torch
+
+    from rlnotes.engine.hardware.devices import bf16_units
+
+    table = {"grpo": bench.SHAPES["grpo"]}
+    prep = bench.prepare("tiny", tmp_path, table, steps=2)
+    native = bf16_units(torch.device("cpu")) is not None
+    for tool in bench.TOOLS if native else ("rlnotes",):
+        run = bench.run_one(tool, prep, "tiny", "grpo", table["grpo"], "1", 2, tmp_path / tool, timeout=120,
+                            precision="bf16")
+        if not native:
+            assert run["returncode"] == 2 and "has no bf16 matmul instructions" in run["error"]
+            return
+        assert run["returncode"] == 0, run.get("error")
+        assert run["precision"] == "bf16" and [s["step"] for s in run["steps"]] == [1, 2]
+        assert run["load_before"] >= 0 and run["load_after"] >= 0
+    log = (tmp_path / "rlnotes" / "output.log").read_text()
+    assert "bf16 (" in log  # the start line names the bf16 units

@@ -297,6 +297,9 @@ EXCEPTIONS: List[Tuple[str, str, str]] = [
      "composing checks their names, types and ranges, and the run is the default one (`rlnotes train` runs); time"),
     (r"logging=\S*\b(wandb|mlflow|trackio)\b", "compose unless installed",
      "needs an optional tracker package; where it is installed the command runs"),
+    (r"hardware\.precision=\S*bf16", "compose unless bf16 units",
+     "bf16 runs on a CPU with bf16 units and is refused on one without (tests/test_precision.py); where this CPU "
+     "has them the command runs"),
     (r"^python scripts/bench_trl\.py", "bench_trl",
      "needs trl (pip extra bench) and runs each tool in its own process: its arguments are parsed by the script's "
      "own parser; tests/test_bench_trl.py runs a tiny round of each tool where trl is installed"),
@@ -698,6 +701,8 @@ class Runner:
         if how.startswith("compose"):
             if how == "compose unless installed" and not _missing_packages(c.text):
                 return self.run_anyway(c, words)
+            if how == "compose unless bf16 units" and _bf16_units():
+                return self.run_anyway(c, words)
             return self.compose(c, words[words.index("rlnotes") + 1:])
         getattr(self, how.replace(" ", "_"))(c, words)
 
@@ -794,6 +799,15 @@ def _missing_packages(text: str) -> List[str]:
     """The optional packages `text` names that are not installed here."""
     return [p for p in ("wandb", "mlflow", "trackio", "vllm") if re.search(rf"\b{p}\b", text)
             and importlib.util.find_spec(p) is None]
+
+
+def _bf16_units() -> bool:
+    """Whether this CPU multiplies bf16 natively (hardware.precision=bf16 runs)."""
+    import torch
+
+    from rlnotes.engine.hardware.devices import bf16_units
+
+    return bf16_units(torch.device("cpu")) is not None
 
 
 def _script(name: str):

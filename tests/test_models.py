@@ -288,9 +288,9 @@ def test_bf16_precision_autocasts_matmuls_and_keeps_weights_float32():
 
 
 @pytest.mark.parametrize("algo", ["grpo", "ppo"])
-def test_a_bf16_run_trains_with_float32_weights_and_losses(tmp_path, algo):
+def test_a_bf16_run_trains_with_float32_weights_and_losses(tmp_path, algo, bf16_cpu):
     """hardware.precision=bf16 (what hardware=cuda sets) runs every pass under autocast; the
-    weights and the logged losses stay float32 and finite, and the run learns the same task."""
+    trained weights, the optimizer's state and the logged losses stay float32 and finite."""
     import json
 
     from rich.console import Console
@@ -306,12 +306,15 @@ def test_a_bf16_run_trains_with_float32_weights_and_losses(tmp_path, algo):
 
     weights = load_file(str(tmp_path / "final" / "adapter_model.safetensors"))
     assert {w.dtype for w in weights.values()} == {torch.float32}
+    state = torch.load(next((tmp_path / "checkpoints").iterdir()) / "trainer_state.pt", weights_only=False)
+    moments = [t for s in state["optimizer"]["state"].values() for k, t in s.items() if k.startswith("exp_avg")]
+    assert moments and {t.dtype for t in moments} == {torch.float32}
 
 
 def test_unknown_precision_is_rejected_in_one_line():
     from rlnotes.commands.check import UsageError, check
 
-    with pytest.raises(UsageError, match="hardware.precision='fp16' is not valid; choose one of: fp32, bf16"):
+    with pytest.raises(UsageError, match="hardware.precision='fp16' is not valid; choose one of: fp32, bf16, auto"):
         check(["hardware.precision=fp16"], multirun=False, config_dir=None)
 
 

@@ -25,6 +25,20 @@ def test_a_packed_linear_computes_the_plain_one():
     torch.testing.assert_close(x.grad, layer.weight.sum(0).expand(4, -1))
 
 
+@pytest.mark.skipif(not packed.available_bf16(), reason="oneDNN has no native bf16 matmul on this CPU")
+def test_a_packed_bf16_linear_computes_the_plain_one_under_autocast():
+    """A bf16 weight (hardware.precision=bf16): float32 inputs rounded to bf16 as autocast rounds them;
+    outputs equal up to bf16's rounding of the result (2^-8 relative)."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(500, 300).to(torch.bfloat16)
+    fast = PackedLinear(layer.weight, layer.bias)
+    for x in (torch.randn(7, 500), torch.randn(3, 5, 500).bfloat16()):
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            out, plain = fast(x), layer(x)
+        assert out.dtype == torch.bfloat16
+        torch.testing.assert_close(out, plain, atol=1e-2, rtol=2**-8)
+
+
 @pytest.mark.parametrize("greedy", [False, True])
 def test_packed_sampling_gives_the_same_completions_and_log_probs(monkeypatch, greedy):
     monkeypatch.setattr(packed, "MIN_WEIGHTS", 0)  # every layer of the tiny model
@@ -38,7 +52,7 @@ def test_packed_sampling_gives_the_same_completions_and_log_probs(monkeypatch, g
     torch.testing.assert_close(fast.logprobs, plain.logprobs, atol=1e-5, rtol=0)
 
 
-def test_only_large_float32_layers_are_packed_and_all_come_back():
+def test_only_large_layers_are_packed_and_all_come_back():
     model = lora_smollm2_shaped()
     before = dict(model.named_modules())
     with merged_adapters(lora_slots(model)), packed_linears(model):
@@ -49,9 +63,9 @@ def test_only_large_float32_layers_are_packed_and_all_come_back():
                      "v_proj": "MergedLinear", "gate_proj": "PackedLinear", "up_proj": "PackedLinear",
                      "down_proj": "PackedLinear", "lm_head": "PackedLinear"}
     assert dict(model.named_modules()) == before
-    model.to(torch.bfloat16)
+    model.to(torch.bfloat16)  # bf16 weights are packed where oneDNN multiplies bf16 natively
     with pytest.raises(RuntimeError, match="inside"), packed_linears(model):
-        assert not any(isinstance(m, PackedLinear) for m in model.modules())
+        assert any(isinstance(m, PackedLinear) for m in model.modules()) == packed.available_bf16()
         raise RuntimeError("inside")
     assert dict(model.named_modules()) == before
 

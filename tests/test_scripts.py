@@ -53,6 +53,21 @@ def test_bench_prints_a_row_per_model(tmp_path, monkeypatch, capsys):
     assert row[0] == "tiny" and row[1] == "1" and float(row[2]) > 0 and float(row[-1]) > 0, out
 
 
+def test_bench_precision_sets_bf16_log_probs_against_fp32s(capsys):
+    """--precision on the tiny model (SmolLM2 as documented): bf16 against fp32 and each precision's
+    sampler against its training pass, with figures that show bf16 ran (not 0) and float32 agrees."""
+    import re
+
+    _script("bench").precision_check("tiny", 1, 8)
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("tiny, ") and "bf16 units: " in out[0]
+    means = {line.split(":")[0]: float(re.search(r"mean ([0-9.]+)", line).group(1)) for line in out[1:]}
+    assert list(means) == ["bf16 training pass against fp32's, fp32's samples", "fp32 sampler against fp32 training "
+                           "pass", "bf16 sampler against bf16 training pass"]
+    assert 1e-4 < means["bf16 training pass against fp32's, fp32's samples"] < 0.05
+    assert means["fp32 sampler against fp32 training pass"] < 1e-4
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("argv", [["--models", "tiny", "--steps", "2"],
                                   ["--shared-prompt", "--layers", "1", "--rounds", "1", "--threads", "1"]])

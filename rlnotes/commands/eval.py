@@ -38,7 +38,7 @@ from rlnotes.core.errors import INPUT_ERROR, ConfigError
 from rlnotes.core.schema import saved_run_config
 from rlnotes.data.datasets import load_checked
 from rlnotes.data.fitting import evaluates, seen_in_training
-from rlnotes.engine.hardware.devices import configure_backends, mixed_precision, resolve_device
+from rlnotes.engine.hardware.devices import check_precision, configure_backends, mixed_precision, resolve_device
 from rlnotes.engine.hardware.threads import set_threads
 from rlnotes.engine.model.loading import context_length, load_base
 from rlnotes.engine.policy.policy import Policy
@@ -53,6 +53,7 @@ from rlnotes.training.evaluation import (
     eval_rows,
     evaluate,
 )
+from rlnotes.training.setup import set_precision
 
 # What `rlnotes eval` takes from the run that trained eval.policy: its model (chat template and
 # system prompt included), data (file, columns, template), rollout settings and reward functions,
@@ -210,6 +211,7 @@ def seen_note(cfg) -> Optional[str]:
 def _evaluate(cfg, console, out: Path) -> Evaluation:
     device = resolve_device(cfg.hardware.device)
     configure_backends(cfg.hardware, device)
+    check_precision(cfg.hardware.precision, device)
     scorer = Rewards(checker_config(cfg), console)
     scorer.state = TrainerState(max_steps=cfg.trainer.steps)   # a reward may divide by max_steps
     # Rows to sample from, and the columns a checker needs: a mistake fails now, before the model loads.
@@ -217,12 +219,15 @@ def _evaluate(cfg, console, out: Path) -> Evaluation:
                  environments=environment_names(cfg.rollout.env))
     config_file.write(out / "config.yaml", cfg)
     policy = _policy(cfg, device)
+    policy.model.requires_grad_(False)  # nothing trains: in bf16 every linear weight is stored in it
     threads = set_threads(cfg.hardware.threads, policy.model)
-    if threads:
-        console.print(threads, highlight=False)
+    precision, said = set_precision(cfg.hardware, device, policy)
+    for line in (threads, said):
+        if line:
+            console.print(line, highlight=False)
     rows = eval_rows(cfg, policy.tokenizer, context_length(policy.model), console)
     start = time.perf_counter()
-    with mixed_precision(cfg.hardware.precision, device):
+    with mixed_precision(precision, device):
         evaluation = evaluate(policy, cfg, rows, scorer)
     evaluation.metrics["time/eval_s"] = time.perf_counter() - start
     return evaluation

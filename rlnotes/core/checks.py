@@ -16,7 +16,7 @@ from rlnotes.core.errors import ConfigError
 from rlnotes.core.schema import TrainConfig
 
 SCHEDULES = ("constant", "linear", "cosine")
-PRECISIONS = ("fp32", "bf16")
+PRECISIONS = ("fp32", "bf16", "auto")
 DEVICES = ("cpu", "cuda", "auto")
 # hardware.strategy: how several processes share a run (see rlnotes.engine.hardware.distributed).
 STRATEGIES = ("ddp", "fsdp")

@@ -210,10 +210,13 @@ class HardwareConfig:
     # (one per GPU); 1 = this process alone too. Ignored in processes torchrun started: there its
     # --nproc_per_node counts.
     nproc: Optional[int] = None
-    # The precision of forward passes: fp32 or bf16. bf16: forward passes (sampling, log-probs, the
-    # reference, evaluation) under bfloat16 autocast, while weights, gradients, optimizer state,
-    # log-softmax and losses stay float32. For GPUs with bf16 units (hardware=cuda sets it); on CPUs
-    # without them it is far slower.
+    # The precision of forward passes: fp32, bf16 or auto. bf16: forward passes (sampling, log-probs,
+    # the reference, evaluation) under bfloat16 autocast, the linear weights that do not train (the
+    # base model under LoRA) stored in bf16, while LoRA and every trainable weight, gradients,
+    # optimizer state, log-softmax and losses stay float32. For GPUs (hardware=cuda sets it) and CPUs
+    # with bf16 units (amx_bf16, avx512_bf16: the start line names them); refused on a CPU without,
+    # where it runs several times slower. auto: bf16 where the device has bf16 units and the model
+    # has at least 20M parameters, else fp32.
     precision: str = "fp32"
     # Let CUDA run float32 matmuls on TF32 tensor cores (about 10 bits of mantissa, the PyTorch
     # default for convolutions); ignored on CPU.

@@ -23,6 +23,7 @@ from omegaconf import OmegaConf
 from rlnotes.core.errors import ConfigError
 from rlnotes.core.schema import saved_run_config
 from rlnotes.engine.model.loading import load_base
+from rlnotes.engine.policy.head import linear_float32
 from rlnotes.engine.policy.passes import forward
 from rlnotes.engine.prompts import as_messages, render_plain
 from rlnotes.engine.sequences import Sequences, encode
@@ -49,7 +50,7 @@ def sequence_rewards(model: torch.nn.Module, head: torch.nn.Module, seqs: Sequen
     out = forward(model, seqs.input_ids, seqs.attention_mask, 1, hidden_states=True)
     last = out.hidden_states[-1][torch.arange(seqs.input_ids.shape[0], device=seqs.input_ids.device),
                                  seqs.last_index]
-    return head(last.float()).squeeze(-1)
+    return linear_float32(head, last).squeeze(-1)
 
 
 def load(path: Path, device: torch.device):

@@ -20,7 +20,7 @@ from rlnotes.data.fitting import fit_and_split
 from rlnotes.data.sampler import PromptSampler
 from rlnotes.data.settings import prompt_format
 from rlnotes.engine.hardware import distributed, fsdp
-from rlnotes.engine.hardware.devices import configure_backends, resolve_device
+from rlnotes.engine.hardware.devices import check_precision, choose_precision, configure_backends, resolve_device
 from rlnotes.engine.hardware.threads import set_threads
 from rlnotes.engine.model.loading import context_length
 from rlnotes.engine.policy.policy import Policy
@@ -46,6 +46,7 @@ def setup(cfg, algo: Algorithm, run_dir: Path, console: Console, resume_from: Op
     torch.manual_seed(cfg.seed)
     device = distributed.init(resolve_device(cfg.hardware.device))
     configure_backends(cfg.hardware, device)
+    check_precision(cfg.hardware.precision, device)
     rewards = Rewards(cfg.reward, console) if algo.samples else None
     multi_turn = MultiTurn.of(cfg.rollout)  # a user's tools and environment load (or fail) before the model does
     with distributed.main_first():  # caches (a converted model, a downloaded dataset) are written once
@@ -57,6 +58,7 @@ def setup(cfg, algo: Algorithm, run_dir: Path, console: Console, resume_from: Op
             require_demonstrations(data.train, cfg.sft_warmup.column, f"sft_warmup.steps={cfg.sft_warmup.steps}")
         policy = Policy.from_config(cfg.model, device, share_prompts=cfg.trainer.shared_prompt)
     threads = set_threads(cfg.hardware.threads, policy.model)
+    precision, said = set_precision(cfg.hardware, device, policy)
     if resume_from is not None:
         restore.load_policy(policy, resume_from)
     if distributed.active() and cfg.hardware.strategy == "fsdp":
@@ -74,7 +76,7 @@ def setup(cfg, algo: Algorithm, run_dir: Path, console: Console, resume_from: Op
     n_params = sum(p.numel() for p in params)
     console.print(f"[bold]rlnotes[/] {preset_name(cfg.algo)} on {cfg.model.name_or_path} "
                   f"({n_params:,} trainable parameters, {'LoRA' if policy.uses_lora else 'full'}"
-                  f"{'; ' + threads if threads else ''}) -> {run_dir}")
+                  f"{''.join('; ' + s for s in (threads, said) if s)}) -> {run_dir}")
     if distributed.active():
         world = distributed.world_size()
         console.print(f"{world} processes ({cfg.hardware.strategy}, {distributed.backend()} on {device.type}): each "
@@ -90,13 +92,23 @@ def setup(cfg, algo: Algorithm, run_dir: Path, console: Console, resume_from: Op
     return Context(
         cfg=cfg,
         run=Run(cfg.seed, cfg.trainer.steps, torch.Generator(device).manual_seed(cfg.seed)),
-        model=Model(policy, prompt_format(cfg), device, cfg.hardware.precision, Batching.of(cfg.trainer), optimizer,
-                    scheduler, o.lr, lr_factor, o.max_grad_norm),
+        model=Model(policy, prompt_format(cfg), device, precision, Batching.of(cfg.trainer), optimizer, scheduler,
+                    o.lr, lr_factor, o.max_grad_norm),
         data=Data(PromptSampler(train_rows, cfg.trainer.batch_size, cfg.seed), eval_rows, rewards, scorer,
                   restore.rows_sha256(train_rows)),
         rollouts=Rollouts(SamplingSettings.of(r), per_prompt_seed, r.merge_adapter, r.pack_weights, r.tis_cap,
                           engine, multi_turn),
         out=Output(run_dir, NullLogger(), console))
+
+
+def set_precision(hardware, device: torch.device, policy: Policy) -> tuple[str, str]:
+    """hardware.precision for this device and model (devices.choose_precision): fp32 or bf16, and what the
+    start line says of it. In bf16 the frozen linear weights are stored in bf16, except under FSDP, whose
+    shards keep one dtype (there autocast rounds them each pass)."""
+    precision, said = choose_precision(hardware.precision, device, sum(p.numel() for p in policy.model.parameters()))
+    if precision == "bf16" and not (distributed.active() and hardware.strategy == "fsdp"):
+        policy.store_frozen_in_bf16()
+    return precision, said
 
 
 def open_logger(cfg, algo: Algorithm, run_dir: Path, console: Console) -> MetricsLogger:

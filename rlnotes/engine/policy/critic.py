@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from rlnotes.engine.policy.head import head_logprobs
+from rlnotes.engine.policy.head import head_logprobs, linear_float32
 from rlnotes.engine.policy.passes import completion_states
 from rlnotes.notes import masked_mean
 
@@ -54,7 +54,7 @@ def values(policy: Policy, head, input_ids, attention_mask, n_completion: int) -
 
 
 def _values(head: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-    return head(hidden.to(head.weight.dtype)).squeeze(-1)
+    return linear_float32(head, hidden).squeeze(-1)
 
 
 def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -86,21 +86,20 @@ def _online_block(h, weight, bias, tokens, temperature: float, grads: bool, entr
         u = z.sub_(top[:, None])  # z_j - m, in place
         e = u.exp() if entropy else u.exp_()
         eu = e * u if entropy else None
-        wf = w.float() if grads else None
         if m is None:
             s = e.sum(1)
             a = eu.sum(1) if entropy else None
-            g = e @ wf if grads else None
-            gz = eu @ wf if grads and entropy else None
+            g = _scaled_plus(None, None, e, w) if grads else None
+            gz = _scaled_plus(None, None, eu, w) if grads and entropy else None
         else:
             delta = m - top
             scale = delta.exp()
             if entropy:
                 a = (a + delta * s) * scale + eu.sum(1)
             if grads and entropy:
-                gz = gz.add_(g * delta[:, None]).mul_(scale[:, None]).addmm_(eu, wf)
+                gz = _scaled_plus(gz.add_(g * delta[:, None]), scale, eu, w)
             if grads:
-                g = g.mul_(scale[:, None]).addmm_(e, wf)
+                g = _scaled_plus(g, scale, e, w)
             s = s * scale + e.sum(1)
         m = top
     log_s = s.log()
@@ -111,6 +110,18 @@ def _online_block(h, weight, bias, tokens, temperature: float, grads: bool, entr
     d_logp = (weight[tokens].float() - g / s[:, None]) / temperature
     d_ent = -(gz - (a / s)[:, None] * g) / (s[:, None] * temperature) if entropy else None
     return logp, ent, d_logp, d_ent
+
+
+def _scaled_plus(acc: Optional[torch.Tensor], scale: Optional[torch.Tensor], c: torch.Tensor,
+                 w: torch.Tensor) -> torch.Tensor:
+    """acc * scale + c @ w in float32 [M, d] (c @ w alone when acc is None), for c [M, k] (float32) and
+    a block of head weights w [k, d]. In float32 when w is float32 outside autocast; else, as the
+    logits (hardware.precision=bf16: w stored in bf16, or rounded by autocast), the products in bf16
+    summed by the matmul and rounded to bf16 once per block before they join the float32 sum."""
+    if w.dtype == torch.float32 and not torch.is_autocast_enabled(w.device.type):
+        return c @ w if acc is None else acc.mul_(scale[:, None]).addmm_(c, w)
+    product = (c.to(w.dtype) @ w).float()
+    return product if acc is None else acc.mul_(scale[:, None]).add_(product)
 
 
 def head_logprobs(hidden: torch.Tensor, head: torch.nn.Module, tokens: torch.Tensor, temperature: float = 1.0,
@@ -146,3 +157,10 @@ def head_logprobs(hidden: torch.Tensor, head: torch.nn.Module, tokens: torch.Ten
         logp = torch.cat([p[0] for p in parts])
         ent = torch.cat([p[1] for p in parts]) if entropy else None
     return logp.view(shape), (ent.view(shape) if entropy else None)
+
+
+def linear_float32(head: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """head(hidden) in float32, also under bf16 autocast (hardware.precision=bf16): a value or reward
+    head's output goes into a loss as it is, where bf16 would keep 8 bits of it."""
+    with torch.autocast(hidden.device.type, enabled=False):
+        return head(hidden.float())

@@ -10,9 +10,15 @@ adapter folded into a copy of its weight,
 which computes the same function (up to float rounding) in one matmul. The base weights are never
 written, so the reference (adapter off) and training see exactly what they saw before.
 
-Only float32 weights are merged: in bfloat16 or float16 the small update s B A would mostly be lost
-to W's rounding. Layers with a LoRA variant (DoRA and others), a LoRA bias, or sharded (FSDP)
-weights stay as they are.
+Only float32 weights are merged: in bfloat16 the small update s B A would be lost to W's rounding
+(an entry of W + s B A rounds back to W's bf16 value wherever |s B A| is below half of W's rounding
+step, as it is early in training). A layer whose base weight is bf16 (hardware.precision=bf16) is
+swapped for a LowRankLinear instead, which adds the update to the output,
+
+    y = x W^T + b + s (x A^T) B^T,
+
+the LoRA layer's own sum without peft's Python around it, A and B in bf16 as autocast rounds them.
+Layers with a LoRA variant (DoRA and others), a LoRA bias, or sharded (FSDP) weights stay as they are.
 """
 
 from __future__ import annotations
@@ -36,6 +42,22 @@ class MergedLinear(torch.nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
+class LowRankLinear(torch.nn.Module):
+    """y = base(x) + sum over the adapters of s (x A^T) B^T: a LoRA layer over a bf16 base weight
+    as plain modules. `base` is the LoRA layer's own linear layer (packed for sampling in its turn:
+    rlnotes.engine.policy.packed); `terms` holds (A, B, s) of each active adapter."""
+
+    def __init__(self, base: torch.nn.Module, terms: List[Tuple[torch.Tensor, torch.Tensor, float]]):
+        super().__init__()
+        self.base, self.terms = base, terms
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        for a, b, scale in self.terms:
+            y = y + F.linear(F.linear(x.to(a.dtype), a), b) * scale
+        return y
+
+
 Slot = Tuple[torch.nn.Module, str, torch.nn.Module]  # (parent, attribute name, LoRA layer)
 
 
@@ -47,12 +69,26 @@ def lora_slots(model: torch.nn.Module) -> List[Slot]:
             if isinstance(child, LoraLinear)]
 
 
-def _mergeable(layer) -> bool:
+def _adapters(layer) -> List[str]:
+    return [a for a in layer.active_adapters if a in layer.lora_A]
+
+
+def _plain(layer, dtype: torch.dtype) -> bool:
+    """A LoRA layer computing W x + b + s B A x alone, adapter on, over a whole `dtype` weight."""
     base = layer.base_layer
-    adapters = [a for a in layer.active_adapters if a in layer.lora_A]
-    return (type(base) is torch.nn.Linear and base.weight.dtype == torch.float32
+    return (type(base) is torch.nn.Linear and base.weight.dtype == dtype
             and not isinstance(base.weight, DTensor) and not layer.merged and not layer.disable_adapters
-            and all(a not in layer.lora_variant and not layer.lora_bias[a] for a in adapters))
+            and all(a not in layer.lora_variant and not layer.lora_bias[a] for a in _adapters(layer)))
+
+
+def _sampling_layer(layer) -> torch.nn.Module:
+    """The layer sampling goes through in place of the LoRA layer `layer`: merged over a float32
+    weight, low-rank over a bf16 one (the caller checked it is one of those)."""
+    if layer.base_layer.weight.dtype == torch.float32:
+        return MergedLinear(merged_weight(layer), layer.base_layer.bias)
+    dtype = layer.base_layer.weight.dtype
+    return LowRankLinear(layer.base_layer, [(layer.lora_A[a].weight.to(dtype), layer.lora_B[a].weight.to(dtype),
+                                             layer.scaling[a]) for a in _adapters(layer)])
 
 
 def merged_weight(layer) -> torch.Tensor:
@@ -66,10 +102,12 @@ def merged_weight(layer) -> torch.Tensor:
 
 @contextlib.contextmanager
 def merged_adapters(slots: List[Slot]) -> Iterator[None]:
-    """Within the block, each mergeable LoRA layer of `slots` replaced by its MergedLinear; the LoRA
-    layers (and their weights, untouched) back in place after it."""
-    swapped = [(parent, name, layer) for parent, name, layer in slots if _mergeable(layer)]
-    with swapped_in(swapped, lambda layer: MergedLinear(merged_weight(layer), layer.base_layer.bias)):
+    """Within the block, each plain LoRA layer of `slots` replaced by its MergedLinear (a float32
+    weight) or LowRankLinear (a bf16 one); the LoRA layers (and their weights, untouched) back in
+    place after it."""
+    swapped = [(parent, name, layer) for parent, name, layer in slots
+               if _plain(layer, torch.float32) or _plain(layer, torch.bfloat16)]
+    with swapped_in(swapped, _sampling_layer):
         yield
 
 

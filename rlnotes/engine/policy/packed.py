@@ -11,6 +11,10 @@ swapped for a PackedLinear holding the reordered copy, made afresh each time (th
 every step, at the cost of the weights' size again in memory while sampling). The outputs are those
 of the plain layers up to float32 rounding (which may tip a sampled token where two are nearly tied).
 `rollout.pack_weights=false` keeps MKL; scripts/bench.py times generation (figures: docs/benchmarks.md).
+
+bf16 weights (hardware.precision=bf16) are packed too where oneDNN multiplies bf16 natively: its
+bf16 matmul already goes through oneDNN, and a packed weight still saves the reorder of every call.
+Their input is rounded to bf16 first, as autocast rounds it for the plain layer.
 """
 
 from __future__ import annotations
@@ -41,6 +45,19 @@ def available() -> bool:
         return False
 
 
+@functools.lru_cache(maxsize=None)
+def available_bf16() -> bool:
+    """Whether oneDNN multiplies bf16 natively on this CPU, through the operators PackedLinear calls."""
+    if not available() or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return False
+    try:
+        weight = torch.ops.mkldnn._reorder_linear_weight(torch.ones(2, 3, dtype=torch.bfloat16), 1)
+        x = torch.ones(1, 3, dtype=torch.bfloat16)
+        return bool(torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")[0, 0] == 3)
+    except (AttributeError, RuntimeError):
+        return False
+
+
 class PackedLinear(torch.nn.Module):
     """y = x W^T + b through oneDNN with W reordered once; with gradients on (the reordered copy has
     none), through the plain weight."""
@@ -51,22 +68,23 @@ class PackedLinear(torch.nn.Module):
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), ROWS)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.is_grad_enabled() or x.dtype != torch.float32:
+        if torch.is_grad_enabled() or (x.dtype != torch.float32 and self.weight.dtype == torch.float32):
             return F.linear(x, self.weight, self.bias)
+        x = x.to(self.weight.dtype)
         bias = None if self.bias is None else self.bias.detach()
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
 
 
 def _packable(module: torch.nn.Module) -> bool:
     return (type(module) in (torch.nn.Linear, MergedLinear) and module.weight.device.type == "cpu"
-            and module.weight.dtype == torch.float32 and not isinstance(module.weight, DTensor)
-            and module.weight.numel() >= MIN_WEIGHTS)
+            and (module.weight.dtype == torch.float32 or (module.weight.dtype == torch.bfloat16 and available_bf16()))
+            and not isinstance(module.weight, DTensor) and module.weight.numel() >= MIN_WEIGHTS)
 
 
 @contextlib.contextmanager
 def packed_linears(model: torch.nn.Module) -> Iterator[None]:
-    """Within the block, every packable linear layer of `model` (float32 on the CPU, at least
-    MIN_WEIGHTS weights, not inside a LoRA layer that stays) swapped for its PackedLinear; the
+    """Within the block, every packable linear layer of `model` (float32, or bf16 where oneDNN has it,
+    on the CPU, at least MIN_WEIGHTS weights, not inside a LoRA layer that stays) swapped for its PackedLinear; the
     layers back in place after it."""
     from peft.tuners.tuners_utils import BaseTunerLayer
 

@@ -21,7 +21,7 @@ from typing import Iterator, List
 
 import torch
 
-from rlnotes.engine.policy.merged import MergedLinear
+from rlnotes.engine.policy.merged import LowRankLinear, MergedLinear
 
 # Gathering a module's real positions and scattering its output back costs tens of microseconds
 # whatever the module, so the padding's work in it must be well above that: padding positions x its
@@ -43,11 +43,12 @@ def _decoder_layers(model: torch.nn.Module) -> list[tuple[torch.nn.Module, torch
 
 
 def _projection(module: torch.nn.Module) -> bool:
-    """A linear map applied to each position: a plain, LoRA-wrapped, merged or GPT-2 style linear layer."""
+    """A linear map applied to each position: a plain, LoRA-wrapped, merged, low-rank or GPT-2 style
+    linear layer."""
     from peft.tuners.tuners_utils import BaseTunerLayer
     from transformers.pytorch_utils import Conv1D
 
-    return isinstance(module, (torch.nn.Linear, BaseTunerLayer, MergedLinear, Conv1D))
+    return isinstance(module, (torch.nn.Linear, BaseTunerLayer, MergedLinear, LowRankLinear, Conv1D))
 
 
 def position_wise(model: torch.nn.Module) -> List[torch.nn.Module]:

@@ -16,6 +16,7 @@ import torch
 
 from rlnotes.engine.hardware.fsdp import is_sharded
 from rlnotes.engine.model.loading import check_lora, load_base, usual_modes
+from rlnotes.engine.model.precision import frozen_linears_to_bf16
 from rlnotes.engine.model.sources import check_policy_dir
 from rlnotes.engine.policy.merged import lora_slots, merged_adapters
 from rlnotes.engine.policy.packed import packed_linears
@@ -70,6 +71,13 @@ class Policy:
             model, tokenizer = load_base(OmegaConf.merge(cfg, {"name_or_path": str(path)}))
             model.to(device)
         return cls(model.eval(), tokenizer, reference=model)
+
+    def store_frozen_in_bf16(self) -> None:
+        """hardware.precision=bf16: the linear weights that do not train (the base model's under LoRA,
+        the reference copy's without it) stored in bf16, LoRA and every trainable weight in float32
+        (rlnotes.engine.model.precision)."""
+        for model in {id(m): m for m in (self.model, self._reference) if m is not None}.values():
+            frozen_linears_to_bf16(model)
 
     @contextlib.contextmanager
     def reference(self) -> Iterator[torch.nn.Module]:

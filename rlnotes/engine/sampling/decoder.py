@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from rlnotes.engine.hardware.fsdp import is_sharded
-from rlnotes.engine.policy.merged import MergedLinear
+from rlnotes.engine.policy.merged import LowRankLinear, MergedLinear
 from rlnotes.engine.policy.packed import PackedLinear
 
 # The causal LMs whose decoder layers compute exactly the step above; their attention, MLP and norm
@@ -61,7 +61,7 @@ def _linear(module: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     """x -> module(x) without the module call around it where the module is a plain linear map."""
     if type(module) in (torch.nn.Linear, MergedLinear):
         return functools.partial(F.linear, weight=module.weight, bias=module.bias)
-    if type(module) is PackedLinear:
+    if type(module) in (PackedLinear, LowRankLinear):
         return module.forward
     return module
 
