@@ -247,14 +247,20 @@ def test_the_cpus_own_bf16_units_are_found():
 
 
 def test_a_run_refuses_bf16_without_units_before_the_model_loads(tmp_path, monkeypatch):
+    """In the config's check (rlnotes check, and every command before it starts) and, for a config
+    built otherwise, in the run's setup before the model loads."""
+    from rlnotes.commands.check import UsageError, check
     from rlnotes.commands.train import train
     from tests.conftest import compose
 
+    cfg = compose("hardware.precision=bf16", "trainer.steps=1", "logging.progress=false")
     monkeypatch.setattr(devices, "bf16_units", lambda device: None)
+    with pytest.raises(UsageError, match="has no bf16 matmul instructions"):
+        check(["hardware.precision=bf16"], multirun=False, config_dir=None)
+    check(["hardware.precision=auto"], multirun=False, config_dir=None)
     monkeypatch.setattr(Policy, "from_config", lambda *a, **k: pytest.fail("the model loaded"))
     with pytest.raises(ConfigError, match="has no bf16 matmul instructions"):
-        train(compose("hardware.precision=bf16", "trainer.steps=1", "logging.progress=false"), tmp_path,
-              Console(quiet=True))
+        train(cfg, tmp_path, Console(quiet=True))
     assert not (tmp_path / "metrics.jsonl").exists()
 
 

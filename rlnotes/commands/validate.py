@@ -179,6 +179,16 @@ def _check_eval_data(cfg) -> None:
     check_data_config(merged, cfg.trainer)
 
 
+def _check_precision(hardware) -> None:
+    """hardware.precision=bf16 on a CPU without bf16 units, refused by every command that checks a
+    config (rlnotes check too), not only once a run starts."""
+    if hardware.precision != "bf16" or hardware.device not in ("cpu", "auto"):
+        return
+    from rlnotes.engine.hardware.devices import check_precision, resolve_device  # optional: torch, seconds to import
+
+    check_precision("bf16", resolve_device(hardware.device))
+
+
 def validate(cfg) -> Algorithm:
     """Check the values that a schema type cannot: choices, ranges, and batch arithmetic. Returns
     the algorithm that algo.name names."""
@@ -191,6 +201,7 @@ def validate(cfg) -> Algorithm:
     check_ranges(cfg, algo)
     check_threads(cfg.hardware.threads)
     check_env(cfg.rollout.env)
+    _check_precision(cfg.hardware)
     if algo.samples and cfg.eval.generate is False:
         raise ConfigError(f"eval.generate=false: algo={cfg.algo.name} evaluates by generating completions; drop it, "
                           "or set trainer.eval_every=null for no evaluation")

@@ -11,9 +11,10 @@ import torch
 from rlnotes.core.errors import ConfigError
 
 # hardware.precision=auto: bf16 for a model of at least this many parameters on a device with bf16
-# units, else fp32. Below it a pass is many small operations whose casts cost more than the matmuls
-# save: the tiny model's GRPO step took twice as long in bf16 on an AMD EPYC with avx512_bf16, where
-# SmolLM2-135M's ran faster (scripts/bench_trl.py --precisions; figures: docs/benchmarks.md).
+# units, else fp32. A small model's pass is many small operations whose casts cost more than its
+# matmuls save: on an AMD EPYC with avx512_bf16 the tiny model (0.1M) trained 2-4x slower in bf16,
+# SmolLM2-135M 1.7x faster (figures and commands: docs/benchmarks.md). Sizes between were not
+# measured; the line is where hardware.threads=auto changes too.
 AUTO_BF16_FROM = 20_000_000
 
 # The CPU features whose instructions multiply bf16 matrices (torch.cpu.get_capabilities' names), the

@@ -12,9 +12,8 @@ every step, at the cost of the weights' size again in memory while sampling). Th
 of the plain layers up to float32 rounding (which may tip a sampled token where two are nearly tied).
 `rollout.pack_weights=false` keeps MKL; scripts/bench.py times generation (figures: docs/benchmarks.md).
 
-bf16 weights (hardware.precision=bf16) are packed too where oneDNN multiplies bf16 natively: its
-bf16 matmul already goes through oneDNN, and a packed weight still saves the reorder of every call.
-Their input is rounded to bf16 first, as autocast rounds it for the plain layer.
+bf16 weights (hardware.precision=bf16) are packed too, where oneDNN multiplies bf16 natively; their
+input is rounded to bf16 first, as autocast rounds it for the plain layer.
 """
 
 from __future__ import annotations
@@ -84,8 +83,8 @@ def _packable(module: torch.nn.Module) -> bool:
 @contextlib.contextmanager
 def packed_linears(model: torch.nn.Module) -> Iterator[None]:
     """Within the block, every packable linear layer of `model` (float32, or bf16 where oneDNN has it,
-    on the CPU, at least MIN_WEIGHTS weights, not inside a LoRA layer that stays) swapped for its PackedLinear; the
-    layers back in place after it."""
+    on the CPU, at least MIN_WEIGHTS weights, not inside a LoRA layer that stays) swapped for its
+    PackedLinear; the layers back in place after it."""
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     if not available():

@@ -99,9 +99,10 @@ class Policy:
     @contextlib.contextmanager
     def sampling(self, merge: bool = True, pack: bool = True) -> Iterator[torch.nn.Module]:
         """The model to sample with: the policy, its LoRA layers merged into copies of their weights
-        (rlnotes.engine.policy.merged) unless `merge` is off, and its large float32 linear layers on the CPU
-        through copies packed for oneDNN (rlnotes.engine.policy.packed) unless `pack` is off: the same
-        outputs up to rounding, faster token by token. Neither where FSDP shards the weights."""
+        (over bf16 weights, the update added to the output instead; rlnotes.engine.policy.merged) unless
+        `merge` is off, and its large linear layers on the CPU through copies packed for oneDNN
+        (rlnotes.engine.policy.packed) unless `pack` is off: the same outputs up to rounding, faster
+        token by token. Neither where FSDP shards the weights."""
         if is_sharded(self.model):
             yield self.model
             return
