@@ -38,7 +38,7 @@ from rlnotes.core.errors import INPUT_ERROR, ConfigError
 from rlnotes.core.schema import saved_run_config
 from rlnotes.data.datasets import load_checked
 from rlnotes.data.fitting import evaluates, seen_in_training
-from rlnotes.engine.hardware.devices import check_precision, configure_backends, mixed_precision, resolve_device
+from rlnotes.engine.hardware.devices import configure_backends, mixed_precision, resolve_device
 from rlnotes.engine.hardware.threads import set_threads
 from rlnotes.engine.model.loading import context_length, load_base
 from rlnotes.engine.policy.policy import Policy
@@ -211,7 +211,6 @@ def seen_note(cfg) -> Optional[str]:
 def _evaluate(cfg, console, out: Path) -> Evaluation:
     device = resolve_device(cfg.hardware.device)
     configure_backends(cfg.hardware, device)
-    check_precision(cfg.hardware.precision, device)
     scorer = Rewards(checker_config(cfg), console)
     scorer.state = TrainerState(max_steps=cfg.trainer.steps)   # a reward may divide by max_steps
     # Rows to sample from, and the columns a checker needs: a mistake fails now, before the model loads.

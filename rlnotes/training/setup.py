@@ -20,7 +20,7 @@ from rlnotes.data.fitting import fit_and_split
 from rlnotes.data.sampler import PromptSampler
 from rlnotes.data.settings import prompt_format
 from rlnotes.engine.hardware import distributed, fsdp
-from rlnotes.engine.hardware.devices import check_precision, choose_precision, configure_backends, resolve_device
+from rlnotes.engine.hardware.devices import choose_precision, configure_backends, resolve_device
 from rlnotes.engine.hardware.threads import set_threads
 from rlnotes.engine.model.loading import context_length
 from rlnotes.engine.policy.policy import Policy
@@ -46,7 +46,6 @@ def setup(cfg, algo: Algorithm, run_dir: Path, console: Console, resume_from: Op
     torch.manual_seed(cfg.seed)
     device = distributed.init(resolve_device(cfg.hardware.device))
     configure_backends(cfg.hardware, device)
-    check_precision(cfg.hardware.precision, device)
     rewards = Rewards(cfg.reward, console) if algo.samples else None
     multi_turn = MultiTurn.of(cfg.rollout)  # a user's tools and environment load (or fail) before the model does
     with distributed.main_first():  # caches (a converted model, a downloaded dataset) are written once

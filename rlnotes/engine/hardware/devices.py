@@ -84,7 +84,9 @@ def mixed_precision(precision: str, device: torch.device):
 
 
 def configure_backends(hardware, device: torch.device) -> None:
-    """TF32 matmuls on CUDA when hardware.tf32 (float32 weights, tensor-core speed)."""
+    """TF32 matmuls on CUDA when hardware.tf32 (float32 weights, tensor-core speed); hardware.precision
+    checked against the device (check_precision), before anything loads."""
+    check_precision(hardware.precision, device)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = bool(hardware.tf32)
         torch.backends.cudnn.allow_tf32 = bool(hardware.tf32)
