@@ -204,8 +204,10 @@ def test_preference_shapes_become_prompt_chosen_rejected(tmp_path, rows):
      [{"role": "user", "content": "Q?"}]),
 ], ids=["prompt-completion", "conversational", "messages"])
 def test_sft_shapes_become_prompt_completion(tmp_path, rows, prompt):
+    """A messages row keeps its conversation too: SFT learns each of its assistant turns."""
     path = write(tmp_path / "s.jsonl", rows * 3)
-    assert read(file_cfg(path)).train.rows[0] == {"prompt": prompt, "completion": "A."}
+    kept = {"messages": rows[0]["messages"]} if "messages" in rows[0] else {}
+    assert read(file_cfg(path)).train.rows[0] == {"prompt": prompt, "completion": "A.", **kept}
 
 
 def test_messages_without_a_reply_are_prompts(tmp_path):

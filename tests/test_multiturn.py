@@ -311,7 +311,7 @@ def test_where_the_template_renders_the_tools_the_samples_prompt_names_them_firs
     tok.chat_template = "{% if tools %}{{ '<bos>system\n' + (tools | tojson) + '<eos>\n' }}{% endif %}" + CHATML
     conv = Conversations(multi_turn(env="tests.trl_environments:CounterResetEnv", max_turns=3), tok,
                          [{"prompt": "Count."}], 2)
-    assert conv.template_tools == [conv.template_tools[0]] * 2 and conv.template_tools[0] is not None
+    assert conv.renderers == [conv.renderers[0]] * 2 and conv.renderers[0].template_tools
     tools, user = conv.prompts()[0]
     assert tools["role"] == "tools" and json.loads(tools["content"])["function"]["name"] == "increment"
     assert user == {"role": "user", "content": "Count.Counter reset to 0.\n"}

@@ -97,7 +97,8 @@ def test_bad_warmup_settings_fail_in_one_line(overrides, message):
 
 def test_a_missing_demonstration_column_names_the_columns_there_are(tmp_path):
     with pytest.raises(Exception, match="sft_warmup.steps=3 trains on each row's demonstration, but task arith "
-                                        r"\(train\) row 1, column 'completion' has no text; set sft_warmup.column "
+                                        r"\(train\) row 1, column 'completion' has no text nor conversation; "
+                                        "set sft_warmup.column "
                                         "to one of: answer"):
         run(tmp_path, *ARITH, "sft_warmup.column=completion")
     assert not (tmp_path / "metrics.jsonl").exists()

@@ -5,15 +5,13 @@ the prompt each episode starts from, the tokens of every observation between the
 and what reward functions, which score each whole episode with the environment's own reward, and
 the samples table see afterwards.
 
-Tokens. The model's turns are trained on as sampled, each ending with its EOS. An observation's
-tokens are what the chat template adds to the conversation when the observation follows the
-model's message: the template's rendering of [conversation + observation + the cue of the next
-assistant turn] after the end of the model's turn (its EOS) in the rendering of the conversation
-alone. So an episode's token sequence is the template's rendering of the whole conversation,
-except where the model's sampled tokens spell its text differently from how the tokenizer would
-(the tokens trained on are always the ones sampled). Without a chat template (model.chat_template
-false, or a tokenizer without one) the conversation is "role: content" lines, as
-rlnotes.engine.prompts.render_plain writes a prompt, and each model turn ends with its EOS token.
+Tokens. The model's turns are trained on as sampled, each ending with its EOS; an observation's
+tokens are what the chat template adds to the conversation when it follows the model's message
+(rlnotes.agents.rendering, which demonstrations share). So an episode's token sequence is the
+template's rendering of the whole conversation, except where the model's sampled tokens spell its
+text differently from how the tokenizer would (the tokens trained on are always the ones sampled).
+Without a chat template (model.chat_template false, or a tokenizer without one) the conversation is
+"role: content" lines, as rlnotes.engine.prompts.render_plain writes a prompt.
 """
 
 from __future__ import annotations
@@ -26,11 +24,12 @@ import torch
 
 from rlnotes.agents.environments import EnvironmentFailure, Episode
 from rlnotes.agents.routing import COLUMN, environment_of, load_environments, per_environment
-from rlnotes.agents.tools import load_tools, template_takes_tools, tools_system_prompt
+from rlnotes.agents.rendering import Renderer
+from rlnotes.agents.tools import load_tools
 from rlnotes.core.errors import ConfigError
 from rlnotes.engine.hardware import distributed
 from rlnotes.engine.model.loading import context_length
-from rlnotes.engine.prompts import PromptFormat, as_messages, render_plain
+from rlnotes.engine.prompts import PromptFormat, as_messages
 from rlnotes.engine.rollout import Rollout
 from rlnotes.engine.sampling.episodes import generate_episodes
 from rlnotes.engine.sampling.settings import EpisodeLimits, SamplingSettings
@@ -80,6 +79,11 @@ class MultiTurn:
         names none of them is a ConfigError beginning with `where`."""
         return environment_of(row, self.names, where) if self.names else None
 
+    def schemas(self, name: Optional[str] = None) -> List[dict]:
+        """The JSON schemas of the tools of an episode in environment `name` (its methods included),
+        as the episodes describe them to the model."""
+        return self.episode(name).schemas
+
     def episode(self, name: Optional[str] = None) -> Episode:
         """An episode in environment `name` (None: the one environment, or none)."""
         return Episode(list(self.tools), self.envs.get(name), self.max_tool_calls, self.tool_format, self.tool_timeout,
@@ -119,14 +123,6 @@ def _with_start(messages: List[dict], start) -> List[dict]:
     return messages + [dict(m) for m in start]
 
 
-def _with_tools(messages: List[dict], schemas: List[dict]) -> List[dict]:
-    """The tools described in the system message, for a template that does not render them."""
-    block = tools_system_prompt(schemas)
-    if messages and messages[0]["role"] == "system":
-        return [{**messages[0], "content": f"{messages[0]['content']}\n\n{block}"}] + messages[1:]
-    return [{"role": "system", "content": block}] + messages
-
-
 class Conversations:
     """One batch of episodes, G per row: their environments, conversations and tool counters.
     `respond` is what rlnotes.engine.sampling.episodes.generate_episodes calls between turns."""
@@ -134,47 +130,33 @@ class Conversations:
     def __init__(self, multi_turn: MultiTurn, tokenizer, rows: Sequence[dict], group_size: int,
                  prompt_format: PromptFormat = PromptFormat()):
         self.multi_turn, self.tokenizer, self.group_size = multi_turn, tokenizer, group_size
-        self.templated = bool(prompt_format.chat_template and tokenizer.chat_template)
-        in_template = self.templated and template_takes_tools(tokenizer)
         # Each episode's environment, by name (None: the run's one, or none), its row's choice.
         self.env_names = [multi_turn.environment_of(row, f"row {k + 1} of the batch") for k, row in enumerate(rows)
                           for _ in range(group_size)]
         self.episodes = [multi_turn.episode(name) for name in self.env_names]
         # The episodes of one environment have the same tools (its methods are bound to each instance,
-        # their schemas alike): described once per environment.
-        schemas = {name: self.episodes[self.env_names.index(name)].schemas for name in dict.fromkeys(self.env_names)}
-        # The tools' schemas of each episode where the chat template renders them (else None: they are
-        # in its system message, or it has none).
-        self.template_tools: List[Optional[List[dict]]] = []
+        # their schemas alike): described, and rendered, alike.
+        renderers = {name: Renderer.of(tokenizer, prompt_format.chat_template,
+                                       self.episodes[self.env_names.index(name)].schemas)
+                     for name in dict.fromkeys(self.env_names)}
+        self.renderers = [renderers[name] for name in self.env_names]   # each episode's
         self.messages: List[List[dict]] = []
         self.reset_added: List[bool] = []   # whether the environment's reset added to each episode's prompt
         self.env_scores: Optional[torch.Tensor] = None   # the environments' rewards, once scored
         for i, episode in enumerate(self.episodes):
-            row, tools = rows[i // group_size], schemas[self.env_names[i]]
+            row = rows[i // group_size]
             start = episode.start({k: v for k, v in row.items() if k != COLUMN} if multi_turn.names else row)
             messages = _with_start(as_messages(row["prompt"], prompt_format.system_prompt), start)
-            if tools and not in_template:
-                messages = _with_tools(messages, tools)
-            self.template_tools.append(tools if tools and in_template else None)
-            self.messages.append(messages)
+            self.messages.append(self.renderers[i].prompt_messages(messages))
             self.reset_added.append(bool(start))
         self.prompt_lengths = [len(m) for m in self.messages]
 
-    # -- rendering ---------------------------------------------------------------------------------
-
-    def _render(self, i: int, messages: List[dict], generation: bool) -> str:
-        """`messages` of episode i through the chat template, with its tools where the template renders them."""
-        extra = {"tools": self.template_tools[i]} if self.template_tools[i] else {}
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation, **extra)
+    # -- rendering (rlnotes.agents.rendering) ----------------------------------------------------------
 
     def prompt_ids(self) -> tuple[List[List[int]], int]:
         """The token ids episodes start from and how many episodes share each: one entry per row
         (G each) when an environment's reset left the G prompts of every row alike, else one per episode."""
-        if self.templated:
-            ids = [self.tokenizer(self._render(i, m, True), add_special_tokens=False)["input_ids"]
-                   for i, m in enumerate(self.messages)]
-        else:
-            ids = [self.tokenizer(render_plain(m), add_special_tokens=False)["input_ids"] for m in self.messages]
+        ids = [renderer.prompt_ids(m) for renderer, m in zip(self.renderers, self.messages)]
         g = self.group_size
         if all(ids[i] == ids[i - i % g] for i in range(len(ids))):
             return ids[::g], g
@@ -196,20 +178,6 @@ class Conversations:
             raise ConfigError(f"episode {i}'s prompt is {over} (the tools' descriptions included); shorten the "
                               "prompts (data.max_prompt_len) or the tools' docstrings")
 
-    def _observation_ids(self, i: int, observation: List[dict]) -> List[int]:
-        """The tokens that follow episode i's last model turn (module docstring)."""
-        if not self.templated:
-            text = "".join(f"\n{m['role']}: {m['content']}" for m in observation) + "\nassistant:"
-            return self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        before = self._render(i, self.messages[i], generation=False)
-        after = self._render(i, self.messages[i] + observation, generation=True)
-        eos = self.tokenizer.eos_token or ""
-        cut = before.rfind(eos) + len(eos) if eos and eos in before else len(before)
-        if after[:cut] != before[:cut]:
-            raise ValueError("the chat template renders a conversation's earlier turns differently once an "
-                             "observation follows them; multi-turn episodes need a template that only appends")
-        return self.tokenizer(after[cut:], add_special_tokens=False)["input_ids"]
-
     # -- between turns -----------------------------------------------------------------------------
 
     def respond(self, rows: List[int], turns: List[List[int]], last: List[bool]) -> List[Optional[List[int]]]:
@@ -226,7 +194,7 @@ class Conversations:
             if done or final or not observation:
                 out.append(None)
                 continue
-            out.append(self._observation_ids(i, observation))
+            out.append(self.renderers[i].observation_ids(self.messages[i], observation))
             self.messages[i].extend(observation)
         return out
 
@@ -241,8 +209,8 @@ class Conversations:
         messages (the system prompt's too) with what the environment's reset added, and the tools'
         descriptions, in the system message or, where the chat template renders them itself, as a
         first "tools" entry holding their schemas."""
-        tools = [[{"role": "tools", "content": "\n".join(json.dumps(s) for s in schemas)}] if schemas else []
-                 for schemas in self.template_tools]
+        tools = [[{"role": "tools", "content": "\n".join(json.dumps(s) for s in r.schemas)}] if r.template_tools else []
+                 for r in self.renderers]
         return [first + [dict(m) for m in messages[:n]]
                 for first, messages, n in zip(tools, self.messages, self.prompt_lengths)]
 

@@ -4,7 +4,8 @@ For each batch of (prompt x, completion y) rows, micro-batch by micro-batch:
   1. log pi(y_t | x, y_<t) of every completion token (its EOS included), in one forward pass;
   2. minimise the negative log-likelihood -log pi(y_t | ...), averaged by algo.aggregation
      (token-mean: every completion token of the batch weighs the same); the prompt is context
-     only and gets no loss;
+     only and gets no loss. A row with a `messages` conversation is trained on its assistant turns
+     alone, the other turns context (TRL's assistant_only_loss=True; rlnotes.agents.rendering);
   3. one optimizer step per batch; every trainer.eval_every steps, the same loss on held-out rows.
 With several processes each rank takes 1/N of the rows; the token count that token-mean divides
 by (or the number of rows, for seq-mean-token-mean) is the global batch's.
@@ -22,9 +23,13 @@ from rlnotes.core.algorithm import Algorithm, Shape
 from rlnotes.core.schema import AlgoConfig
 from rlnotes.notes import AGGREGATIONS
 from rlnotes.training.context import Context
-from rlnotes.training.offline import encode_rows, nll, nll_backward
+from rlnotes.training.offline import encode_demonstrations, nll, nll_backward
 from rlnotes.training.optimizer import optimizer_step
 from rlnotes.training.sampling import next_rows
+
+
+# What a row demonstrates: its conversation when it has one, else its completion.
+DEMONSTRATIONS = ("messages", "completion")
 
 
 @dataclass
@@ -40,7 +45,7 @@ def evaluate(ctx: Context) -> Dict[str, float]:
     """Held-out loss on the first eval.size rows (all: null) (one batch, exact for either aggregation)."""
     cfg, model = ctx.cfg, ctx.model
     model.policy.eval()
-    seqs = encode_rows(model, ctx.data.eval_rows[:cfg.eval.size], "completion")
+    seqs = encode_demonstrations(model, ctx.data.eval_rows[:cfg.eval.size], DEMONSTRATIONS)
     loss = float(nll(model.policy, seqs, cfg.algo.aggregation))
     return {"eval/sft_loss": loss, "eval/sft_ppl": math.exp(min(loss, 50.0))}
 
@@ -49,7 +54,7 @@ def train_step(ctx: Context) -> Dict[str, float]:
     algo, model, run = ctx.cfg.algo, ctx.model, ctx.run
     metrics: Dict[str, float] = {}
 
-    seqs = encode_rows(model, next_rows(ctx.data.sampler), "completion")
+    seqs = encode_demonstrations(model, next_rows(ctx.data.sampler), DEMONSTRATIONS)
     # 1-2. Completion-token NLL, micro-batch by micro-batch, each its share of the batch's loss.
     loss_sum = nll_backward(model, run, seqs, algo.aggregation)
     # 3. One optimizer step per batch.

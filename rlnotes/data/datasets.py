@@ -17,7 +17,7 @@ from rlnotes.agents.routing import COLUMN, environment_of
 from rlnotes.core.algorithm import Algorithm
 from rlnotes.core.errors import ConfigError
 from rlnotes.data.fitting import Data
-from rlnotes.data.formats import ANSWER_COLUMNS, Table, column_names, normalise
+from rlnotes.data.formats import ANSWER_COLUMNS, Table, check_conversation, column_names, normalise
 from rlnotes.data.reading import read_file, read_hub
 from rlnotes.data.tasks import TASKS, Row, Split
 from rlnotes.rewards.loading import CALL_NAMES
@@ -101,12 +101,19 @@ def require(table: Table, needs: Dict[str, str]) -> None:
 
 
 def require_demonstrations(table: Table, column: str, who: str) -> None:
-    """Every row holds text in `column`, the demonstration that `who` (sft_warmup.steps=N) trains on."""
+    """Every row holds in `column` the demonstration that `who` (sft_warmup.steps=N) trains on: text
+    (the completion of its prompt), or a conversation (check_conversation) whose assistant turns it
+    learns; a wrong one is one line naming the row."""
     for i, row in enumerate(table.rows):
-        if not isinstance(row.get(column), str):
-            texts = sorted(k for k, v in row.items() if isinstance(v, str) and k != "prompt")
-            raise ConfigError(f"{who} trains on each row's demonstration, but {table.where(i, column)} has no text; "
-                              f"set sft_warmup.column to one of: {', '.join(texts) or '(no text columns)'}")
+        value = row.get(column)
+        if isinstance(value, list):
+            row[column] = check_conversation(value, table.where(i, column))
+        elif not isinstance(value, str):
+            shown = sorted(k for k, v in row.items() if k != "prompt" and (isinstance(v, str) or (
+                isinstance(v, list) and v and all(isinstance(m, dict) for m in v))))
+            raise ConfigError(f"{who} trains on each row's demonstration, but {table.where(i, column)} has no text "
+                              "nor conversation; set sft_warmup.column to one of: "
+                              f"{', '.join(shown) or '(no text or conversation columns)'}")
 
 
 def require_prompts(table: Table, who: str) -> None:

@@ -4,7 +4,8 @@ dataset formats), checked and normalised to the rows the algorithms read (rlnote
 Accepted shapes (after `data.columns` renames the source's columns to ours):
   prompt                          plain text, or a conversation: a list of {role, content} messages
   prompt + completion             SFT; the completion text, or a list with one assistant message
-  messages                        SFT conversations: the last assistant turn is the completion
+  messages                        SFT conversations: every assistant turn is learnt, the turns before the
+                                  first are the prompt (the last turn is also the `completion`)
   text                            SFT language modeling: the whole text is the completion (empty prompt)
   prompt + chosen + rejected      preference pairs (DPO, RM), each answer text or one assistant message
   chosen + rejected (no prompt)   the implicit-prompt form: two conversations that share every turn
@@ -24,7 +25,7 @@ from typing import Dict, List, Optional, Tuple
 
 from rlnotes.core.errors import ConfigError
 from rlnotes.data.tasks import Row
-from rlnotes.engine.prompts import Prompt
+from rlnotes.engine.prompts import Prompt, tool_call_parts
 
 # Columns each algorithm reads besides its reward's (the algorithms that sample read `prompt`).
 ANSWER_COLUMNS = ("completion", "chosen", "rejected")
@@ -69,16 +70,42 @@ def column_names(table: Table) -> set:
 
 def check_messages(value, where: str) -> List[Dict[str, str]]:
     """A conversation: a non-empty list of {role, content} messages with text content (keys whose
-    value is null, as Arrow fills in for other rows' extra keys, are left out)."""
+    value is null, as Arrow fills in for other rows' extra keys, are left out). An assistant message
+    may hold `tool_calls` (TRL's {"type": "function", "function": {"name", "arguments"}}) instead of
+    content, or besides it."""
     if not isinstance(value, list) or not value:
         raise ConfigError(f"{where}: expected a list of {{role, content}} messages, got {describe(value)}")
     out = []
     for j, m in enumerate(value):
+        m = {k: v for k, v in m.items() if v is not None} if isinstance(m, dict) else m
+        calls = m.get("tool_calls") if isinstance(m, dict) and m.get("role") == "assistant" else None
+        if calls is not None:
+            _check_tool_calls(calls, f"{where}: message {j + 1}")
+            m = {"content": "", **m}
         if not isinstance(m, dict) or not isinstance(m.get("content"), str) or m.get("role") not in ROLES:
             raise ConfigError(f"{where}: message {j + 1} must be {{role, content}} with role one of "
                               f"{', '.join(ROLES)} and text content, got {describe(m)}")
-        out.append({k: v for k, v in m.items() if v is not None})
+        out.append(m)
     return out
+
+
+def _check_tool_calls(calls, where: str) -> None:
+    if not isinstance(calls, list) or not calls:
+        raise ConfigError(f"{where}: tool_calls must be a non-empty list of calls, got {describe(calls)}")
+    for k, call in enumerate(calls):
+        try:
+            tool_call_parts(call)
+        except ValueError as e:
+            raise ConfigError(f"{where}, tool call {k + 1}: {e}, got {describe(call)}") from None
+
+
+def check_conversation(value, where: str) -> List[Dict[str, str]]:
+    """A demonstration conversation (check_messages) with at least one assistant turn to learn."""
+    messages = check_messages(value, where)
+    if not any(m["role"] == "assistant" for m in messages):
+        raise ConfigError(f"{where}: a demonstration needs an assistant turn to learn from; its roles are "
+                          f"{', '.join(m['role'] for m in messages)}")
+    return messages
 
 
 def check_prompt(value, where: str) -> Prompt:
@@ -137,8 +164,9 @@ def normalise_row(row: Row, table: Table, i: int) -> Row:
     where = lambda column: table.where(i, column)  # noqa: E731
     if "prompt" not in row and "messages" in row:
         messages = check_messages(row.pop("messages"), where("messages"))
-        if messages[-1]["role"] == "assistant":
+        if messages[-1]["role"] == "assistant":  # a demonstration: SFT trains on each of its assistant turns
             row["prompt"], row["completion"] = split_conversation(messages, where("messages"))
+            row["messages"] = messages
         else:  # a conversation still waiting for its reply: a prompt for the algorithms that sample
             row["prompt"] = messages
     elif "prompt" not in row and "chosen" in row and "rejected" in row:

@@ -5,8 +5,9 @@ torch.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 # A prompt: plain text, or a conversation of {"role": ..., "content": ...} messages.
 Prompt = Union[str, List[Dict[str, str]]]
@@ -19,6 +20,25 @@ def as_messages(prompt: Prompt, system_prompt: Optional[str] = None) -> List[Dic
     if system_prompt and not any(m["role"] == "system" for m in messages):
         messages = [{"role": "system", "content": system_prompt}] + messages
     return messages
+
+
+def tool_call_parts(call) -> Tuple[str, dict]:
+    """(name, arguments) of one entry of an assistant message's `tool_calls`, as TRL and the chat
+    templates write it: {"type": "function", "function": {"name": ..., "arguments": {...}}}, or the
+    {"name", "arguments"} inside; the arguments may be a JSON string of an object. A ValueError says
+    what is wrong with it."""
+    inner = call.get("function", call) if isinstance(call, dict) else None
+    if not isinstance(inner, dict) or not isinstance(inner.get("name"), str) or not inner["name"]:
+        raise ValueError('a tool call must be {"type": "function", "function": {"name": ..., "arguments": {...}}}')
+    arguments = inner.get("arguments", {})
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            raise ValueError(f"the arguments of tool call {inner['name']!r} are a string that is not JSON") from None
+    if not isinstance(arguments, dict):
+        raise ValueError(f"the arguments of tool call {inner['name']!r} are not a JSON object")
+    return inner["name"], arguments
 
 
 def render_plain(prompt: Prompt, system_prompt: Optional[str] = None) -> str:

@@ -3,7 +3,9 @@
 
 A row of the batch is [left-padded prompt | right-padded completion], the layout rollouts have,
 so `Policy.logprobs` scores it unchanged. Each completion ends with the tokenizer's EOS: the
-model learns where an answer stops, as a sampled completion does.
+model learns where an answer stops, as a sampled completion does. A conversation (`pack` of
+rlnotes.agents.rendering's tokens) is a row too: its completion is everything after its prompt,
+the observations between its assistant turns included, and completion_mask marks those turns.
 """
 
 from __future__ import annotations
@@ -27,17 +29,23 @@ def completion_text(completion) -> str:
 class Sequences:
     input_ids: torch.Tensor         # [N, P + T]
     attention_mask: torch.Tensor    # [N, P + T]
-    completion_mask: torch.Tensor   # [N, T] 1.0 on real completion tokens, EOS included
+    completion_mask: torch.Tensor   # [N, T] 1.0 on the completion tokens that carry loss, EOS included
 
     @property
     def n_completion(self) -> int:
         return self.completion_mask.shape[1]
 
     @property
+    def real(self) -> torch.Tensor:
+        """[N, T] 1 on every real completion token: those with loss and, in a conversation, its
+        observations (completion_mask marks the first alone)."""
+        return self.attention_mask[:, -self.n_completion:]
+
+    @property
     def last_index(self) -> torch.Tensor:
         """[N] position of each row's last real token (its EOS)."""
         prompt_width = self.input_ids.shape[1] - self.n_completion
-        return prompt_width + self.completion_mask.sum(-1).long() - 1
+        return prompt_width + self.real.sum(-1).long() - 1
 
     def tokens(self) -> float:
         return float(self.attention_mask.sum())
@@ -50,18 +58,28 @@ def encode(tokenizer, prompts: Sequence[Prompt], completions: Sequence[Prompt], 
            chat_template: bool = True, system_prompt: Optional[str] = None) -> Sequences:
     """Prompts (text or messages) as the rollout engine encodes them, then each completion's tokens
     (text, or assistant messages as text) and EOS."""
-    prompt_ids, prompt_mask = left_pad(encode_prompts(tokenizer, prompts, chat_template, system_prompt),
-                                       tokenizer.pad_token_id)
     eos = [tokenizer.eos_token_id]
-    completion_rows = [tokenizer(completion_text(c), add_special_tokens=False)["input_ids"] + eos for c in completions]
-    width = max(len(r) for r in completion_rows)
-    completion_ids = torch.full((len(completion_rows), width), tokenizer.pad_token_id, dtype=torch.long)
-    completion_mask = torch.zeros((len(completion_rows), width))
-    for i, r in enumerate(completion_rows):
-        completion_ids[i, :len(r)] = torch.tensor(r)
-        completion_mask[i, :len(r)] = 1.0
+    return pack(encode_prompts(tokenizer, prompts, chat_template, system_prompt),
+                [tokenizer(completion_text(c), add_special_tokens=False)["input_ids"] + eos for c in completions],
+                tokenizer.pad_token_id, device)
+
+
+def pack(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], pad_id: int, device: torch.device,
+         loss_masks: Optional[Sequence[Sequence[float]]] = None) -> Sequences:
+    """Token id lists as one batch: each prompt left-padded, each completion right-padded after it.
+    `loss_masks` (one per completion, 1.0 on a token that carries loss) make completion_mask, which is
+    then not the attention mask's completion part (a demonstration's observations are context
+    only); None: every completion token carries loss."""
+    prompt_ids, prompt_mask = left_pad(prompts, pad_id)
+    width = max(len(r) for r in completions)
+    completion_ids = torch.full((len(completions), width), pad_id, dtype=torch.long)
+    real, completion_mask = torch.zeros((len(completions), width)), torch.zeros((len(completions), width))
+    for i, r in enumerate(completions):
+        completion_ids[i, :len(r)] = torch.tensor(r, dtype=torch.long)
+        real[i, :len(r)] = 1.0
+        completion_mask[i, :len(r)] = 1.0 if loss_masks is None else torch.tensor(loss_masks[i])
     return Sequences(torch.cat([prompt_ids, completion_ids], 1).to(device),
-                     torch.cat([prompt_mask, completion_mask.long()], 1).to(device), completion_mask.to(device))
+                     torch.cat([prompt_mask, real.long()], 1).to(device), completion_mask.to(device))
 
 
 def summed_logprobs(logprobs: torch.Tensor, seqs: Sequences) -> torch.Tensor:

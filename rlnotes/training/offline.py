@@ -1,16 +1,19 @@
-"""Fixed (prompt, completion) rows of a run's data as model inputs, for the algorithms that learn
-from a dataset instead of sampling (DPO, SFT, reward models): rlnotes.engine.sequences.encode with
-the model's prompt format, and the likelihood of their completions.
+"""Fixed rows of a run's data as model inputs, for the algorithms that learn from a dataset instead
+of sampling (DPO, SFT, reward models) and the SFT warm-up: (prompt, completion) rows through
+rlnotes.engine.sequences.encode with the model's prompt format, conversations (a `messages`
+column) as the episodes render them (rlnotes.agents.rendering), and the likelihood of what they
+demonstrate.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, List, Optional, Tuple
+from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple
 
 import torch
 
+from rlnotes.agents.rendering import Renderer, conversation_tokens
 from rlnotes.engine.hardware import distributed
-from rlnotes.engine.sequences import Sequences, encode
+from rlnotes.engine.sequences import Sequences, encode, pack
 from rlnotes.notes import aggregate
 from rlnotes.training.batching import batch_totals, micro_batch_weight, micro_batches, pass_tokens, token_budget
 
@@ -27,6 +30,34 @@ def encode_rows(model: Model, rows, key: Optional[str]) -> Sequences:
     fmt = model.prompt_format
     return encode(model.policy.tokenizer, [r["prompt"] for r in rows], completions, model.device,
                   fmt.chat_template, fmt.system_prompt)
+
+
+def demonstration(row, columns: Sequence[str]):
+    """The row's demonstration: the value of the first of `columns` it holds, text (the completion
+    of its prompt) or a conversation (a list of messages)."""
+    return next(row[c] for c in columns if row.get(c) is not None)
+
+
+def encode_demonstrations(model: Model, rows, columns: Sequence[str], schemas: Sequence[dict] = ()) -> Sequences:
+    """The rows' demonstrations (`demonstration`) as one batch: a text one after the row's prompt, in
+    the model's prompt format (encode_rows), a conversation as a multi-turn episode with these tools
+    (JSON `schemas`) renders it, its assistant turns alone carrying loss (conversation_tokens)."""
+    tokenizer, fmt = model.policy.tokenizer, model.prompt_format
+    renderer = Renderer.of(tokenizer, fmt.chat_template, schemas)
+    eos = [tokenizer.eos_token_id]
+    prompts, completions, masks = [], [], []
+    for row in rows:
+        shown = demonstration(row, columns)
+        if isinstance(shown, str):
+            (prompt,) = fmt.encode(tokenizer, [row["prompt"]])
+            ids = tokenizer(shown, add_special_tokens=False)["input_ids"] + eos
+            mask = [1.0] * len(ids)
+        else:
+            prompt, ids, mask = conversation_tokens(renderer, shown, fmt.system_prompt)
+        prompts.append(prompt)
+        completions.append(ids)
+        masks.append(mask)
+    return pack(prompts, completions, tokenizer.pad_token_id, model.device, masks)
 
 
 def nll(policy: Policy, seqs: Sequences, aggregation: str) -> torch.Tensor:
@@ -60,8 +91,7 @@ def encode_pairs(model: Model, rows) -> Sequences:
 
 def _sequence_tokens(policy: Policy, seqs: Sequences, trimmed: bool):
     n = seqs.n_completion
-    return pass_tokens(seqs.input_ids[:, :-n], seqs.attention_mask[:, :-n], seqs.completion_mask,
-                       policy.share_prompts, trimmed)
+    return pass_tokens(seqs.input_ids[:, :-n], seqs.attention_mask[:, :-n], seqs.real, policy.share_prompts, trimmed)
 
 
 def sequence_micro_batches(model: Model, seqs: Sequences) -> List[torch.Tensor]:

@@ -3,8 +3,9 @@
 
 The first `sft_warmup.steps` of trainer.steps each take `sft_warmup.batch_size` train rows (an order
 of their own, so the algorithm's steps then see the data from its start, as a separate run would)
-and minimise the token-mean negative log-likelihood of each row's demonstration (`sft_warmup.column`)
-given its prompt, at `sft_warmup.lr` shaped by optim.schedule over the warm-up's steps (linear: down
+and minimise the token-mean negative log-likelihood of each row's demonstration (`sft_warmup.column`):
+text given its prompt, or a conversation's assistant turns, rendered as the run's episodes render
+them (the tools' descriptions included; rlnotes.agents.rendering), at `sft_warmup.lr` shaped by optim.schedule over the warm-up's steps (linear: down
 to 0 at its end; no optim.warmup_steps). The next step starts the optimizer afresh (Adam's moments of
 the supervised gradients would otherwise scale the first policy-gradient steps), so the algorithm
 trains as a run from the warmed-up weights would. Checkpoints, stops and resumes work as for any
@@ -18,7 +19,7 @@ from typing import Dict
 from rlnotes.data.sampler import PromptSampler
 from rlnotes.engine.hardware import distributed
 from rlnotes.training.context import Context, Run
-from rlnotes.training.offline import encode_rows, nll_backward
+from rlnotes.training.offline import encode_demonstrations, nll_backward
 from rlnotes.training.optimizer import lr_lambda, optimizer_step
 
 
@@ -34,7 +35,9 @@ def warmup_step(ctx: Context) -> Dict[str, float]:
         data.warmup_sampler = PromptSampler(data.sampler.rows, warm.batch_size, cfg.seed + 1)
         for _ in range(run.step):
             data.warmup_sampler.next_batch()
-    seqs = encode_rows(model, distributed.shard(data.warmup_sampler.next_batch()), warm.column)
+    multi_turn = ctx.rollouts.multi_turn
+    schemas = multi_turn.schemas() if multi_turn is not None else ()
+    seqs = encode_demonstrations(model, distributed.shard(data.warmup_sampler.next_batch()), (warm.column,), schemas)
     loss_sum = nll_backward(model, run, seqs, "token-mean")
     lr = warm.lr * lr_lambda(cfg.optim.schedule, 0, warm.steps)(run.step)
     for group in model.optimizer.param_groups:
