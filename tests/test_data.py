@@ -130,6 +130,40 @@ def test_arith_dev_split_is_disjoint_from_test_and_train_and_leaves_the_test_row
     assert prompts(test) == prompts(rng.sample(order, 200))
 
 
+@pytest.mark.parametrize("ops, digits, max_digits", [("+", 3, None), ("+-*", 1, 2)])
+def test_calculator_demos_are_given_to_train_rows_alone_and_call_the_calculator_on_the_question(ops, digits,
+                                                                                                 max_digits):
+    """data.calculator_demos: each train row's `messages` is the question, the call, the tool's message
+    as the calculator gives it for that call (run as an episode runs it), and the number; neither
+    the test nor the dev rows have one, and the rows are otherwise those of the task without it."""
+    from rlnotes.agents.builtin import TOOLS
+    from rlnotes.agents.tools import parse_tool_calls, run_tool_calls
+
+    cfg = dict(name="arith", digits=digits, max_digits=max_digits, ops=ops, train_size=300, seed=3)
+    train, test = arith(data_cfg(**cfg, calculator_demos=True))
+    _, dev = arith(data_cfg(**cfg, calculator_demos=True, eval_split="dev"))
+    plain_train, plain_test = arith(data_cfg(**cfg))
+    assert [{k: v for k, v in r.items() if k != "messages"} for r in train] == plain_train and test == plain_test
+    assert not any("messages" in r for r in test + dev)
+    for row in train:
+        user, call, tool, answer = row["messages"]
+        assert (user, answer) == ({"role": "user", "content": row["prompt"]},
+                                  {"role": "assistant", "content": row["answer"]})
+        parsed = parse_tool_calls(call["content"])
+        assert call["role"] == "assistant" and not parsed.errors
+        a, op, b = ARITH.match(row["prompt"]).groups()
+        assert parsed.calls == [{"name": "calculator", "arguments": {"expression": f"{a}{op}{b}"}}]
+        assert run_tool_calls(parsed.calls, {"calculator": TOOLS["calculator"]}, None) == ([tool], 0)
+
+
+def test_calculator_demos_of_another_task_are_one_line():
+    from rlnotes.commands.usage import UsageError
+    from tests.conftest import compose
+
+    with pytest.raises(UsageError, match="data.calculator_demos=true writes demonstrations of the arith task's "):
+        compose("data=letters", "data.calculator_demos=true")
+
+
 def test_a_small_space_evaluates_dev_on_its_test_rows():
     cfg = dict(name="arith", digits=1, ops="+", train_size=50, eval_size=30)
     assert arith(data_cfg(**cfg, eval_split="dev"))[1] == arith(data_cfg(**cfg))[1]

@@ -67,5 +67,9 @@ class DataConfig:
     ops: str = "+"
     # Text appended to each question (arith and countdown).
     instruction: str = "Answer with just the number."
+    # arith: give each training row a `messages` column, a demonstration of the calculator tool (the
+    # question, the assistant's call, the tool's result, the number) for an SFT warm-up on it
+    # (sft_warmup.column=messages); the held-out rows get none.
+    calculator_demos: bool = False
     # The letters the prompts ask for (letters).
     letters: str = "a"

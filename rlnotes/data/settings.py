@@ -49,6 +49,9 @@ def check_data_config(d, trainer) -> None:
     check_choice("data.overlong", d.overlong, OVERLONG)
     if d.source == "task":
         check_choice("data.name", d.name, TASKS)
+    if d.calculator_demos and (d.source != "task" or d.name != "arith"):
+        raise ConfigError("data.calculator_demos=true writes demonstrations of the arith task's problems; use data=arith "
+                          "or set data.calculator_demos=false (a file can hold its own messages column)")
         if d.train_size < trainer.batch_size:
             raise ConfigError(f"data.train_size={d.train_size} is smaller than trainer.batch_size="
                               f"{trainer.batch_size}; raise data.train_size or lower trainer.batch_size")

@@ -71,17 +71,34 @@ def arith(cfg) -> Split:
     """'What is 23+58? Answer with just the number.' with operands of `cfg.digits` digits, or of
     every size from `cfg.digits` to `cfg.max_digits` in equal shares. Each size holds out its own
     eval rows, the same ones a run with data.digits=<that size> holds out, so a model trained on a
-    mix can be scored on exactly the held-out two-digit problems (eval.data={digits: 2})."""
+    mix can be scored on exactly the held-out two-digit problems (eval.data={digits: 2}). With
+    `cfg.calculator_demos` each train row (never a held-out one) has a `messages` column too:
+    calculator_demo."""
     if cfg.max_digits is None or cfg.max_digits == cfg.digits:
-        return _arith(cfg, cfg.digits, cfg.train_size)
-    if cfg.max_digits < cfg.digits:
+        train, eval_rows = _arith(cfg, cfg.digits, cfg.train_size)
+    elif cfg.max_digits < cfg.digits:
         raise ConfigError(f"data.max_digits={cfg.max_digits} is below data.digits={cfg.digits}; raise it or set "
                           "it to null (one operand size)")
-    sizes = range(cfg.digits, cfg.max_digits + 1)
-    per_size = -(-cfg.train_size // len(sizes))
-    splits = [_arith(cfg, d, per_size) for d in sizes]
-    train = [splits[i % len(sizes)][0][i // len(sizes)] for i in range(cfg.train_size)]
-    return train, [row for _, eval_rows in splits for row in eval_rows]
+    else:
+        sizes = range(cfg.digits, cfg.max_digits + 1)
+        per_size = -(-cfg.train_size // len(sizes))
+        splits = [_arith(cfg, d, per_size) for d in sizes]
+        train = [splits[i % len(sizes)][0][i // len(sizes)] for i in range(cfg.train_size)]
+        eval_rows = [row for _, rows in splits for row in rows]
+    if cfg.calculator_demos:
+        train = [{**row, "messages": calculator_demo(row)} for row in train]
+    return train, eval_rows
+
+
+def calculator_demo(row: Row) -> List[Dict[str, str]]:
+    """The conversation that answers an arith row with the built-in calculator tool: the question,
+    the assistant's call in the form the calculator experiment's system prompt shows, the tool's
+    result (the calculator's text for it: the answer), then the number alone."""
+    expression = row["prompt"].removeprefix("What is ").split("?")[0]
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "%s"}}</tool_call>' % expression
+    return [{"role": "user", "content": row["prompt"]}, {"role": "assistant", "content": call},
+            {"role": "tool", "name": "calculator", "content": row["answer"]},
+            {"role": "assistant", "content": row["answer"]}]
 
 
 def _arith(cfg, digits: int, train_size: int) -> Split:
