@@ -192,9 +192,7 @@ def writes(c: Command) -> List[str]:
 
 
 # Where a script documented with `python scripts/X.py ...` writes, from its arguments.
-SCRIPT_OUTPUTS: Dict[str, Callable[[Sequence[str]], List[str]]] = {
-    "scripts/calculator_sft_data.py": lambda args: _positionals(args)[:1],
-}
+SCRIPT_OUTPUTS: Dict[str, Callable[[Sequence[str]], List[str]]] = {}
 
 
 def _reads(c: Command) -> List[str]:
@@ -828,7 +826,6 @@ def _bench_trl():
 
 # What a documented script command gets appended in the test, to run in seconds.
 SCRIPT_SHRINK: Dict[str, Tuple[str, ...]] = {
-    "scripts/calculator_sft_data.py": ("data.train_size=16",),  # 16 demonstrations, not 1000
     # the tiny model for SmolLM2 (minutes); tests/test_sampling_check.py runs it on SmolLM2, slow-marked
     "scripts/sampling_check.py": ("--model", "tiny", "--samples", "256", "--draws", "20000", "--threads", "1"),
 }
@@ -934,11 +931,12 @@ def test_blocks_are_read_as_a_reader_would():
     assert [c.kind for c in block_commands(bs[3])] == ["python"]
 
 
-def test_commands_that_read_what_another_writes_run_together():
+def test_commands_that_read_what_another_writes_run_together(monkeypatch):
     def cmd(text):
         return Command("X.md", 1, text, tuple(shlex.split(text)))
 
-    block = [cmd("python scripts/calculator_sft_data.py calc.jsonl"),
+    monkeypatch.setitem(SCRIPT_OUTPUTS, "scripts/write_rows.py", lambda args: _positionals(args)[:1])
+    block = [cmd("python scripts/write_rows.py calc.jsonl"),
              cmd("rlnotes train data.path=calc.jsonl hydra.run.dir=runs/a"),
              cmd("rlnotes train algo=rm"),
              cmd("rlnotes export runs/a/final runs/m"),

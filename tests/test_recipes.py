@@ -20,3 +20,30 @@ def test_the_smollm2_arith_recipe_still_learns_in_a_short_run(tmp_path):
     accuracy = [r["eval/accuracy"] for r in rows if "eval/accuracy" in r]
     assert accuracy[0] < 0.3 and accuracy[-1] >= 0.6, accuracy
     assert all("reward/mean" in r for r in rows if 25 < r["step"] <= 30)  # the GRPO steps ran
+
+
+def test_the_calculator_recipe_is_one_command_warmup_then_episodes_then_the_held_out_score(tmp_path):
+    """experiment=smollm2_calculator on the tiny model (its positions raised for the ~1,200 characters of
+    the tools' descriptions): the warm-up's steps learn the messages column, GRPO's run episodes with
+    the calculator, and one evaluation after the last step writes eval/accuracy to metrics.jsonl and
+    eval.jsonl (none before the first step)."""
+    from tests.test_multiturn import roomy_tiny_model
+
+    model = roomy_tiny_model(tmp_path / "model")
+    cfg = compose("experiment=smollm2_calculator", "model=tiny", f"model.name_or_path={model}", "sft_warmup.steps=2",
+                  "sft_warmup.batch_size=2", "trainer.steps=3", "trainer.eval_every=3", "trainer.batch_size=2",
+                  "eval.size=4", "rollout.max_new_tokens=8", "logging.progress=false")
+    assert cfg.data.calculator_demos and cfg.sft_warmup.column == "messages" and cfg.eval.size == 4
+    train(cfg, tmp_path / "run", Console(quiet=True))
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all("sft_warmup/loss" in r and "reward/mean" not in r for r in rows[:2])
+    assert "tools/calls" in rows[2] and "eval/accuracy" in rows[2] and not any("eval/accuracy" in r for r in rows[:2])
+    evaluation = [json.loads(line) for line in (tmp_path / "run" / "eval.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in evaluation] == [3] and evaluation[0]["eval/accuracy"] == rows[2]["eval/accuracy"]
+
+
+def test_the_calculator_recipe_scores_the_200_held_out_problems():
+    cfg = compose("experiment=smollm2_calculator")
+    assert cfg.eval.size is None and cfg.data.eval_size is None and cfg.eval.greedy  # the task's 200 test rows
+    assert cfg.trainer.eval_every == cfg.trainer.steps and not cfg.trainer.eval_at_start

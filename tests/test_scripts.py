@@ -141,39 +141,6 @@ def test_arith_vs_trl_two_steps_of_each_tool(tmp_path):
     assert "| final accuracy |" in done.stdout
 
 
-# --------------------------------------------------------------------------------------------- calculator_sft_data.py
-
-
-def test_calculator_demonstrations_are_training_problems_in_the_rollouts_form(tmp_path):
-    from rlnotes.commands.check import check
-    from rlnotes.data.tasks import arith
-
-    calc = _script("calculator_sft_data")
-    out = tmp_path / "calc.jsonl"
-    assert calc.main([str(out), "data.train_size=8"]) == 0
-    rows = [json.loads(line) for line in out.read_text().splitlines()]
-    cfg = check(["experiment=smollm2_calculator"], False, None)[0]
-    _, held_out = arith(cfg.data)
-    assert len(rows) == 8 and not {r["prompt"][1]["content"] for r in rows} & {r["prompt"] for r in held_out}
-    for i, row in enumerate(rows):
-        system, user = row["prompt"][:2]
-        assert system["content"].startswith(cfg.data.system_prompt) and "<tools>" in system["content"]
-        assert user["content"].startswith("What is ") and len(user["content"].split("+")[0]) == len("What is 123")
-        if i % 2 == 0:
-            assert row["completion"].startswith('<tool_call>{"name": "calculator"') and len(row["prompt"]) == 2
-        else:
-            assert [m["role"] for m in row["prompt"][2:]] == ["assistant", "tool"]
-            a, b = user["content"].removeprefix("What is ").split("?")[0].split("+")
-            assert row["completion"] == row["prompt"][3]["content"] == str(int(a) + int(b))
-
-
-def test_calculator_demonstrations_refuse_a_wrong_setting_in_one_line(tmp_path, capsys):
-    calc = _script("calculator_sft_data")
-    assert calc.main([str(tmp_path / "calc.jsonl"), "data.trainsize=8"]) == 2
-    assert "did you mean data.train_size?" in capsys.readouterr().err
-    assert calc.main([]) == 2 and not (tmp_path / "calc.jsonl").exists()
-
-
 # --------------------------------------------------------------------------------------------- smollm2_arith_report.py
 
 

@@ -156,8 +156,12 @@ class TrainerConfig:
     # Steps per metrics row. Each row averages nothing: it is that step.
     log_every: int = 1
     # Steps between evaluations; null = never. Each evaluates the policy on the task's eval split
-    # (see `eval`), also before the first step and after the last; logged as eval/* in metrics.jsonl.
+    # (see `eval`), also before the first step (see eval_at_start) and after the last; logged as
+    # eval/* in metrics.jsonl.
     eval_every: Optional[int] = None
+    # Whether a run that evaluates (eval_every) also evaluates before its first step, the starting
+    # point of its eval curves; false saves that evaluation's time.
+    eval_at_start: bool = True
     # Steps between checkpoints; null or 0 = only at the end of the run and when it is stopped
     # (Ctrl-C, SIGTERM). A checkpoint is RUN_DIR/checkpoints/step_NNNNNN: weights, optimizer, RNG,
     # data position. A LoRA checkpoint of the 135M model is a few MB and takes well under a second.

@@ -77,7 +77,7 @@ def _train(cfg, algo: Algorithm, run_dir: Path, console: Console) -> Dict[str, f
     last: Dict[str, float] = {}
     with stop:
         try:
-            if run.step == 0 and cfg.trainer.eval_every:
+            if run.step == 0 and cfg.trainer.eval_every and cfg.trainer.eval_at_start:
                 log.logger.log(0, held_out(ctx, algo))  # the starting point of every eval curve
             while run.step < cfg.trainer.steps:
                 run.timers = {}
