@@ -4,7 +4,7 @@ micro-batches, for every aggregation mode (rlnotes.notes.AGGREGATIONS)."""
 import pytest
 import torch
 
-from rlnotes.engine.rollout import Rollout
+from rlnotes.engine.rollout import Rollout, left_pad
 from rlnotes.notes import AGGREGATIONS, aggregate
 from rlnotes.training.batching import (
     activation_bytes,
@@ -131,3 +131,60 @@ def test_the_budget_is_micro_batch_tokens_else_micro_batch_memory_over_the_activ
     assert token_budget(trainer(500, 1.0), model, grad=False) == 3 * 500
     assert token_budget(trainer(None, None), model, grad=False) is None
     assert activation_bytes(model.to(torch.bfloat16)) == per_token // 2
+
+
+def calculator_batch(groups=4, group=4, prefix=318, own=20, completion=40):
+    """A batch shaped like the calculator recipe's: prompts of a 318-token system prompt and tools
+    block and a question of their own, G episodes each."""
+    g = torch.Generator().manual_seed(0)
+    shared = torch.randint(3, 50, (prefix,), generator=g).tolist()
+    prompts = [shared + torch.randint(3, 50, (own,), generator=g).tolist() for _ in range(groups)]
+    prompt_ids, prompt_mask = left_pad([p for p in prompts for _ in range(group)], 0)
+    real = (torch.arange(completion) < torch.randint(5, completion + 1, (groups * group,), generator=g)[:, None])
+    real[0] = True
+    return prompt_ids, prompt_mask, real.float()
+
+
+def test_pass_tokens_count_a_prefix_the_prompts_share_once():
+    prompt_ids, prompt_mask, real = calculator_batch()
+    tokens = pass_tokens(prompt_ids, prompt_mask, real, share_prompts=True)
+    assert tokens(torch.arange(16)) == 318 + 4 * 20 + 16 * 40   # the prefix once, each question, the episodes
+    assert tokens(torch.arange(4)) == 4 * 338 // 4 + 4 * 40     # one prompt: nothing to share
+    assert pass_tokens(prompt_ids, prompt_mask, real, True, prefix=False)(torch.arange(16)) == 4 * 338 + 16 * 40
+    # an SFT batch: every row its own prompt, behind the same prefix
+    own = pass_tokens(prompt_ids[::4], prompt_mask[::4], real[::4], share_prompts=True)
+    assert own(torch.arange(4)) == 318 + 4 * 20 + 4 * int(real[::4].sum(-1).max())
+
+
+def test_a_calculator_batch_under_one_gib_takes_two_passes_where_each_group_took_one():
+    """SmolLM2's 1 GiB budget is 776 tokens: a pass of a group alone was 338 + 4 x 40 tokens, so the
+    batch took 4 passes forwarding its 318-token prefix each time; with the prefix counted once, 8
+    episodes (two questions) fit a pass: 318 + 2 x 20 + 8 x 40 = 678."""
+    prompt_ids, prompt_mask, real = calculator_batch()
+    tokens = pass_tokens(prompt_ids, prompt_mask, real, share_prompts=True)
+    assert [c.tolist() for c in micro_batches(16, None, 776, tokens)] == [list(range(8)), list(range(8, 16))]
+
+
+def test_pass_tokens_are_the_tokens_the_passes_forward(monkeypatch):
+    """Counted against the tiny model's embedding calls: the prefix pass, the questions and the episodes,
+    or one group's prompt and its episodes (each episode's last token is only a target: not forwarded)."""
+    from omegaconf import OmegaConf
+
+    from rlnotes.core.schema import ModelConfig
+    from rlnotes.engine.policy.passes import sequence_logprobs
+    from rlnotes.engine.policy.policy import Policy
+
+    model = Policy.from_config(OmegaConf.structured(ModelConfig(name_or_path="tiny")), torch.device("cpu")).model
+    prompt_ids, prompt_mask, real = calculator_batch(groups=3, prefix=150)
+    ids, attn = torch.cat([prompt_ids, (real * 7).long()], 1), torch.cat([prompt_mask, real.long()], 1)
+    seen = []
+    hook = model.get_input_embeddings().register_forward_hook(lambda m, args, out: seen.append(args[0].numel()))
+    tokens = pass_tokens(prompt_ids, prompt_mask, real, share_prompts=True, trimmed=False)
+    try:
+        for idx in (torch.arange(12), torch.arange(3, 9), torch.tensor([0, 5, 10]), torch.tensor([4, 5])):
+            seen.clear()
+            with torch.no_grad():
+                sequence_logprobs(model, ids[idx], attn[idx], real.shape[1])
+            assert tokens(idx) == sum(seen) + len(idx), idx
+    finally:
+        hook.remove()

@@ -201,3 +201,13 @@ def test_gpu_check_parses_and_its_runs_compose_on_a_gpu(tmp_path, monkeypatch):
     assert len(calls) == 6 and all(c[0] == "train" for c in calls), calls  # 3 on one GPU, ddp, 2 vllm
     for call in calls:
         composed(call[1:], " ".join(call), monkeypatch, "scripts/gpu_check.sh")
+
+
+# --------------------------------------------------------------------------------------------- calculator_passes.py
+
+
+def test_calculator_passes_times_the_three_ways_on_the_tiny_model(capsys):
+    passes = _script("calculator_passes")
+    passes.main(["--rounds", "1", "--threads", "1", "model=tiny", "trainer.micro_batch_tokens=2000"])
+    out = capsys.readouterr().out
+    assert "| grpo | " in out and "| warm-up | " in out and "prefix once" in out and "load average" in out

@@ -359,3 +359,49 @@ def test_under_fsdp_every_rank_runs_the_same_passes(monkeypatch, any_prefix, oth
     n = mask.shape[1]
     assert equivalent_passes(model, ids, attn, mask) == \
         ([(3, ids.shape[1] - n), (9, n - 1)] if other_rank == "same" else [tuple(ids.shape)])
+
+
+def test_episodes_forward_their_groups_prompt_once_with_the_plain_passs_log_probs_and_gradients():
+    """Multi-turn episodes (the letters environment: a turn, the environment's reply, a turn) share
+    their group's prompt though the tokens after it differ per episode (model turns and observations
+    alike): one pass of the 2 prompts, one of the 8 episodes against their cache, and the log-probs
+    and gradients of every row forwarded whole."""
+    from rlnotes.agents.multi_turn import MultiTurn
+    from rlnotes.core.schema import RolloutConfig
+    from rlnotes.engine.prompts import PromptFormat
+    from rlnotes.engine.sampling.settings import SamplingSettings
+
+    model = tiny_policy()
+    tok = Policy.from_config(OmegaConf.structured(ModelConfig(name_or_path="tiny")), torch.device("cpu")).tokenizer
+    with torch.no_grad():  # turns that end (EOS's logit scaled up), so that an observation follows them
+        model.base_model.model.lm_head.weight[tok.eos_token_id] *= 20
+    multi = MultiTurn.of(OmegaConf.merge(OmegaConf.structured(RolloutConfig), {"env": "letters", "max_turns": 2}))
+    rows = [{"prompt": "Write the letter a:", "letter": "a"}, {"prompt": "Write the letter b!", "letter": "b"}]
+    with torch.no_grad():
+        _, r = multi.run_episodes(model, tok, rows, 4, SamplingSettings(6), PromptFormat(chat_template=False),
+                                  torch.Generator().manual_seed(1))
+    assert (r.completion_attn.bool() & ~r.completion_mask.bool()).any()  # observations between turns
+    model.train()
+    n = r.completion_ids.shape[1]
+    weights = torch.randn(r.completion_mask.shape, generator=torch.Generator().manual_seed(1)) * r.completion_mask
+    expected, _ = plain_logprobs(model, r.input_ids, r.attention_mask, n)
+    expected_grads = grads(model, (expected * weights).sum())
+    seen = []
+    hook = model.get_input_embeddings().register_forward_hook(lambda m, args, out: seen.append(args[0].shape))
+    try:
+        logp = sequence_logprobs(model, r.input_ids, r.attention_mask, n)
+    finally:
+        hook.remove()
+    assert seen == [(2, r.prompt_ids.shape[1]), (8, n - 1)]
+    torch.testing.assert_close(logp, expected, atol=1e-5, rtol=1e-5)
+    assert_grads_close(grads(model, (logp * weights).sum()), expected_grads)
+
+
+def test_rows_with_prompts_of_their_own_forward_the_prefix_they_share_once(any_prefix):
+    """An SFT batch (a demonstration per prompt) behind one long system prompt: the prefix once, each
+    prompt's own tokens, the completions; the plain pass's log-probs and gradients."""
+    model = tiny_policy()
+    model.train()
+    ids, attn, mask = group_batch(model.config.vocab_size, group=1, prefix=40)
+    n = mask.shape[1]
+    assert equivalent_passes(model, ids, attn, mask) == [(1, 40), (3, 11), (3, n - 1)]

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Callable, List, Optional
 import torch
 
 from rlnotes.engine.hardware import distributed
-from rlnotes.engine.policy.passes import prompt_groups
+from rlnotes.engine.hardware.fsdp import is_sharded
+from rlnotes.engine.policy.passes import prefix_to_share, prompt_groups
 from rlnotes.engine.rollout import Rollout
 from rlnotes.notes import aggregation_divisor
 
@@ -46,25 +47,44 @@ def micro_batches(n: int, size: int | None, budget: Optional[int] = None,
 
 
 def pass_tokens(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, real: torch.Tensor, share_prompts: bool,
-                trimmed: bool = True) -> Callable[[torch.Tensor], int]:
+                trimmed: bool = True, prefix: bool = True) -> Callable[[torch.Tensor], int]:
     """The tokens a forward pass over rows `idx` of [left-padded prompt [N, P] | completion] forwards,
-    padding included: its distinct prompts once each when rows share their prompt's pass
-    (trainer.shared_prompt: the groups of passes.prompt_groups) else every row's, plus each row's
-    completion as wide as the chunk's longest (`trimmed`: Rollout.select cuts the width to it) or all
-    of `real`'s [N, T] width."""
+    padding included, as passes.completion_states makes it: with trainer.shared_prompt, the chunk's
+    distinct prompts once each (the groups of passes.prompt_groups) and, where `prefix` (no FSDP)
+    and a prefix they share is worth a pass of its own (passes.prefix_to_share), that prefix once
+    and each prompt's remainder; else every row's prompt; plus each row's completion as wide as the
+    chunk's longest (`trimmed`: Rollout.select cuts the width to it) or all of `real`'s [N, T] width."""
     width = prompt_ids.shape[1]
 
     @functools.cache
-    def counted():  # the groups and completion lengths, found on the first count only
-        return prompt_groups(prompt_ids, prompt_mask) if share_prompts and width else None, real.sum(-1).long()
+    def counted():  # the groups, prompt and completion lengths, found on the first count only
+        groups = prompt_groups(prompt_ids, prompt_mask) if share_prompts and width else None
+        return groups, prompt_mask.sum(-1).long(), real.sum(-1).long()
 
     def tokens(idx: torch.Tensor) -> int:
-        groups, lengths = counted()
-        prompts = len(idx) if groups is None else len(groups[1][idx].unique())
+        groups, prompt_lengths, lengths = counted()
         completion = int(lengths[idx].max()) if trimmed else real.shape[1]
-        return prompts * width + len(idx) * completion
+        if not share_prompts or not width:
+            return len(idx) * (width + completion)
+        firsts = idx if groups is None else idx[_first_of_each(groups[1][idx])]
+        common = prefix_to_share(prompt_ids[firsts], prompt_mask[firsts]) if prefix else 0
+        if common:
+            prompts = common + len(firsts) * (int(prompt_lengths[firsts].max()) - common)
+        else:
+            prompts = (len(idx) if groups is None else len(firsts)) * width
+        return prompts + len(idx) * completion
 
     return tokens
+
+
+def _first_of_each(numbers: torch.Tensor) -> torch.Tensor:
+    """The positions of the first occurrence of each distinct value of `numbers` (in order)."""
+    seen, first = set(), []
+    for i, n in enumerate(numbers.tolist()):
+        if n not in seen:
+            seen.add(n)
+            first.append(i)
+    return torch.tensor(first, dtype=torch.long)
 
 
 def activation_bytes(model) -> int:
@@ -97,7 +117,8 @@ def rollout_micro_batches(model: Model, rollout: Rollout, rows: Optional[torch.T
     budget = None if trainer.micro_batch_size else token_budget(trainer, policy.model, grad)
     if budget is None:  # no token counts needed
         return micro_batches(n, trainer.micro_batch_size)
-    tokens = pass_tokens(rollout.prompt_ids, rollout.prompt_mask, rollout.real, policy.share_prompts)
+    tokens = pass_tokens(rollout.prompt_ids, rollout.prompt_mask, rollout.real, policy.share_prompts,
+                         prefix=not is_sharded(policy.model))
     return micro_batches(n, None, budget, tokens if rows is None else lambda part: tokens(rows[part]),
                          most=n * (rollout.prompt_ids.shape[1] + rollout.real.shape[1]))
 

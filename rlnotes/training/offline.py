@@ -13,6 +13,7 @@ import torch
 
 from rlnotes.agents.rendering import Renderer, conversation_tokens
 from rlnotes.engine.hardware import distributed
+from rlnotes.engine.hardware.fsdp import is_sharded
 from rlnotes.engine.sequences import Sequences, encode, pack
 from rlnotes.notes import aggregate
 from rlnotes.training.batching import batch_totals, micro_batch_weight, micro_batches, pass_tokens, token_budget
@@ -91,7 +92,8 @@ def encode_pairs(model: Model, rows) -> Sequences:
 
 def _sequence_tokens(policy: Policy, seqs: Sequences, trimmed: bool):
     n = seqs.n_completion
-    return pass_tokens(seqs.input_ids[:, :-n], seqs.attention_mask[:, :-n], seqs.real, policy.share_prompts, trimmed)
+    return pass_tokens(seqs.input_ids[:, :-n], seqs.attention_mask[:, :-n], seqs.real, policy.share_prompts, trimmed,
+                       prefix=not is_sharded(policy.model))
 
 
 def sequence_micro_batches(model: Model, seqs: Sequences) -> List[torch.Tensor]:

@@ -52,6 +52,15 @@ def prompt_groups(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> Option
     return first[order], number[inverse]
 
 
+def own_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """Rows whose prompts are all their own but share a prefix worth a pass of its own
+    (prefix_to_share): prompt_groups' answer with every row its own group, else None (one plain pass)."""
+    if not prefix_to_share(prompt_ids, prompt_mask):
+        return None
+    rows = torch.arange(len(prompt_ids), device=prompt_ids.device)
+    return rows, rows
+
+
 def _last_hidden(out) -> torch.Tensor:
     return out.hidden_states[-1]  # after the final norm: the LM head's input
 
@@ -61,9 +70,11 @@ def completion_states(model, input_ids: torch.Tensor, attention_mask: torch.Tens
     """The last layer's hidden states [B, n, d] at the positions that predict the last n tokens of
     each [left-padded prompt | completion] row (positions P-1 .. P+n-2), after the final norm.
 
-    share_prompts: rows with the same prompt (a GRPO group) share one forward pass of it: the
-    prompt rows once, with a KV cache, then the completions against the cache copied to their
-    rows, G(P+n) -> P+Gn tokens (and a prefix the distinct prompts share goes once: prompt_pass).
+    share_prompts: rows with the same prompt (a GRPO group, a multi-turn episode's G episodes, whose
+    tokens after the prompt differ) share one forward pass of it: the prompt rows once, with a KV
+    cache, then the completions against the cache copied to their rows, G(P+n) -> P+Gn tokens; a
+    prefix the distinct prompts share goes once (prompt_pass), also when every row has a prompt of
+    its own (an SFT batch behind one system prompt and tools block: `own_prompts`).
     Gradients flow through the cache into the prompt pass. The positions are those the whole row
     would have, so every output equals the one-pass forward's. Under FSDP every rank runs the same
     passes (its gathers go in lock step): the plain one wherever the ranks' batches would differ.
@@ -73,13 +84,15 @@ def completion_states(model, input_ids: torch.Tensor, attention_mask: torch.Tens
     width = input_ids.shape[1] - n_completion
     positions = position_ids(attention_mask)
     groups = prompt_groups(input_ids[:, :width], attention_mask[:, :width]) if share_prompts and width else None
+    sharded = is_sharded(model)
+    # No prefix pass under FSDP: its last layer's output goes unused, and FSDP gathers a layer's weights
+    # for the backward pass only through its outputs (its keys and values would find them freed).
+    if groups is None and share_prompts and width and not sharded:
+        groups = own_prompts(input_ids[:, :width], attention_mask[:, :width])
     none = input_ids.new_empty(0)  # logits_to_keep: none, the head runs in head_logprobs
     cache = DynamicCache(config=model.config) if groups is not None else None
     if cache is not None and not plain_layers(cache):
         groups = None
-    sharded = is_sharded(model)
-    # No prefix pass under FSDP: its last layer's output goes unused, and FSDP gathers a layer's weights
-    # for the backward pass only through its outputs (its keys and values would find them freed).
     common = prefix_to_share(input_ids[groups[0], :width], attention_mask[groups[0], :width]) \
         if groups and not sharded else 0
     if sharded and len(set(distributed.gather((groups is not None, n_completion > 1)))) > 1:
