@@ -22,6 +22,20 @@ def test_the_smollm2_arith_recipe_still_learns_in_a_short_run(tmp_path):
     assert all("reward/mean" in r for r in rows if 25 < r["step"] <= 30)  # the GRPO steps ran
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_the_smollm2_calculator_recipe_still_learns_in_a_short_run(tmp_path):
+    """experiment=smollm2_calculator cut short (4 warm-up steps, 1 of GRPO), scored greedily on the
+    first 50 dev problems: the base model never calls the calculator (0%); after this the held-out
+    episodes call it and most answers are right."""
+    train(compose("experiment=smollm2_calculator", "sft_warmup.steps=4", "trainer.steps=5", "trainer.eval_every=5",
+                  "data.eval_split=dev", "eval.size=50", "logging.progress=false"), tmp_path, Console(quiet=True))
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["sft_warmup/loss"] > 3 * rows[3]["sft_warmup/loss"], rows
+    last = rows[-1]
+    assert last["step"] == 5 and last["tools/calls"] > 0.5 and last["eval/accuracy"] >= 0.8, last
+
+
 def test_the_calculator_recipe_is_one_command_warmup_then_episodes_then_the_held_out_score(tmp_path):
     """experiment=smollm2_calculator on the tiny model (its positions raised for the ~1,200 characters of
     the tools' descriptions): the warm-up's steps learn the messages column, GRPO's run episodes with
@@ -41,6 +55,10 @@ def test_the_calculator_recipe_is_one_command_warmup_then_episodes_then_the_held
     assert "tools/calls" in rows[2] and "eval/accuracy" in rows[2] and not any("eval/accuracy" in r for r in rows[:2])
     evaluation = [json.loads(line) for line in (tmp_path / "run" / "eval.jsonl").read_text().splitlines()]
     assert [e["step"] for e in evaluation] == [3] and evaluation[0]["eval/accuracy"] == rows[2]["eval/accuracy"]
+    from rlnotes.commands.plot import plot
+
+    drawn = {p.stem for p in plot([tmp_path / "run"], out=tmp_path / "plots").figures}
+    assert {"warmup_loss", "reward", "tool_calls", "eval_accuracy"} <= drawn  # rlnotes plot of the run
 
 
 def test_the_calculator_recipe_scores_the_200_held_out_problems():

@@ -55,6 +55,8 @@ FIGURES: Tuple[Tuple[str, str, Tuple[str, ...]], ...] = (
     ("dpo_margin", "DPO margin", ("dpo/margin", "eval/dpo_margin")),
     ("dpo_accuracy", "DPO accuracy", ("dpo/accuracy", "eval/dpo_accuracy")),
     ("rm_accuracy", "reward-model accuracy", ("rm/accuracy", "eval/rm_accuracy")),
+    ("warmup_loss", "SFT warm-up loss", ("sft_warmup/loss",)),
+    ("tool_calls", "tool calls per episode", ("tools/calls",)),
 )
 STYLES = ("-", "--")
 
