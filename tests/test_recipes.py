@@ -23,7 +23,7 @@ def test_the_smollm2_arith_recipe_still_learns_in_a_short_run(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1500)
+@pytest.mark.timeout(1500)  # 2.6 minutes on a loaded 2-core box (warm-up loss 0.92 -> 0.11, accuracy 0.92)
 def test_the_smollm2_calculator_recipe_still_learns_in_a_short_run(tmp_path):
     """experiment=smollm2_calculator cut short (4 warm-up steps, 1 of GRPO), scored greedily on the
     first 50 dev problems: the base model never calls the calculator (0%); after this the held-out
