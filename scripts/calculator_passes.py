@@ -59,10 +59,10 @@ def recipe(overrides):
     policy = Policy.from_config(cfg.model, torch.device("cpu"))
     model = SimpleNamespace(policy=policy, batching=Batching.of(cfg.trainer), prompt_format=prompt_format(cfg),
                             device=torch.device("cpu"))
-    return cfg, model, load_task(cfg.data)[0], MultiTurn.of(cfg.rollout).schemas()
+    return cfg, model, load_task(cfg.data)[0], MultiTurn.of(cfg.rollout)
 
 
-def episodes(model, rows, schemas, group: int):
+def episodes(model, rows, multi_turn, group: int):
     """A Rollout of `group` episodes per row: the demonstrations' tokens in the episodes' layout."""
     import torch
 
@@ -71,7 +71,7 @@ def episodes(model, rows, schemas, group: int):
     from rlnotes.engine.sequences import pack
 
     tok, fmt = model.policy.tokenizer, model.prompt_format
-    renderer = Renderer.of(tok, fmt.chat_template, schemas)
+    renderer = Renderer.of(tok, fmt.chat_template, multi_turn.schemas())
     parts = [conversation_tokens(renderer, r["messages"], fmt.system_prompt) for r in rows for _ in range(group)]
     seqs = pack([p for p, _, _ in parts], [ids for _, ids, _ in parts], tok.pad_token_id, torch.device("cpu"),
                 [m for _, _, m in parts])
@@ -96,12 +96,12 @@ def grpo_pass(model, rollout) -> tuple[float, list]:
     return time.perf_counter() - start, [len(c) for c in chunks]
 
 
-def warmup_pass(model, rows, schemas) -> tuple[float, list]:
+def warmup_pass(model, rows, multi_turn) -> tuple[float, list]:
     """Forward and backward of the warm-up's NLL over its micro-batches (as training.warmup's step)."""
     from rlnotes.notes import aggregate
     from rlnotes.training.offline import encode_demonstrations, sequence_micro_batches
 
-    seqs = encode_demonstrations(model, rows, ("messages",), schemas)
+    seqs = encode_demonstrations(model, rows, ("messages",), multi_turn)
     chunks = sequence_micro_batches(model, seqs)
     start = time.perf_counter()
     for idx in chunks:
@@ -129,9 +129,9 @@ def main(argv=None) -> None:
 
     torch.set_num_threads(args.threads)
     print(f"CPU: {cpu_name()}, {args.threads} threads; load average {load()} (1, 5, 15 min) at the start")
-    cfg, model, rows, schemas = recipe(args.overrides)
+    cfg, model, rows, multi_turn = recipe(args.overrides)
     model.policy.train()
-    rollout = episodes(model, rows[:cfg.trainer.batch_size], schemas, cfg.algo.group_size)
+    rollout = episodes(model, rows[:cfg.trainer.batch_size], multi_turn, cfg.algo.group_size)
     demos = rows[:cfg.sft_warmup.batch_size]
     print(f"GRPO batch: {len(rollout)} episodes, prompts {int(rollout.prompt_mask.sum(-1).max())} tokens, episodes "
           f"{int(rollout.real.sum(-1).max())} tokens after them; warm-up batch: {len(demos)} demonstrations")
@@ -145,7 +145,7 @@ def main(argv=None) -> None:
             for mode in MODES:
                 set_mode(model, mode, saving)
                 for kind, run in (("grpo", lambda: grpo_pass(model, rollout)),
-                                  ("warm-up", lambda: warmup_pass(model, demos, schemas))):
+                                  ("warm-up", lambda: warmup_pass(model, demos, multi_turn))):
                     model.policy.model.zero_grad(set_to_none=True)
                     seconds, cuts[kind, mode] = run()
                     if round_:

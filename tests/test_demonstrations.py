@@ -146,3 +146,29 @@ def test_a_warmup_conversation_that_cannot_be_learnt_is_one_line_naming_the_row(
         assert says in str(e.value) and "\n" not in str(e.value)
     finally:
         tasks.TASKS["arith"] = real
+
+
+def test_with_several_environments_a_demonstration_describes_the_tools_of_the_one_its_row_chose():
+    """rollout.env as a mapping: a warm-up row in the counter environment starts from the prompt an
+    episode of that row starts from (its `increment` tool described), a row in the other from its own."""
+    from types import SimpleNamespace
+
+    from rlnotes.engine.prompts import PromptFormat
+    from rlnotes.training.offline import encode_demonstrations
+
+    tok = templated_tokenizer()
+    mt = multi_turn(env={"counter": "tests.trl_environments:IncrementEnv", "letters": "letters"}, max_turns=2)
+    said = [{"role": "assistant", "content": '<tool_call>{"name": "increment", "arguments": {"step": 3}}</tool_call>'},
+            {"role": "tool", "name": "increment", "content": "3"}, {"role": "assistant", "content": "Done."}]
+    rows = [{"prompt": "Count to 3.", "target": 3, "environment": "counter",
+             "messages": [{"role": "user", "content": "Count to 3."}, *said]},
+            {"prompt": "Write a:", "letter": "a", "environment": "letters",
+             "messages": [{"role": "user", "content": "Write a:"}, {"role": "assistant", "content": "a"}]}]
+    model = SimpleNamespace(policy=SimpleNamespace(tokenizer=tok), prompt_format=PromptFormat(), device=torch.device("cpu"))
+    seqs = encode_demonstrations(model, rows, ("messages",), mt)
+    n = seqs.n_completion
+    prompts = [ids[mask.bool()].tolist() for ids, mask in zip(seqs.input_ids[:, :-n], seqs.attention_mask[:, :-n])]
+    assert prompts == Conversations(mt, tok, rows, 1).prompt_ids()[0]
+    assert "increment" in tok.decode(prompts[0]) and "increment" not in tok.decode(prompts[1])
+    with pytest.raises(ConfigError, match="row 1 of the demonstrations: no environment named"):
+        encode_demonstrations(model, [{**rows[0], "environment": None}], ("messages",), mt)

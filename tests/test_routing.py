@@ -209,7 +209,8 @@ def test_where_the_template_renders_tools_each_episode_gets_its_own():
     mt = multi_turn(env={"counter": "tests.trl_environments:IncrementEnv", "letters": "letters"}, max_turns=2)
     conv = Conversations(mt, tok, [{**COUNTER, "prompt": "Count."}, {"prompt": "Write a:", "letter": "a",
                                                                      "environment": "letters"}], 2)
-    assert [t and [s["function"]["name"] for s in t] for t in conv.template_tools] == [["increment"]] * 2 + [None] * 2
+    assert [r.template_tools and [s["function"]["name"] for s in r.schemas] for r in conv.renderers] == \
+        [["increment"]] * 2 + [False] * 2
     prompts = conv.prompts()
     assert prompts[0][0]["role"] == "tools" and '"increment"' in prompts[0][0]["content"]
     assert prompts[2] == [{"role": "user", "content": "Write a:"}]

@@ -7,7 +7,7 @@ demonstrate.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -19,6 +19,7 @@ from rlnotes.notes import aggregate
 from rlnotes.training.batching import batch_totals, micro_batch_weight, micro_batches, pass_tokens, token_budget
 
 if TYPE_CHECKING:
+    from rlnotes.agents.multi_turn import MultiTurn
     from rlnotes.engine.policy.policy import Policy
     from rlnotes.training.context import Model, Run
 
@@ -39,22 +40,27 @@ def demonstration(row, columns: Sequence[str]):
     return next(row[c] for c in columns if row.get(c) is not None)
 
 
-def encode_demonstrations(model: Model, rows, columns: Sequence[str], schemas: Sequence[dict] = ()) -> Sequences:
+def encode_demonstrations(model: Model, rows, columns: Sequence[str],
+                          multi_turn: Optional[MultiTurn] = None) -> Sequences:
     """The rows' demonstrations (`demonstration`) as one batch: a text one after the row's prompt, in
-    the model's prompt format (encode_rows), a conversation as a multi-turn episode with these tools
-    (JSON `schemas`) renders it, its assistant turns alone carrying loss (conversation_tokens)."""
+    the model's prompt format (encode_rows), a conversation as an episode of the run's `multi_turn`
+    side renders it (the tools of the environment its row chose described), its assistant turns alone
+    carrying loss (conversation_tokens)."""
     tokenizer, fmt = model.policy.tokenizer, model.prompt_format
-    renderer = Renderer.of(tokenizer, fmt.chat_template, schemas)
+    renderers: Dict[Optional[str], Renderer] = {}
     eos = [tokenizer.eos_token_id]
     prompts, completions, masks = [], [], []
-    for row in rows:
+    for i, row in enumerate(rows):
         shown = demonstration(row, columns)
         if isinstance(shown, str):
             (prompt,) = fmt.encode(tokenizer, [row["prompt"]])
             ids = tokenizer(shown, add_special_tokens=False)["input_ids"] + eos
             mask = [1.0] * len(ids)
         else:
-            prompt, ids, mask = conversation_tokens(renderer, shown, fmt.system_prompt)
+            name = multi_turn.environment_of(row, f"row {i + 1} of the demonstrations") if multi_turn else None
+            if name not in renderers:
+                renderers[name] = Renderer.of(tokenizer, fmt.chat_template, multi_turn.schemas(name) if multi_turn else ())
+            prompt, ids, mask = conversation_tokens(renderers[name], shown, fmt.system_prompt)
         prompts.append(prompt)
         completions.append(ids)
         masks.append(mask)

@@ -35,9 +35,8 @@ def warmup_step(ctx: Context) -> Dict[str, float]:
         data.warmup_sampler = PromptSampler(data.sampler.rows, warm.batch_size, cfg.seed + 1)
         for _ in range(run.step):
             data.warmup_sampler.next_batch()
-    multi_turn = ctx.rollouts.multi_turn
-    schemas = multi_turn.schemas() if multi_turn is not None else ()
-    seqs = encode_demonstrations(model, distributed.shard(data.warmup_sampler.next_batch()), (warm.column,), schemas)
+    seqs = encode_demonstrations(model, distributed.shard(data.warmup_sampler.next_batch()), (warm.column,),
+                                 ctx.rollouts.multi_turn)
     loss_sum = nll_backward(model, run, seqs, "token-mean")
     lr = warm.lr * lr_lambda(cfg.optim.schedule, 0, warm.steps)(run.step)
     for group in model.optimizer.param_groups:
