@@ -153,13 +153,11 @@ def test_a_path_that_looks_local_and_names_no_dir_is_one_line_before_any_request
     monkeypatch.chdir(tmp_path / "work")
     monkeypatch.setenv("HOME", str(tmp_path / "work"))
     name = name.replace("ABS", str(tmp_path / "work"))
-    start = time.monotonic()
     with pytest.raises(UsageError) as err:  # Hydra's lexer takes ~ only in a quoted value
         check([f"model.name_or_path='{name}'" if name.startswith("~") else f"model.name_or_path={name}"],
               multirun=False, config_dir=None)
     with pytest.raises(ConfigError) as loading:
-        load_base(ModelConfig(name_or_path=name))
-    assert time.monotonic() - start < 2
+        load_base(ModelConfig(name_or_path=name))  # no_network fails the test at any connection attempt
     expected = (f"model.name_or_path={name}: {says.replace('ABS', str(tmp_path / 'work'))}; give the dir that holds "
                 "the model (config.json, the weights and the tokenizer), or tiny, smollm2-135m or a hub id")
     assert str(err.value) == expected and str(loading.value) == expected
@@ -184,7 +182,7 @@ def test_a_hub_id_without_network_is_one_line_and_a_shipped_model_names_its_pres
     start = time.monotonic()
     with pytest.raises(ConfigError) as err:
         load_base(ModelConfig(name_or_path=name))
-    assert time.monotonic() - start < 2
+    assert time.monotonic() - start < 20  # without the fix, retries with backoff: ~50 s
     assert str(err.value) == (f"model.name_or_path={name} is a hub id, {reason}, and the hub cache ({tmp_path / 'hub'}) "
                               f"has no copy of it (nor is there a dir {name} here); rlnotes ships this model: use "
                               "model=smollm2-135m")

@@ -306,6 +306,16 @@ def test_a_bug_mid_run_keeps_the_finished_steps(tmp_path, monkeypatch):
 # SIGHUP (a closed terminal or SSH session), a full disk mid-log, and paths the resume line must quote
 
 
+@pytest.fixture
+def terminal_hup():
+    """SIGHUP with its default disposition, as a terminal's process has it. A suite started under
+    nohup inherits SIGHUP ignored, and a run rightly keeps it so (test below): the tests of the
+    terminal's case would then see no stop at all."""
+    previous = signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    yield
+    signal.signal(signal.SIGHUP, previous)
+
+
 def hup_in_step(monkeypatch, call=3):
     from rlnotes.algos import grpo
     from rlnotes.algos.registry import REGISTRY
@@ -321,7 +331,7 @@ def hup_in_step(monkeypatch, call=3):
     monkeypatch.setitem(REGISTRY, "grpo", dataclasses.replace(REGISTRY["grpo"], train_step=step))
 
 
-def test_sighup_saves_a_checkpoint_exits_129_and_prints_the_resume_command(tmp_path, monkeypatch, capsys):
+def test_sighup_saves_a_checkpoint_exits_129_and_prints_the_resume_command(tmp_path, monkeypatch, capsys, terminal_hup):
     """Before: SIGHUP's default action killed the run with no checkpoint of its last step and no
     resume command. Now it stops the run as SIGTERM does."""
     run_dir = tmp_path / "run"
@@ -394,7 +404,7 @@ def test_a_full_disk_while_a_metrics_row_is_written_is_one_line_and_resumes(tmp_
     assert [r["step"] for r in rows(run_dir)] == list(range(1, 7))
 
 
-def test_the_printed_resume_command_pastes_for_a_path_hydra_would_not_read_unquoted(tmp_path, monkeypatch, capsys):
+def test_the_printed_resume_command_pastes_for_a_path_hydra_would_not_read_unquoted(tmp_path, monkeypatch, capsys, terminal_hup):
     """A run dir with a non-ASCII letter, `~`, a space and a quote: before, the printed command
     named it unquoted for Hydra and failed with a lexer error when pasted."""
     from rlnotes.core.overrides import override_value
