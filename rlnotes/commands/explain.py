@@ -78,11 +78,11 @@ def _path_given_as_preset(group: str, value: str, options: List[str]) -> str:
 def _not_an_option(problem: hydra.Problem, configs, overrides: List[str], config_name: str) -> str:
     """An option a group lacks, with the group's options; where a defaults list of the user's chose it
     (not the command line), that file and line first."""
-    top, _, rest = problem.group.partition("/")
-    if rest and not hydra.group_options(configs, problem.group) and hydra.group_options(configs, top):
-        # group=ORG/NAME: Hydra reads a sub-group of `top`; a hub id or a path goes to a key
-        return _path_given_as_preset(top, f"{rest}/{problem.option}", hydra.group_options(configs, top))
     options = hydra.group_options(configs, problem.group)
+    top, _, rest = problem.group.partition("/")
+    presets = hydra.group_options(configs, top) if rest and not options else []
+    if presets:  # group=ORG/NAME: Hydra reads a sub-group of `top`; a hub id or a path goes to a key
+        return _path_given_as_preset(top, f"{rest}/{problem.option}", presets)
     extra = SWEEP_EXTRA if problem.group in ("hydra/sweeper", "hydra/launcher") else ""
     line = f"{problem.group}={problem.option} is not an option; choose one of: {', '.join(options)}{extra}"
     chosen = [o.lstrip("+~").split("=", 1) for o in overrides if "=" in o]
