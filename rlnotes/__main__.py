@@ -1,5 +1,3 @@
-import sys
+from rlnotes.commands.cli import run
 
-from rlnotes.commands.cli import main
-
-sys.exit(main())
+run()

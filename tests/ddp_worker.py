@@ -13,6 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from rich.console import Console  # noqa: E402
 
 from rlnotes.commands.train import train  # noqa: E402
+from rlnotes.engine.hardware.distributed import end_process  # noqa: E402
 from tests.conftest import compose  # noqa: E402
 from tests.test_distributed import CASES  # noqa: E402
 
@@ -26,3 +27,4 @@ def main(out: Path, names) -> None:
 if __name__ == "__main__":
     faulthandler.enable()  # a crash (SIGABRT, SIGSEGV) prints every thread's Python stack where the test shows it
     main(Path(sys.argv[1]), sys.argv[2:] or list(CASES))
+    end_process(0)  # as the rlnotes command ends a rank: without the interpreter's finalization

@@ -87,7 +87,11 @@ def _why(stderr: str) -> str:
     """What a failed launch printed that says why: from its first fatal error or traceback (a rank's
     crash ends with a list of extension modules long enough to hide it), then its end."""
     starts = [i for i in (stderr.find("Fatal Python error"), stderr.find("Traceback")) if i >= 0]
-    return stderr[min(starts):][:3000] + "\n[...]\n" + stderr[-1500:] if starts else stderr[-3000:]
+    if not starts:
+        return stderr[-3000:]
+    # an abort from C++ (gloo, a std::terminate) says why in the lines just before Python's own report
+    start = max(0, min(starts) - 800)
+    return stderr[start:][:3800] + "\n[...]\n" + stderr[-1500:]
 
 
 def _rows(path: Path):
@@ -160,6 +164,34 @@ def test_with_one_process_everything_is_a_no_op():
     assert distributed.gather_rows(rows) is rows
     assert distributed.reduce_metrics({"time/x": 1.5}, {"time/x": "max"}) == {"time/x": 1.5}
     assert distributed.sum_over_ranks([2, 3.5]) == [2.0, 3.5] and not distributed.any_rank(False)
+
+
+# A process of a group ends through end_process: its exit handlers and buffered output survive.
+ENDING = """
+import atexit, os, sys, tempfile
+import torch.distributed as dist
+from rlnotes.commands import cli
+from rlnotes.engine.hardware import distributed
+dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+atexit.register(distributed._leave)
+atexit.register(lambda: print("handler ran", "left" if not dist.is_initialized() else "still in", flush=True))
+cli.main = lambda: (sys.stdout.write("buffered, no newline"), CODE)[1]
+sys.stdout = open(sys.stdout.fileno(), "w", buffering=4096, closefd=False)
+cli.run()
+print("not reached")
+"""
+
+
+@pytest.mark.parametrize("code, status, err", [(None, 0, ""), (3, 3, ""), ("'stopped: why'", 1, "stopped: why")])
+def test_a_process_of_a_group_ends_with_its_handlers_and_output(code, status, err):
+    """cli.run in a process that joined a group: main's code as the exit status, every exit handler
+    run (the group's first: LIFO), buffered output flushed, nothing after."""
+    done = subprocess.run([sys.executable, "-c", ENDING.replace("CODE", str(code))], capture_output=True, text=True,
+                          env=_env(), timeout=60)
+    assert done.returncode == status, done.stderr
+    assert done.stdout.startswith("buffered, no newline") and "not reached" not in done.stdout
+    assert "handler ran still in" in done.stdout  # registered last, so it ran first; then the group was left
+    assert err in done.stderr and "Fatal" not in done.stderr
 
 
 @pytest.mark.parametrize("rank, bounds", [(0, (0, 2)), (1, (2, 5))])

@@ -65,4 +65,4 @@ def test_the_wheel_holds_every_module_and_config_file_and_nothing_else(wheel):
 
 def test_the_wheel_carries_the_one_version_and_the_console_script(wheel):
     assert f"\nVersion: {rlnotes.__version__}\n" in wheel[f"{DIST_INFO}/METADATA"]
-    assert "rlnotes = rlnotes.commands.cli:main" in wheel[f"{DIST_INFO}/entry_points.txt"]
+    assert "rlnotes = rlnotes.commands.cli:run" in wheel[f"{DIST_INFO}/entry_points.txt"]

@@ -12,7 +12,7 @@ import importlib
 import os
 import signal
 import sys
-from typing import List, Optional
+from typing import List, NoReturn, Optional
 
 from rlnotes import __version__
 from rlnotes.commands.usage import UsageError
@@ -78,5 +78,20 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 128 + signum  # as a shell reports it: 130 for SIGINT, 143 for SIGTERM
 
 
+def run() -> NoReturn:
+    """The `rlnotes` console script and `python -m rlnotes`: main's exit code as the process's. A
+    process of several (torchrun) ends through rlnotes.engine.hardware.distributed.end_process,
+    which keeps the interpreter's finalization from aborting a rank that finished its work."""
+    try:
+        code = main()
+    except SystemExit as e:
+        code = e.code
+    dist = sys.modules.get("torch.distributed")  # imported only by a command that trains
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        from rlnotes.engine.hardware.distributed import end_process  # optional: torch, loaded only by a command
+        end_process(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

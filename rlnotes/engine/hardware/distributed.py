@@ -22,9 +22,10 @@ from __future__ import annotations
 import atexit
 import math
 import os
+import sys
 from contextlib import contextmanager
 from datetime import datetime
-from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, TypeVar
+from typing import Dict, Iterable, Iterator, List, NoReturn, Optional, Sequence, Tuple, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -90,6 +91,28 @@ def init(device: torch.device) -> torch.device:
 def _leave() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def end_process(code: object) -> NoReturn:
+    """End a process that joined a group of several, with `code` as sys.exit reads it (None is 0, a
+    string is printed and exits 1): the exit handlers run while the interpreter is whole (the
+    group is left, a user's own handlers run too), the streams are flushed, and the process ends
+    without the interpreter's finalization. Threads of torch's gloo backend can still hold
+    tensors whose release takes the GIL; during finalization that aborts a rank that has done
+    all its work (SIGABRT, "Fatal Python error: Aborted" with no Python frame), and torchrun
+    then reports the run as failed."""
+    if code is None:
+        code = 0
+    elif not isinstance(code, int):
+        print(code, file=sys.stderr)
+        code = 1
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe or stream: nothing left to say there
+            pass
+    os._exit(code)
 
 
 def backend() -> str:
