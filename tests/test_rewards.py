@@ -1040,7 +1040,8 @@ def test_a_call_far_slower_than_usual_is_named(trl_module):
     assert console.printed == []
     r(["p"], ["1.1"], {})
     (message,) = console.printed
-    assert message.startswith("[yellow]reward function 'sleeps' took 1.1 s on this batch")
+    took = re.match(r"\[yellow\]reward function 'sleeps' took (\d+\.\d) s on this batch, (\d+)x its usual", message)
+    assert took and float(took[1]) >= 1.1 and int(took[2]) >= 10, message  # a slept 1.1 s, longer on a busy box
     assert "reward.timeout_s" in message
 
 
