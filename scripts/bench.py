@@ -1,5 +1,6 @@
 """Benchmark GRPO steps: seconds per step and where they go, generation tokens/s, peak memory,
-and the step's FLOPs against this machine's measured matmul rate.
+and the step's FLOPs (scripts/step_floor.py) against the rate this machine multiplies the model's
+weight matrices at, measured in the same run.
 
     python scripts/bench.py                       # tiny and SmolLM2-135M, 8 prompts x G=4 x 32 tokens
     python scripts/bench.py --models tiny --steps 10
@@ -24,43 +25,14 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import step_floor  # noqa: E402  (scripts/step_floor.py: a step's FLOPs and the matmul rate)
 
 SHAPE = ["trainer.batch_size=8", "algo.group_size=4", "rollout.max_new_tokens=32", "logging.progress=false"]
 MODELS = {
     "tiny": ["model=tiny", "data=letters", "reward=letters", "hardware.threads=1"],
     "smollm2-135m": ["model=smollm2-135m", "data=arith", "reward=arith", "optim.lr=1e-4"],
 }
-
-
-def matmul_gflops(threads: int, n: int = 1024, repeats: int = 10) -> float:
-    import torch
-
-    torch.set_num_threads(threads)
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    a @ b
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        a @ b
-        times.append(time.perf_counter() - start)
-    return 2 * n**3 / statistics.median(times) / 1e9
-
-
-def step_flops(model, rows: list[dict], prompt_tokens: float, group: int, prompts: int, with_ref: bool,
-               shared_prompt: bool = True) -> float:
-    """Matmul FLOPs of one GRPO step: 2 per weight per token forward, twice that backward
-    (activation gradients only: the base weights are frozen; LoRA's own are negligible). With
-    trainer.shared_prompt the training passes forward each prompt once: P + G R tokens a group."""
-    embed = model.get_input_embeddings().weight.numel()
-    body = sum(p.numel() for p in model.parameters()) - embed
-    if not model.config.tie_word_embeddings:
-        body -= model.get_output_embeddings().weight.numel()
-    head = embed  # the LM head has the embedding's shape
-    comp = statistics.median(r["completion/len_mean"] for r in rows) * group * prompts
-    full = prompt_tokens * (1 if shared_prompt else group) * prompts + comp
-    generate = 2 * body * (prompt_tokens * prompts + comp) + 2 * head * comp
-    forward = 2 * body * full + 2 * head * comp
-    return generate + forward * (1 if with_ref else 0) + 2 * forward  # + policy fwd and bwd
 
 
 def run_one(name: str, steps: int) -> dict:
@@ -81,7 +53,6 @@ def run_one(name: str, steps: int) -> dict:
     with open_dict(cfg):
         del cfg["hydra"]
     threads = cfg.hardware.threads if isinstance(cfg.hardware.threads, int) else torch.get_num_threads()
-    gflops = matmul_gflops(threads)
     with tempfile.TemporaryDirectory() as tmp:
         train(cfg, Path(tmp), Console(quiet=True))
         rows = [json.loads(line) for line in (Path(tmp) / "metrics.jsonl").read_text().splitlines()]
@@ -96,8 +67,11 @@ def run_one(name: str, steps: int) -> dict:
     med = {k: statistics.median(r[k] for r in warm if r.get(k) is not None)
            for k in ("time/step_s", "time/generate_s", "time/reference_s", "time/policy_s", "perf/gen_tokens_per_s",
                      "completion/len_mean")}
-    flops = step_flops(base, warm, prompt_tokens, cfg.algo.group_size, cfg.trainer.batch_size, cfg.algo.beta > 0,
-                       cfg.trainer.shared_prompt)
+    dims = step_floor.dims_of(base)
+    gflops = step_floor.matmul_rate(dims, threads)[0] / 1e9
+    flops = step_floor.step_flops(dims, "grpo", cfg.trainer.batch_size, prompt_tokens, cfg.algo.group_size,
+                                  med["completion/len_mean"], reference=cfg.algo.beta > 0,
+                                  shared_prompt=cfg.trainer.shared_prompt)
     return {"model": name, "threads": threads, "matmul_gflops": gflops, "step_flops": flops, **med,
             "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
 

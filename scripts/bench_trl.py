@@ -48,6 +48,8 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import step_floor  # noqa: E402  (scripts/step_floor.py)
 
 
 @dataclass(frozen=True)
@@ -113,7 +115,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=3600, help="seconds one run may take (default 3600)")
     parser.add_argument("--seed", type=int, default=SEED,
                         help="both tools' seed: their random numbers and rlnotes' prompt order (default 0)")
-    parser.add_argument("--worker", choices=["prepare", "trl"], help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=["prepare", "trl", "rate"], help=argparse.SUPPRESS)
     parser.add_argument("--spec", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.steps < 0 or args.warmup < 0:
@@ -177,7 +179,8 @@ def prepare(model: str, out: Path, shapes: Dict[str, Shape], steps: int, seed: i
     rlnotes' file, and TRL's with the same rows in the order rlnotes draws them (rlnotes' data
     sampler with `seed`), which TRL reads unshuffled, so both tools sample the same prompts at
     every step. {"model_dir", "chat", "seed", "data": {shape: path}, "trl_data": {shape: path},
-    "batches": {shape: each step's prompts (prompt_key)}, "prompt_tokens": {shape: mean prompt tokens}}."""
+    "batches": {shape: each step's prompts (prompt_key)}, "prompt_tokens": {shape: mean prompt tokens},
+    "answer_tokens": {DPO shape: mean tokens of a pair's two answers}, "dims": the model's (step_floor)}."""
     from transformers import AutoTokenizer
 
     from rlnotes.core.schema import TinyModelConfig
@@ -195,7 +198,7 @@ def prepare(model: str, out: Path, shapes: Dict[str, Shape], steps: int, seed: i
         model_dir = smollm2_dir()
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     chat = bool(tokenizer.chat_template)
-    data, trl_data, batches, lengths = {}, {}, {}, {}
+    data, trl_data, batches, lengths, answers = {}, {}, {}, {}, {}
     for name, shape in shapes.items():
         rows = make_rows(shape, shape.prompts * steps, chat, lambda p: len(encode_prompts(tokenizer, [p], chat)[0]))
         sampler = PromptSampler(rows, shape.prompts, seed)
@@ -208,8 +211,17 @@ def prepare(model: str, out: Path, shapes: Dict[str, Shape], steps: int, seed: i
             paths[name] = str(path)
         lengths[name] = statistics.mean(len(ids) for ids in encode_prompts(tokenizer, [r["prompt"] for r in rows],
                                                                             chat))
+        if shape.algo == "dpo":  # the chosen and rejected answers' tokens, each with its end token
+            answers[name] = statistics.mean(sum(len(tokenizer(answer_text(r[k]), add_special_tokens=False)["input_ids"])
+                                                + 1 for k in ("chosen", "rejected")) for r in rows)
     return {"model_dir": str(model_dir), "chat": chat, "seed": seed, "data": data, "trl_data": trl_data,
-            "batches": batches, "prompt_tokens": lengths}
+            "batches": batches, "prompt_tokens": lengths, "answer_tokens": answers,
+            "dims": step_floor.model_dims(str(model_dir))}
+
+
+def answer_text(answer) -> str:
+    """A DPO answer's text: plain, or the content of its assistant message."""
+    return answer if isinstance(answer, str) else answer[-1]["content"]
 
 
 def prompt_key(prompt) -> str:
@@ -519,6 +531,57 @@ def tables(summary: Dict[tuple, Dict[str, dict]]) -> str:
     return "\n".join(lines)
 
 
+def measure_rate(dims: dict, threads: str, precision: str) -> float:
+    """The matmul rate (FLOP/s, step_floor.matmul_rate) in a process of its own, with the thread
+    count the runs get (OMP_NUM_THREADS; 'default' leaves torch's own)."""
+    env = dict(os.environ)
+    env.pop("OMP_NUM_THREADS", None)
+    if threads != "default":
+        env["OMP_NUM_THREADS"] = threads
+    spec = {"dims": dims, "precision": precision}
+    done = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", "rate", "--spec", "-"],
+                          input=json.dumps(spec), capture_output=True, text=True, env=env, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])["rate"]
+
+
+def rate_worker(spec: dict) -> None:
+    import torch
+
+    rate, per_shape = step_floor.matmul_rate(spec["dims"], torch.get_num_threads(), spec["precision"])
+    print(json.dumps({"rate": rate, "per_shape": per_shape}))
+
+
+def floor_s(prep: dict, shape_name: str, shape: Shape, medians: dict, rate: float) -> Optional[float]:
+    """The floor of a tool's median step (step_floor), from its own completion tokens."""
+    if shape.algo == "grpo":
+        if medians["completion_tokens"] is None:
+            return None
+        flops = step_floor.step_flops(prep["dims"], "grpo", shape.prompts, prep["prompt_tokens"][shape_name],
+                                      shape.group, medians["completion_tokens"] / (shape.prompts * shape.group),
+                                      reference=GRPO_BETA > 0)
+    else:
+        flops = step_floor.step_flops(prep["dims"], "dpo", shape.prompts, prep["prompt_tokens"][shape_name],
+                                      answer_tokens=prep["answer_tokens"][shape_name])
+    return flops / rate
+
+
+def floor_table(summary: Dict[tuple, Dict[str, dict]], preps: Dict[str, dict], shape_table: Dict[str, Shape],
+                rates: Dict[tuple, float]) -> str:
+    """Markdown: each case's matmul rate, and each tool's median step over its floor (1.00x: every
+    second went to the model's matrix products at the rate the machine reached)."""
+    lines = ["| model | shape | threads | precision | matmul GFLOP/s | tool | floor s | step s | step / floor |",
+             "|" + "---|" * 9]
+    for (model, shape, threads, precision), tools in summary.items():
+        rate = rates[(model, threads, precision)]
+        for tool in TOOLS:
+            if tool in tools:
+                floor = floor_s(preps[model], shape, shape_table[shape], tools[tool], rate)
+                lines.append(f"| {model} | {shape} | {threads} | {precision} | {rate / 1e9:.1f} | {tool} | "
+                             f"{fmt(floor)} | {fmt(tools[tool]['step_s'])} | "
+                             f"{fmt(ratio(tools[tool]['step_s'], floor), '.2f')}x |")
+    return "\n".join(lines)
+
+
 def load_line(runs: List[dict]) -> str:
     """The 1-minute load average around the runs: other processes on the machine slow every figure."""
     before, after = [r["load_before"] for r in runs], [r["load_after"] for r in runs]
@@ -601,6 +664,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     if args.worker == "trl":
         trl_worker(json.loads(args.spec.read_text()))
         return
+    if args.worker == "rate":
+        rate_worker(json.loads(sys.stdin.read()))
+        return
     if args.worker == "prepare":
         spec = json.loads(args.spec.read_text())
         shapes = {name: Shape(**shape) for name, shape in spec["shapes"].items()}
@@ -625,6 +691,10 @@ def main(argv: Optional[List[str]] = None) -> None:
         preps[model] = json.loads(done.stdout.strip().splitlines()[-1])
         print(f"{model}: {preps[model]['model_dir']}; prompt tokens: "
               + ", ".join(f"{k} {v:.0f}" for k, v in preps[model]["prompt_tokens"].items()), flush=True)
+    cases = [(m, t, p) for m in args.models for t in args.threads or default_threads(m) for p in args.precisions]
+    rates = {case: measure_rate(preps[case[0]]["dims"], *case[1:]) for case in cases}
+    print("matmul rates (GFLOP/s): " + ", ".join(f"{m} threads={t} {p} {r / 1e9:.1f}"
+                                               for (m, t, p), r in rates.items()), flush=True)
     runs: List[dict] = []
     for r in range(args.rounds):
         for model in args.models:
@@ -638,10 +708,18 @@ def main(argv: Optional[List[str]] = None) -> None:
                                                         "runs": runs}, indent=1))
     for line in prompt_mismatches(preps, runs):
         print(f"warning: {line}", flush=True)
+    after = {case: measure_rate(preps[case[0]]["dims"], *case[1:]) for case in cases}
+    rates_line = ("matmul rate (step_floor) before and after the runs, GFLOP/s: "
+                  + ", ".join(f"{m} threads={t} {p} {rates[(m, t, p)] / 1e9:.1f} / {after[(m, t, p)] / 1e9:.1f}"
+                              for m, t, p in cases) + "; each floor at the higher")
+    rates = {case: max(rates[case], after[case]) for case in cases}
     summary = summarize(runs, args.warmup)
     report = "\n".join([head, "", *[case_line(n, s) for n, s in args.shape_table.items()],
                         f"{args.rounds} round(s) of {', '.join(f'{m} {n}' for m, n in steps.items())} steps per run, "
-                        f"the first {args.warmup} of each left out; medians", load_line(runs), "", tables(summary), ""])
+                        f"the first {args.warmup} of each left out; medians", load_line(runs), rates_line, "",
+                        tables(summary), "", "Each step beside its floor (scripts/step_floor.py: its matrix products "
+                        "at the matmul rate measured here):", "", floor_table(summary, preps, args.shape_table, rates),
+                        ""])
     (out / "bench_trl.md").write_text(report)
     print("\n" + report + f"\nwritten to {out / 'bench_trl.md'} (every step in {out / 'bench_trl.json'})")
 

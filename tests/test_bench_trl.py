@@ -213,3 +213,66 @@ def test_a_tiny_bf16_round_of_each_tool(tmp_path):
         assert run["load_before"] >= 0 and run["load_after"] >= 0
     log = (tmp_path / "rlnotes" / "output.log").read_text()
     assert "bf16 (" in log  # the start line names the bf16 units
+
+
+# ------------------------------------------------------------------------------ a step's floor
+
+floor = bench.step_floor
+
+
+def _counted_flops(dims, prompts, prompt_len, lengths, passes):
+    """The products of a step counted token by token: every token 2 N below the LM head, a
+    completion's (answer's) tokens 2 H in it, and the query at position i (from 1) 4 d i per layer
+    in attention; each prompt once, each completion at the positions after its prompt."""
+    body, head, d, layers = dims["body"], dims["head"], dims["d"], dims["layers"]
+    total = 0
+    for _ in range(prompts):
+        total += sum(2 * body + 4 * d * layers * i for i in range(1, prompt_len + 1))
+        for length in lengths:
+            after = range(prompt_len + 1, prompt_len + length + 1)
+            total += sum(2 * body + 2 * head + 4 * d * layers * i for i in after)
+    return passes * total
+
+
+def test_step_flops_count_what_a_slow_count_token_by_token_gives():
+    dims = {"body": 1000, "head": 300, "d": 8, "layers": 3}
+    grpo = floor.step_flops(dims, "grpo", prompts=2, prompt_tokens=5, group=3, completion_tokens=4)
+    assert grpo == _counted_flops(dims, 2, 5, [4, 4, 4], passes=4)  # sampling, reference, forward + backward
+    assert floor.step_flops(dims, "grpo", 2, 5, 3, 4, reference=False) == _counted_flops(dims, 2, 5, [4] * 3, 3)
+    dpo = floor.step_flops(dims, "dpo", prompts=2, prompt_tokens=5, answer_tokens=6)  # two answers of 3
+    assert dpo == _counted_flops(dims, 2, 5, [3, 3], passes=3)
+    unshared = floor.step_flops(dims, "grpo", 2, 5, 3, 4, shared_prompt=False)  # a prompt with each completion
+    assert unshared == _counted_flops(dims, 2, 5, [4] * 3, 1) + 3 * 3 * _counted_flops(dims, 2, 5, [4], 1)
+    with pytest.raises(ValueError, match="no floor for algo 'ppo'"):
+        floor.step_flops(dims, "ppo", 2, 5)
+
+
+def test_model_dims_are_the_models_linear_layers(tmp_path):
+    import torch
+
+    from rlnotes.core.schema import TinyModelConfig
+    from rlnotes.engine.model.loading import tiny_model, tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    model = tiny_model(TinyModelConfig(), len(tokenizer))
+    model.save_pretrained(tmp_path)
+    dims = floor.model_dims(str(tmp_path))
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert dims["body"] + dims["head"] == sum(m.weight.numel() for m in linears)
+    assert dims["head"] == model.get_output_embeddings().weight.numel() > 0
+    assert sum(c for _, _, c in dims["linears"]) == len(linears)
+    assert (dims["d"], dims["layers"]) == (model.config.hidden_size, model.config.num_hidden_layers)
+    rate, per_shape = floor.matmul_rate(dims, threads=1, repeats=2)
+    assert sorted(per_shape) == sorted(f"{i}x{o}" for i, o, _ in dims["linears"])
+    assert min(per_shape.values()) <= rate <= max(per_shape.values())  # a mean of the shapes' rates
+
+
+def test_each_step_is_printed_beside_its_floor():
+    dims = {"body": 10**6, "head": 10**5, "d": 16, "layers": 2}
+    prep = {"dims": dims, "prompt_tokens": {"grpo": 10.0}}
+    runs = [_run("rlnotes", [9.0, 4.0], tokens=320.0), _run("trl", [9.0, 8.0], tokens=320.0)]
+    flops = floor.step_flops(dims, "grpo", 8, 10.0, 4, 10.0, reference=bench.GRPO_BETA > 0)
+    table = bench.floor_table(bench.summarize(runs, warmup=1), {"tiny": prep}, {"grpo": bench.SHAPES["grpo"]},
+                              {("tiny", "1", "fp32"): flops / 2.0})  # a floor of 2 s
+    assert "| tiny | grpo | 1 | fp32 | " in table
+    assert "| rlnotes | 2 | 4 | 2.00x |" in table and "| trl | 2 | 8 | 4.00x |" in table

@@ -44,7 +44,7 @@ def test_bench_prints_a_row_per_model(tmp_path, monkeypatch, capsys):
         return subprocess.CompletedProcess(cmd, 0, json.dumps(bench.run_one(cmd[3], int(cmd[5]))) + "\n", "")
 
     monkeypatch.setattr(bench.subprocess, "run", worker)
-    monkeypatch.setattr(bench, "matmul_gflops", lambda threads: 50.0)  # 22 GFLOP of timing: not this test's point
+    monkeypatch.setattr(bench.step_floor, "matmul_rate", lambda dims, threads: (50e9, {}))  # timing: not the point
     monkeypatch.setattr(sys, "argv", ["bench.py", "--models", "tiny", "--steps", "2"])
     bench.main()
     out = capsys.readouterr().out.splitlines()
