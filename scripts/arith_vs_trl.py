@@ -40,21 +40,25 @@ LORA = {"r": 16, "alpha": 32, "dropout": 0.0, "target_modules": ["q_proj", "k_pr
 BARS = (0.5, 0.67)
 
 
-def recipe(seed: int, overrides: List[str]):
+def recipe(seed: int, overrides: List[str], experiment: str = "smollm2_arith"):
     """The experiment's config (rlnotes' own composition) and its train and test rows."""
     from rlnotes.commands.check import check
     from rlnotes.data.datasets import load_task
     from rlnotes.training.evaluation import eval_data
 
-    cfg = check(["experiment=smollm2_arith", f"seed={seed}", *overrides], False, None)[0]
+    cfg = check([f"experiment={experiment}", f"seed={seed}", *overrides], False, None)[0]
     train, _ = load_task(cfg.data)
     _, test = load_task(eval_data(cfg))
     return cfg, train, test
 
 
+def rlnotes_command(seed: int, overrides: List[str], run_dir: Path, experiment: str = "smollm2_arith") -> List[str]:
+    return [sys.executable, "-m", "rlnotes", "train", f"experiment={experiment}", f"seed={seed}",
+            f"hydra.run.dir={run_dir}", "logging.progress=false", *overrides]
+
+
 def run_rlnotes(seed: int, overrides: List[str], run_dir: Path) -> None:
-    cmd = [sys.executable, "-m", "rlnotes", "train", "experiment=smollm2_arith", f"seed={seed}",
-           f"hydra.run.dir={run_dir}", "logging.progress=false", *overrides]
+    cmd = rlnotes_command(seed, overrides, run_dir)
     print("$", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True)
 
@@ -75,23 +79,17 @@ def trl_worker(spec: dict) -> None:
     """SFTTrainer for the warm-up steps, then GRPOTrainer, evaluating every eval_every steps."""
     import torch
     from datasets import Dataset
-    from peft import LoraConfig
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
 
     from rlnotes.rewards import number_match
 
-    if spec["threads"]:  # 0: torch's default, as rlnotes' hardware.threads=auto takes for this model
-        torch.set_num_threads(spec["threads"])
-    tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"], local_files_only=True)
-    tokenizer.padding_side = "left"
-    model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32, local_files_only=True)
+    model, tokenizer = load_model(spec)
     system = [{"role": "system", "content": spec["system_prompt"]}]
     as_prompt = lambda text: system + [{"role": "user", "content": text}]  # noqa: E731
     train = [{"prompt": as_prompt(r["prompt"]), "answer": r["answer"]} for r in spec["train"]]
     test = [{"prompt": as_prompt(r["prompt"]), "answer": r["answer"]} for r in spec["test"]]
-    lora = LoraConfig(r=LORA["r"], lora_alpha=LORA["alpha"], lora_dropout=LORA["dropout"],
-                      target_modules=LORA["target_modules"], task_type="CAUSAL_LM")
+    lora = lora_config()
     curve: List[Dict[str, float]] = []
     clock = {"train_s": 0.0, "since": None}
 
@@ -127,11 +125,7 @@ def trl_worker(spec: dict) -> None:
             if step % spec["eval_every"] == 0 or step == spec["steps"]:
                 evaluate(model, step)
 
-    common = dict(optim="adamw_torch", lr_scheduler_type=spec["schedule"], warmup_steps=0, weight_decay=0.0,
-                  adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, max_grad_norm=1.0,
-                  gradient_checkpointing=False, bf16=False, fp16=False, use_cpu=True, logging_steps=1,
-                  save_strategy="no", eval_strategy="no", report_to="none", seed=spec["seed"], disable_tqdm=True,
-                  dataloader_num_workers=0)
+    common = training_args(spec)
     warm = spec["warmup_steps"]
     with tempfile.TemporaryDirectory() as tmp:
         evaluate(model, 0)
@@ -165,6 +159,56 @@ def trl_worker(spec: dict) -> None:
     Path(spec["out"]).write_text(json.dumps(curve))
 
 
+def load_model(spec: dict):
+    """(float32 model, tokenizer padding on the left) from spec["model_dir"], on spec["threads"] threads."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if spec["threads"]:  # 0: torch's default, as rlnotes' hardware.threads=auto takes for this model
+        torch.set_num_threads(spec["threads"])
+    tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"], local_files_only=True)
+    tokenizer.padding_side = "left"
+    model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32, local_files_only=True)
+    return model, tokenizer
+
+
+def lora_config():
+    """rlnotes' LoRA (model.lora of the experiments) as peft's LoraConfig."""
+    from peft import LoraConfig
+
+    return LoraConfig(r=LORA["r"], lora_alpha=LORA["alpha"], lora_dropout=LORA["dropout"],
+                      target_modules=LORA["target_modules"], task_type="CAUSAL_LM")
+
+
+def training_args(spec: dict) -> dict:
+    """The TrainingArguments both TRL trainers share: rlnotes' AdamW, clipping and schedule, float32 on
+    the CPU, no gradient checkpointing, evaluation or saving, a log row every step."""
+    return dict(optim="adamw_torch", lr_scheduler_type=spec["schedule"], warmup_steps=0, weight_decay=0.0,
+                adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, max_grad_norm=1.0,
+                gradient_checkpointing=False, bf16=False, fp16=False, use_cpu=True, logging_steps=1,
+                save_strategy="no", eval_strategy="no", report_to="none", seed=spec["seed"], disable_tqdm=True,
+                dataloader_num_workers=0)
+
+
+def recipe_spec(cfg, seed: int, train: List[dict], test: List[dict]) -> dict:
+    """What TRL's side takes from an experiment's config: the model dir, prompt, threads, shapes,
+    sampling, loss and learning-rate settings, the warm-up's, and the rows."""
+    from rlnotes.data.settings import system_prompt
+    from rlnotes.engine.hardware.threads import auto_threads
+    from rlnotes.engine.model.loading import smollm2_dir
+
+    a, threads = cfg.algo, cfg.hardware.threads
+    threads = auto_threads(134_515_008) if threads == "auto" else threads or 0
+    return {"model_dir": str(smollm2_dir()), "system_prompt": system_prompt(cfg), "seed": seed,
+            "train": train, "test": test, "threads": threads,
+            "steps": cfg.trainer.steps, "eval_every": cfg.trainer.eval_every, "prompts": cfg.trainer.batch_size,
+            "group": a.group_size, "max_new_tokens": cfg.rollout.max_new_tokens,
+            "temperature": cfg.rollout.temperature, "beta": a.beta, "clip_eps": a.clip_eps, "lr": cfg.optim.lr,
+            "schedule": cfg.optim.schedule,
+            "warmup_steps": cfg.sft_warmup.steps, "warmup_lr": cfg.sft_warmup.lr,
+            "warmup_batch": cfg.sft_warmup.batch_size}
+
+
 def time_to(curve: List[Dict[str, float]], bar: float) -> Optional[float]:
     return next((p["train_s"] for p in curve if p["accuracy"] >= bar), None)
 
@@ -196,24 +240,12 @@ def main(argv: Optional[List[str]] = None) -> None:
         return trl_worker(json.loads(Path(args.worker).read_text()))
     if importlib.util.find_spec("trl") is None:  # before the rlnotes run, which takes an hour
         raise SystemExit('arith_vs_trl.py needs TRL 1.16 (pip extra bench): pip install -e ".[bench]"')
-    from rlnotes.engine.model.loading import smollm2_dir
-    from rlnotes.engine.hardware.threads import auto_threads
-
     cfg, train, test = recipe(args.seed, args.overrides)
     args.out.mkdir(parents=True, exist_ok=True)
     run_dir = args.rlnotes_run or args.out / f"rlnotes-{args.seed}"
     if args.rlnotes_run is None:
         run_rlnotes(args.seed, args.overrides, run_dir)
-    a, threads = cfg.algo, cfg.hardware.threads
-    threads = auto_threads(134_515_008) if threads == "auto" else threads or 0
-    spec = {"model_dir": str(smollm2_dir()), "system_prompt": cfg.model.system_prompt, "seed": args.seed,
-            "train": train, "test": test, "threads": threads,
-            "steps": cfg.trainer.steps, "eval_every": cfg.trainer.eval_every, "prompts": cfg.trainer.batch_size,
-            "group": a.group_size, "max_new_tokens": cfg.rollout.max_new_tokens,
-            "temperature": cfg.rollout.temperature, "beta": a.beta, "clip_eps": a.clip_eps, "lr": cfg.optim.lr,
-            "schedule": cfg.optim.schedule,
-            "warmup_steps": cfg.sft_warmup.steps, "warmup_lr": cfg.sft_warmup.lr,
-            "warmup_batch": cfg.sft_warmup.batch_size, "out": str(args.out / f"trl-{args.seed}.json")}
+    spec = {**recipe_spec(cfg, args.seed, train, test), "out": str(args.out / f"trl-{args.seed}.json")}
     spec_path = args.out / f"trl-{args.seed}.spec.json"
     spec_path.write_text(json.dumps(spec))
     print("$ TRL: SFTTrainer then GRPOTrainer (worker)", flush=True)

@@ -611,8 +611,8 @@ def prompt_mismatches(preps: Dict[str, dict], runs: List[dict]) -> List[str]:
     return out
 
 
-def environment(argv: List[str]) -> str:
-    """Date, machine, library versions and the command, for the head of the report."""
+def environment(argv: List[str], script: str = "scripts/bench_trl.py") -> str:
+    """Date, machine, library versions and the command (`script` with `argv`), for the head of a report."""
     cpu, flags = "unknown CPU", set()
     with contextlib.suppress(OSError):
         lines = open("/proc/cpuinfo").read().splitlines()
@@ -631,7 +631,7 @@ def environment(argv: List[str]) -> str:
     return "\n".join([f"date: {datetime.datetime.now().astimezone().isoformat(timespec='seconds')}",
                       f"machine: {os.cpu_count()} CPUs ({cpu}), python {sys.version.split()[0]}",
                       f"versions: {', '.join(versions)}; rlnotes at {commit}",
-                      f"command: {shlex.join(['python', 'scripts/bench_trl.py'] + argv)}"])
+                      f"command: {shlex.join(['python', script] + argv)}"])
 
 
 def case_line(shape_name: str, s: Shape) -> str:
