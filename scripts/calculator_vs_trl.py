@@ -185,7 +185,9 @@ def timed_sampling(trainer, timers: Dict[str, float], check: PromptCheck) -> Non
     def timed_single(prompt_ids, *args, **kwargs):
         start = time.perf_counter()
         result = single(prompt_ids, *args, **kwargs)
-        timers["model_generate_s"] += time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        timers["model_generate_s"] += seconds
+        timers["calls"].append({"s": seconds, "rows": len(prompt_ids), "tokens": sum(len(ids) for ids in prompt_ids)})
         timers["generate_calls"] += 1
         timers["turns"] += len(prompt_ids)
         timers["prefilled_tokens"] += sum(len(ids) for ids in prompt_ids)
@@ -202,7 +204,7 @@ def step_timer(timers: Dict[str, float], rows: List[dict], stage: str):
         def on_step_begin(self, args, state, control, **kwargs):
             timers.clear()
             timers.update(dict.fromkeys(("generate_s", "model_generate_s", "generate_calls", "turns",
-                                         "prefilled_tokens", "model_tokens", "env_tokens", "episodes"), 0.0))
+                                         "prefilled_tokens", "model_tokens", "env_tokens", "episodes"), 0.0), calls=[])
             self.start = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kwargs):
@@ -366,6 +368,13 @@ def report(runs: Dict[str, List[dict]]) -> str:
         lines.append(f"| {label} | {fmt(a)} | {fmt(b)} | {fmt(b / a if a and b else None, '.2f')} |")
     lines.append(f"| TRL: calls of generate per step, tokens given to them | | {fmt(median(trl, 'GRPO', 'generate_calls'))}, "
                  f"{fmt(median(trl, 'GRPO', 'prefilled_tokens'), '.0f')} | |")
+    calls = [c for run in trl if run["returncode"] == 0 for s in run["steps"] for c in enumerate(s.get("calls", []))]
+    for label, later in (("TRL: its first call of generate (the prompts): s, rows, tokens given", False),
+                         ("TRL: a later call (the conversations so far, again): s, rows, tokens given", True)):
+        picked = [c for i, c in calls if (i > 0) == later]
+        if picked:
+            lines.append(f"| {label} | | " + ", ".join(fmt(statistics.median(c[k] for c in picked), ".3g")
+                                                      for k in ("s", "rows", "tokens")) + " | |")
     lines += ["", "| round | tool | training time, min | held-out accuracy | peak RSS, GiB | load average before -> after |",
               "|---|---|---|---|---|---|"]
     for r, (a, b) in enumerate(zip(rl, trl)):

@@ -304,6 +304,10 @@ EXCEPTIONS: List[Tuple[str, str, str]] = [
     (r"^python scripts/arith_vs_trl\.py", "arith_vs_trl",
      "needs trl and the SmolLM2 recipe's run (hours): its arguments are parsed by the script's own parser; "
      "tests/test_scripts.py runs its rlnotes side and its report on the tiny model"),
+    (r"^python scripts/calculator_vs_trl\.py", "calculator_vs_trl",
+     "needs trl and runs the calculator recipe in both tools (an hour on 2 cores): its arguments are parsed by the "
+     "script's own parser; tests/test_scripts.py checks its chat template for TRL, its report and its refusal "
+     "without trl"),
     (r"^fn\(prompts=", "not code", "the shape of a call, with <placeholders> for keywords: not Python to run"),
 ]
 
@@ -771,6 +775,9 @@ class Runner:
 
     def arith_vs_trl(self, c: Command, words: List[str]) -> None:
         _script("arith_vs_trl").parse_args(words[2:])
+
+    def calculator_vs_trl(self, c: Command, words: List[str]) -> None:
+        _script("calculator_vs_trl").parse_args(words[2:])
 
     def not_code(self, c: Command, words: List[str]) -> None:
         pass

@@ -99,14 +99,15 @@ def test_bench_threads_as_a_command(tmp_path):
 # --------------------------------------------------------------------------------------------- arith_vs_trl.py
 
 
-def test_arith_vs_trl_without_trl_says_so_before_any_run(tmp_path, monkeypatch):
-    vs = _script("arith_vs_trl")
+@pytest.mark.parametrize("name, runner", [("arith_vs_trl", "run_rlnotes"), ("calculator_vs_trl", "rlnotes_side")])
+def test_vs_trl_without_trl_says_so_in_a_line_before_any_run(name, runner, tmp_path, monkeypatch):
+    vs = _script(name)
     find_spec = vs.importlib.util.find_spec
     monkeypatch.setattr(vs.importlib.util, "find_spec", lambda name: None if name == "trl" else find_spec(name))
-    monkeypatch.setattr(vs, "run_rlnotes", lambda *a: pytest.fail("an rlnotes run started"))
+    monkeypatch.setattr(vs, runner, lambda *a: pytest.fail("an rlnotes run started"))
     with pytest.raises(SystemExit) as e:
         vs.main(["--out", str(tmp_path / "out")])
-    assert 'pip install -e ".[bench]"' in str(e.value.code)
+    assert 'pip install -e ".[bench]"' in str(e.value.code) and "\n" not in str(e.value.code)
     assert not (tmp_path / "out").exists()
 
 
@@ -139,6 +140,76 @@ def test_arith_vs_trl_two_steps_of_each_tool(tmp_path):
                           capture_output=True, text=True, cwd=tmp_path, timeout=1700)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "| final accuracy |" in done.stdout
+
+
+# --------------------------------------------------------------------------------------------- calculator_vs_trl.py
+
+# SmolLM2-135M-Instruct's own chat template.
+SMOLLM2_TEMPLATE = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+                    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
+                    "<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
+                    "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+                    "{% endif %}")
+
+
+def _calculator_tokenizers():
+    """(a tokenizer with SmolLM2's template, one with calculator_vs_trl's template for TRL)."""
+    from rlnotes.engine.model.loading import tiny_tokenizer
+
+    ours, theirs = tiny_tokenizer(), tiny_tokenizer()
+    ours.chat_template, theirs.chat_template = SMOLLM2_TEMPLATE, _script("calculator_vs_trl").tools_chat_template()
+    return ours, theirs
+
+
+def test_calculator_template_for_trl_renders_rlnotes_text():
+    """TRL's template renders the tools, a demonstration, and a call as TRL writes it (tool_calls) in
+    the text rlnotes renders with SmolLM2's own template (the tools block in the system message)."""
+    from rlnotes.agents.builtin import calculator
+    from rlnotes.agents.rendering import Renderer, assistant_text
+    from rlnotes.agents.tools import tool_schema
+    from rlnotes.data.tasks import calculator_demo
+    from rlnotes.engine.prompts import as_messages
+
+    ours, theirs = _calculator_tokenizers()
+    schemas = [tool_schema(calculator)]
+    renderer = Renderer.of(ours, True, schemas)
+    demo = calculator_demo({"prompt": "What is 123+456? Answer with just the number.", "answer": "579"})
+    prompt, whole = as_messages(demo[:1], "Call the calculator."), as_messages(demo, "Call the calculator.")
+    expected = renderer.render(renderer.prompt_messages(prompt), True)
+    assert '"name": "calculator"' in expected and expected.endswith("<|im_start|>assistant\n")
+    assert theirs.apply_chat_template(prompt, tools=[calculator], tokenize=False, add_generation_prompt=True) == expected
+    assert theirs.apply_chat_template(whole, tools=schemas, tokenize=False) == \
+        renderer.render(renderer.prompt_messages(whole), False)
+    call = {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
+        "name": "calculator", "arguments": {"expression": "1+2"}}}]}
+    text = theirs.apply_chat_template(prompt + [call], tools=schemas, tokenize=False)
+    assert text == expected + assistant_text(call) + "<|im_end|>\n" and "<tool_call>\n{" in text
+    assert theirs.apply_chat_template(demo, tokenize=False) == ours.apply_chat_template(demo, tokenize=False)
+
+
+def test_calculator_template_is_one_trl_takes_for_tools():
+    """TRL's own checks: SmolLM2's template cannot render a tool call, the script's can, and only appends."""
+    chat_template_utils = pytest.importorskip("trl.chat_template_utils")
+    ours, theirs = _calculator_tokenizers()
+    assert not chat_template_utils.supports_tool_calling(ours)
+    assert chat_template_utils.supports_tool_calling(theirs)
+    assert chat_template_utils.is_chat_template_prefix_preserving(theirs)
+
+
+def test_calculator_vs_trl_report_takes_medians_and_ratios():
+    calc = _script("calculator_vs_trl")
+    step = lambda stage, s, gen=0.0: {"stage": stage, "step_s": s, "generate_s": gen, "turns": 2.0}  # noqa: E731
+    run = {"returncode": 0, "train_s": 120.0, "peak_rss_gib": 3.0, "load_before": 4.0, "load_after": 5.0}
+    runs = {"rlnotes": [{**run, "steps": [step("warm-up", 2.0), step("GRPO", 10.0, 4.0), step("GRPO", 12.0, 6.0)],
+                         "accuracy": 0.995}],
+            "trl": [{**run, "steps": [step("warm-up", 8.0), step("GRPO", 33.0, 15.0)], "accuracy": None,
+                     "generate_calls": 3}]}
+    table = calc.report(runs)
+    assert "| warm-up step, s | 2 | 8 | 4.00 |" in table
+    assert "| GRPO step, s | 11 | 33 | 3.00 |" in table
+    assert "| sampling the 16 episodes, s | 5 | 15 | 3.00 |" in table
+    assert "| the rest of the GRPO step (rewards, training pass), s | 6 | 18 | 3.00 |" in table
+    assert "| 1 | rlnotes | 2.00 | 99.5% | 3.00 | 4.00 -> 5.00 |" in table and "| 1 | TRL 1.16 | 2.00 | - |" in table
 
 
 # --------------------------------------------------------------------------------------------- smollm2_arith_report.py
