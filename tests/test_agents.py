@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from rlnotes.agents.builtin import ENVIRONMENTS, TOOLS, LettersEnv, calculator
+from rlnotes.agents.builtin import add as builtin_add
 from rlnotes.agents.environments import EnvironmentFailure, Episode, is_step_style, load_environment
 from rlnotes.agents.tools import (
     load_tools,
@@ -322,7 +323,40 @@ def test_calculator_rejections(expression, says):
 
 
 def test_builtin_tables():
-    assert TOOLS == {"calculator": calculator} and ENVIRONMENTS == {"letters": LettersEnv}
+    assert TOOLS == {"calculator": calculator, "add": builtin_add} and ENVIRONMENTS == {"letters": LettersEnv}
+
+
+# --------------------------------------------------------------------------------------------- add
+
+
+def test_add_adds_two_integers_as_a_call_runs_it():
+    calls = [{"name": "add", "arguments": {"a": 347, "b": 589}}, {"name": "add", "arguments": {"a": 936, "b": 123}},
+             {"name": "add", "arguments": {"a": -5, "b": 2}}]
+    messages, failures = run_tool_calls(calls, TOOLS, None)
+    assert failures == 0 and [m["content"] for m in messages] == ["936", "1059", "-3"]
+
+
+@pytest.mark.parametrize("arguments, says", [
+    ({"a": 1, "b": 2, "c": 3}, "the arguments do not fit add(a, b): got an unexpected keyword argument 'c'"),
+    ({"a": 1}, "the arguments do not fit add(a, b): missing a required argument: 'b'"),
+    ({"expression": "1+2"}, "the arguments do not fit add(a, b): missing a required argument: 'a'"),
+    ({"a": "12", "b": 3}, "add raised ValueError: a must be an integer like 347, not '12'; add takes two integers a and b"),
+    ({"a": 1, "b": 2.5}, "add raised ValueError: b must be an integer like 347, not 2.5; add takes two integers a and b"),
+    ({"a": True, "b": 2}, "add raised ValueError: a must be an integer like 347, not True"),
+    ({"a": [1, 2], "b": 2}, "add raised ValueError: a must be an integer like 347, not [1, 2]"),
+    ({"a": 10 ** 101, "b": 2}, "add raised ValueError: a is too large"),
+])
+def test_add_refuses_anything_but_two_integers_in_one_line_the_model_reads(arguments, says):
+    messages, failures = run_tool_calls([{"name": "add", "arguments": arguments}], TOOLS, None)
+    assert failures == 1 and error_of(messages[0]).startswith(says)
+
+
+def test_schema_of_add_says_two_integers():
+    function = tool_schema(builtin_add)["function"]
+    assert function["name"] == "add" and function["description"] == "Add two integers and return their sum."
+    assert function["parameters"]["properties"] == {"a": {"type": "integer", "description": "The first integer."},
+                                                   "b": {"type": "integer", "description": "The second integer."}}
+    assert function["parameters"]["required"] == ["a", "b"]
 
 
 # --------------------------------------------------------------------------------------------- loading
@@ -351,7 +385,7 @@ def test_load_tools_builtin_and_from_a_file(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("spec, says", [
-    ("calculatr", "rollout.tools: tool 'calculatr' is not built in (calculator) and not an import path like "
+    ("calculatr", "rollout.tools: tool 'calculatr' is not built in (calculator, add) and not an import path like "
                   "mypkg.tools.my_tool or a file like path/to/tools.py:my_tool"),
     ("no_such_pkg_xyz.tools:fn", "rollout.tools: tool 'no_such_pkg_xyz.tools:fn' could not be imported"),
     ("nope/tools.py:fn", "rollout.tools: tool 'nope/tools.py:fn': no file nope/tools.py"),

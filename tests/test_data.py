@@ -130,38 +130,83 @@ def test_arith_dev_split_is_disjoint_from_test_and_train_and_leaves_the_test_row
     assert prompts(test) == prompts(rng.sample(order, 200))
 
 
-@pytest.mark.parametrize("ops, digits, max_digits", [("+", 3, None), ("+-*", 1, 2)])
-def test_calculator_demos_are_given_to_train_rows_alone_and_call_the_calculator_on_the_question(ops, digits,
-                                                                                                 max_digits):
-    """data.calculator_demos: each train row's `messages` is the question, the call, the tool's message
-    as the calculator gives it for that call (run as an episode runs it), and the number; neither
+@pytest.mark.parametrize("tool, ops, digits, max_digits", [("calculator", "+", 3, None), ("calculator", "+-*", 1, 2),
+                                                       ("add", "+", 3, None), ("add", "+", 1, 2)])
+def test_tool_demos_are_given_to_train_rows_alone_and_call_the_tool_on_the_question(tool, ops, digits, max_digits):
+    """data.tool_demos: each train row's `messages` is the question, the call, the tool's message
+    as the tool gives it for that call (run as an episode runs it), and the number; neither
     the test nor the dev rows have one, and the rows are otherwise those of the task without it."""
     from rlnotes.agents.builtin import TOOLS
     from rlnotes.agents.tools import parse_tool_calls, run_tool_calls
 
     cfg = dict(name="arith", digits=digits, max_digits=max_digits, ops=ops, train_size=300, seed=3)
-    train, test = arith(data_cfg(**cfg, calculator_demos=True))
-    _, dev = arith(data_cfg(**cfg, calculator_demos=True, eval_split="dev"))
+    train, test = arith(data_cfg(**cfg, tool_demos=tool))
+    _, dev = arith(data_cfg(**cfg, tool_demos=tool, eval_split="dev"))
     plain_train, plain_test = arith(data_cfg(**cfg))
     assert [{k: v for k, v in r.items() if k != "messages"} for r in train] == plain_train and test == plain_test
     assert not any("messages" in r for r in test + dev)
     for row in train:
-        user, call, tool, answer = row["messages"]
+        user, call, tool_message, answer = row["messages"]
         assert (user, answer) == ({"role": "user", "content": row["prompt"]},
                                   {"role": "assistant", "content": row["answer"]})
         parsed = parse_tool_calls(call["content"])
         assert call["role"] == "assistant" and not parsed.errors
         a, op, b = ARITH.match(row["prompt"]).groups()
-        assert parsed.calls == [{"name": "calculator", "arguments": {"expression": f"{a}{op}{b}"}}]
-        assert run_tool_calls(parsed.calls, {"calculator": TOOLS["calculator"]}, None) == ([tool], 0)
+        arguments = {"expression": f"{a}{op}{b}"} if tool == "calculator" else {"a": int(a), "b": int(b)}
+        assert parsed.calls == [{"name": tool, "arguments": arguments}]
+        assert run_tool_calls(parsed.calls, {tool: TOOLS[tool]}, None) == ([tool_message], 0)
+        assert tool_message["content"] == row["answer"]
 
 
-def test_calculator_demos_of_another_task_are_one_line():
+@pytest.mark.parametrize("overrides, message", [
+    (("data=letters", "data.tool_demos=calculator"), "data.tool_demos=calculator writes demonstrations of the arith "),
+    (("data=arith", "data.tool_demos=add", "data.operands=3"), "data.tool_demos=add demonstrates one call of add"),
+    (("data=arith", "data.tool_demos=add", "data.ops=+-"), "set data.operands=2 and data.ops=+ "),
+    (("data=arith", "data.tool_demos=abacus"), "data.tool_demos"),
+    (("data=arith", "data.operands=1"), "data.operands"),
+])
+def test_tool_demos_that_cannot_be_written_are_one_line(overrides, message):
     from rlnotes.commands.usage import UsageError
     from tests.conftest import compose
 
-    with pytest.raises(UsageError, match="data.calculator_demos=true writes demonstrations of the arith task's "):
-        compose("data=letters", "data.calculator_demos=true")
+    with pytest.raises(UsageError, match=re.escape(message)):
+        compose(*overrides)
+
+
+def test_a_task_with_fewer_train_rows_than_a_batch_is_refused_before_anything_loads():
+    from rlnotes.commands.usage import UsageError
+    from tests.conftest import compose
+
+    with pytest.raises(UsageError, match="data.train_size=2 is smaller than trainer.batch_size=4"):
+        compose("data=arith", "data.train_size=2", "trainer.batch_size=4")
+
+
+@pytest.mark.parametrize("ops, digits", [("+", 3), ("+-*", 1), ("+-*", 2)])
+def test_three_operand_rows_are_answered_and_held_out_apart(ops, digits):
+    """data.operands=3: 'What is 347+589+123?' with the value of the expression (* before + and -,
+    checked by Python's own arithmetic), operands of `digits` digits, and test, dev and train
+    problems that share no question."""
+    cfg = dict(name="arith", digits=digits, ops=ops, operands=3, train_size=2000, eval_size=100, seed=3)
+    train, test = arith(data_cfg(**cfg))
+    dev = arith(data_cfg(**cfg, eval_split="dev"))[1]
+    three = re.compile(r"^What is (\d+)([+*-])(\d+)([+*-])(\d+)\? Answer with just the number\.$")
+    lo = 0 if digits == 1 else 10 ** (digits - 1)
+    for row in train + test + dev:
+        a, op1, b, op2, c = three.match(row["prompt"]).groups()
+        assert all(lo <= int(x) < 10 ** digits for x in (a, b, c)) and {op1, op2} <= set(ops)
+        assert row["answer"] == str(eval(f"{a}{op1}{b}{op2}{c}"))  # noqa: S307 - digits and operators only
+    test_q, dev_q, train_q = ({r["prompt"] for r in rows} for rows in (test, dev, train))
+    assert len(test_q) == len(dev_q) == 100 and not test_q & dev_q and not (test_q | dev_q) & train_q
+
+
+def test_three_operand_answers_by_hand():
+    """All 10^3 x 3^2 one-digit problems held out (a space this small is its own eval split)."""
+    rows = arith(data_cfg(name="arith", digits=1, ops="+-*", operands=3, train_size=1, eval_size=9000))[1]
+    answers = {r["prompt"].split("?")[0]: r["answer"] for r in rows}
+    assert len(answers) == 9000
+    hand = {"What is 2+3*4": "14", "What is 9-2-3": "4", "What is 7*8-9": "47", "What is 0-9*9": "-81",
+            "What is 5*0+1": "1", "What is 3-4+5": "4", "What is 2*3*4": "24"}
+    assert {q: answers[q] for q in hand} == hand
 
 
 def test_a_small_space_evaluates_dev_on_its_test_rows():

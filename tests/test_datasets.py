@@ -567,6 +567,9 @@ def test_reward_columns_come_from_the_signature():
     (("eval.data={digitz: 2}",), "eval.data.digitz is not a data setting; valid keys: source, name,"),
     (("eval.data={digits: x}",), "eval.data.digits: Value 'x' of type 'str' could not be converted to Integer"),
     (("eval.data={eval_split: dev2}",), "data.eval_split=dev2: a built-in task evaluates on its held-out rows"),
+    (("sft_warmup.data={operandz: 2}",), "sft_warmup.data.operandz is not a data setting; valid keys: source, name,"),
+    (("sft_warmup.data={operands: x}",), "sft_warmup.data.operands: Value 'x' of type 'str' could not be converted"),
+    (("data=arith", "sft_warmup.data={tool_demos: add, ops: +-}"), "data.tool_demos=add demonstrates one call of add"),
     (("data=arith", "data.eval_split=valid"), "data.eval_split=valid: a built-in task evaluates on its held-out "
                                               "rows, choose one of test, dev (test: the default; dev: for tuning)"),
     (("data.max_prompt_len=0",), "data.max_prompt_len=0 must be at least 1"),

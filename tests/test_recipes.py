@@ -47,7 +47,7 @@ def test_the_calculator_recipe_is_one_command_warmup_then_episodes_then_the_held
     cfg = compose("experiment=smollm2_calculator", "model=tiny", f"model.name_or_path={model}", "sft_warmup.steps=2",
                   "sft_warmup.batch_size=2", "trainer.steps=3", "trainer.eval_every=3", "trainer.batch_size=2",
                   "eval.size=4", "rollout.max_new_tokens=8", "logging.progress=false")
-    assert cfg.data.calculator_demos and cfg.sft_warmup.column == "messages" and cfg.eval.size == 4
+    assert cfg.data.tool_demos == "calculator" and cfg.sft_warmup.column == "messages" and cfg.eval.size == 4
     train(cfg, tmp_path / "run", Console(quiet=True))
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]
@@ -65,3 +65,45 @@ def test_the_calculator_recipe_scores_the_200_held_out_problems():
     cfg = compose("experiment=smollm2_calculator")
     assert cfg.eval.size is None and cfg.data.eval_size is None and cfg.eval.greedy  # the task's 200 test rows
     assert cfg.trainer.eval_every == cfg.trainer.steps and not cfg.trainer.eval_at_start
+
+
+def test_the_add_agent_recipe_warms_up_on_two_operand_calls_and_trains_on_three_operand_sums(tmp_path):
+    """experiment=smollm2_add_agent on the tiny model: the warm-up learns one call of add on two-operand
+    sums (sft_warmup.data), GRPO's episodes are three-operand sums that no row demonstrates, and each
+    evaluation (the held-out three-operand problems) logs calls per episode beside accuracy."""
+    import re
+
+    from tests.test_multiturn import roomy_tiny_model
+
+    model = roomy_tiny_model(tmp_path / "model")
+    cfg = compose("experiment=smollm2_add_agent", "model=tiny", f"model.name_or_path={model}", "sft_warmup.steps=2",
+                  "sft_warmup.batch_size=2", "trainer.steps=3", "trainer.eval_every=2", "trainer.batch_size=2",
+                  "algo.group_size=2", "eval.size=4", "rollout.max_new_tokens=8", "logging.progress=false")
+    assert cfg.eval.size == 4 and cfg.data.eval_size is None and cfg.rollout.tools == ["add"]
+    from rlnotes.algos.registry import REGISTRY
+    from rlnotes.training.setup import setup
+
+    data = setup(cfg, REGISTRY["grpo"], tmp_path / "setup", Console(quiet=True)).data
+    two = re.compile(r"^What is (\d{3})\+(\d{3})\? ")
+    three = re.compile(r"^What is (\d{3})\+(\d{3})\+(\d{3})\? ")
+    assert len(data.warmup_rows) == 1000 and all(two.match(r["prompt"]) for r in data.warmup_rows)
+    assert all(r["messages"][1]["content"].startswith('<tool_call>{"name": "add"') for r in data.warmup_rows)
+    assert all(three.match(r["prompt"]) and "messages" not in r for r in data.sampler.rows + data.eval_rows)
+    assert len(data.eval_rows) == 200
+    train(cfg, tmp_path / "run", Console(quiet=True))
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all("sft_warmup/loss" in r and "reward/mean" not in r for r in rows[:2]) and "tools/calls" in rows[2]
+    evaluation = [json.loads(line) for line in (tmp_path / "run" / "eval.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in evaluation] == [2, 3]  # after the warm-up, after the last step
+    samples = [json.loads(line) for line in (tmp_path / "run" / "eval" / "step_000003.jsonl").read_text().splitlines()]
+    assert len(samples) == 4 and all(three.match(s["prompt"][-1]["content"]) for s in samples)
+    assert evaluation[1]["eval/tools/calls"] == sum(s["tool_calls"] for s in samples) / 4
+
+
+def test_the_add_agent_recipe_scores_the_200_held_out_three_operand_problems():
+    cfg = compose("experiment=smollm2_add_agent")
+    assert cfg.eval.size is None and cfg.data.eval_size is None and cfg.eval.greedy and cfg.data.operands == 3
+    assert cfg.sft_warmup.data == {"operands": 2, "tool_demos": "add"} and cfg.data.tool_demos is None
+    assert cfg.trainer.eval_every == cfg.sft_warmup.steps and not cfg.trainer.eval_at_start  # after the warm-up
+    assert (cfg.trainer.steps - cfg.sft_warmup.steps) % cfg.trainer.eval_every == 0  # ... and after the last step

@@ -3,6 +3,7 @@
 
 - `calculator`: arithmetic evaluated from the expression's syntax tree (numbers and operators
   only), so that a model's call can never run code.
+- `add`: the sum of two integers, nothing else: a sum of three numbers takes two calls.
 - `LettersEnv`: a two-turn toy environment a tiny model learns in seconds (write the row's
   letter, then write it again when asked), the multi-turn twin of the `letter_share` reward.
 """
@@ -92,6 +93,21 @@ def calculator(expression: str) -> str:
     return _format(_evaluate(tree))
 
 
+def add(a: int, b: int) -> int:
+    """Add two integers and return their sum.
+
+    Args:
+        a: The first integer.
+        b: The second integer.
+    """
+    for name, value in (("a", a), ("b", b)):
+        if type(value) is not int:  # bool is an int to Python, not to the model
+            raise ValueError(f"{name} must be an integer like 347, not {value!r}; add takes two integers a and b")
+        if abs(value) > MAX_MAGNITUDE:
+            raise ValueError(f"{name} is too large")
+    return a + b
+
+
 # ---------------------------------------------------------------------------------------------
 # a toy environment
 
@@ -115,5 +131,5 @@ class LettersEnv:
         return None, letter_share(None, [action], [self.letter])[0], True
 
 
-TOOLS: Dict[str, Callable] = {"calculator": calculator}
+TOOLS: Dict[str, Callable] = {"calculator": calculator, "add": add}
 ENVIRONMENTS: Dict[str, Callable] = {"letters": LettersEnv}

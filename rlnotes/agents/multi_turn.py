@@ -218,6 +218,10 @@ class Conversations:
         """Each episode as text for the samples table: its messages after the prompt, role by role."""
         return ["\n".join(f"[{m['role']}] {m['content']}" for m in c) for c in self.completions()]
 
+    def tool_calls(self) -> List[int]:
+        """Each episode's tool calls (malformed ones included, as tools/calls counts them)."""
+        return [e.tool_calls for e in self.episodes]
+
     def environments(self) -> List[object]:
         """Each episode's environment instance (None without one): TRL's `environments` keyword."""
         return [e.env for e in self.episodes]
@@ -236,7 +240,7 @@ class Conversations:
         turns = [sum(m["role"] == "assistant" for m in c) for c in self.completions()]
         return torch.stack([torch.tensor(turns, dtype=torch.float64), model,
                             rollout.real.sum(-1).double().cpu() - model,
-                            torch.tensor([e.tool_calls for e in self.episodes], dtype=torch.float64),
+                            torch.tensor(self.tool_calls(), dtype=torch.float64),
                             torch.tensor([e.tool_failures for e in self.episodes], dtype=torch.float64)], 1)
 
     def metrics(self, rollout: Rollout) -> Dict[str, float]:

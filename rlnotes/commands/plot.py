@@ -56,7 +56,7 @@ FIGURES: Tuple[Tuple[str, str, Tuple[str, ...]], ...] = (
     ("dpo_accuracy", "DPO accuracy", ("dpo/accuracy", "eval/dpo_accuracy")),
     ("rm_accuracy", "reward-model accuracy", ("rm/accuracy", "eval/rm_accuracy")),
     ("warmup_loss", "SFT warm-up loss", ("sft_warmup/loss",)),
-    ("tool_calls", "tool calls per episode", ("tools/calls",)),
+    ("tool_calls", "tool calls per episode", ("tools/calls", "eval/tools/calls")),
 )
 STYLES = ("-", "--")
 

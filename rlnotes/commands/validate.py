@@ -164,18 +164,20 @@ def _check_sweep(cfg) -> None:
                           "trainer.eval_every=N (or choose a training metric such as reward/mean)")
 
 
-def _check_eval_data(cfg) -> None:
-    """eval.data holds data settings, of their types, that make a valid data config over `data`."""
-    if not cfg.eval.data:
+def _check_data_override(cfg, key: str) -> None:
+    """The section `key` (eval.data, sft_warmup.data) holds data settings, of their types, that make
+    a valid data config over `data`."""
+    override = OmegaConf.select(cfg, key)
+    if not override:
         return
     valid = list(cfg.data.keys())
-    for key in cfg.eval.data:
-        if key not in valid:
-            raise ConfigError(f"eval.data.{key} is not a data setting; valid keys: {', '.join(valid)}")
+    for name in override:
+        if name not in valid:
+            raise ConfigError(f"{key}.{name} is not a data setting; valid keys: {', '.join(valid)}")
     try:
-        merged = OmegaConf.merge(cfg.data, cfg.eval.data)
+        merged = OmegaConf.merge(cfg.data, override)
     except ValidationError as e:
-        raise ConfigError(f"eval.data.{e.key}: {str(e).splitlines()[0]}") from None
+        raise ConfigError(f"{key}.{e.key}: {str(e).splitlines()[0]}") from None
     check_data_config(merged, cfg.trainer)
 
 
@@ -208,7 +210,8 @@ def validate(cfg) -> Algorithm:
     _check_sweep(cfg)
     check_model_source(cfg.model.name_or_path)  # a missing or half-written model dir, before anything loads
     check_data_config(cfg.data, cfg.trainer)
-    _check_eval_data(cfg)
+    _check_data_override(cfg, "eval.data")
+    _check_data_override(cfg, "sft_warmup.data")
     if algo.samples:
         if cfg.reward.name == "model" and not cfg.reward.path:
             raise ConfigError("reward=model needs the reward model's directory: reward.path=RUN_DIR/final "

@@ -66,7 +66,7 @@ RANGES: Dict[str, str] = {
     "sweep.last_steps": ">= 1", "sweep.seeds": ">= 1",
     "eval.size": ">= 1", "eval.samples_per_prompt": ">= 1", "eval.max_new_tokens": ">= 1",
     "eval.batch_size": ">= 1",
-    "data.train_size": ">= 1", "data.digits": ">= 1", "data.max_digits": ">= 1",
+    "data.train_size": ">= 1", "data.digits": ">= 1", "data.max_digits": ">= 1", "data.operands": ">= 2",
     "model.lora.r": ">= 1", "model.lora.alpha": "> 0", "model.lora.dropout": "[0, 1)",
     "model.tiny.hidden_size": ">= 1", "model.tiny.num_layers": ">= 1", "model.tiny.num_heads": ">= 1",
     "model.tiny.intermediate_size": ">= 1", "model.tiny.init_std": "> 0",

@@ -67,9 +67,13 @@ class DataConfig:
     ops: str = "+"
     # Text appended to each question (arith and countdown).
     instruction: str = "Answer with just the number."
-    # arith: give each training row a `messages` column, a demonstration of the calculator tool (the
-    # question, the assistant's call, the tool's result, the number) for an SFT warm-up on it
-    # (sft_warmup.column=messages); the held-out rows get none.
-    calculator_demos: bool = False
+    # Operands per problem (arith): 3 asks 'What is 347+589+123?'. Each count has its own problems, so
+    # its held-out rows never appear in another count's training.
+    operands: int = 2
+    # arith: give each training row a `messages` column, a demonstration of one call of this built-in
+    # tool (the question, the assistant's call, the tool's result, the number) for an SFT warm-up on it
+    # (sft_warmup.column=messages); the held-out rows get none. calculator: {"expression": "639+142"};
+    # add: {"a": 639, "b": 142} (two-operand sums). null: none.
+    tool_demos: Optional[str] = None
     # The letters the prompts ask for (letters).
     letters: str = "a"

@@ -332,6 +332,10 @@ class SFTWarmupConfig:
     lr: float = 1e-3
     # The train rows' column holding each demonstration, e.g. answer (arith) or completion.
     column: str = "completion"
+    # Data settings of the warm-up's rows that differ, merged over `data` (e.g. {operands: 2,
+    # tool_demos: add}: demonstrations of other problems than those the algorithm trains on); empty =
+    # the run's train rows.
+    data: Dict[str, Any] = field(default_factory=lambda: OmegaConf.create({}, flags={"struct": False}))
 
 
 @dataclass

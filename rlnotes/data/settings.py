@@ -8,7 +8,7 @@ from typing import Optional
 
 from rlnotes.core.checks import check_choice
 from rlnotes.core.errors import ConfigError
-from rlnotes.data.tasks import TASK_EVAL_SPLITS, TASKS
+from rlnotes.data.tasks import TASK_EVAL_SPLITS, TASKS, TOOL_DEMOS
 from rlnotes.engine.prompts import PromptFormat
 
 # Where data.source takes its rows from: a built-in task (data.name), a local file (data.path) or
@@ -42,6 +42,19 @@ def own_eval_rows(d) -> bool:
     return d.eval_path is not None or (d.source == "hub" and d.eval_split is not None)
 
 
+def check_tool_demos(d) -> None:
+    """data.tool_demos names a tool whose one call answers each of the arith task's train rows."""
+    if d.tool_demos is None:
+        return
+    check_choice("data.tool_demos", d.tool_demos, TOOL_DEMOS)
+    if d.source != "task" or d.name != "arith":
+        raise ConfigError(f"data.tool_demos={d.tool_demos} writes demonstrations of the arith task's problems; use "
+                          "data=arith or set data.tool_demos=null (a file can hold its own messages column)")
+    if d.tool_demos == "add" and (d.operands != 2 or d.ops != "+"):
+        raise ConfigError(f"data.tool_demos=add demonstrates one call of add(a, b), which answers a sum of two "
+                          f"numbers: set data.operands=2 and data.ops=+ (now {d.operands} and {d.ops!r})")
+
+
 def check_data_config(d, trainer) -> None:
     """The data settings `d` a schema type cannot check, before anything loads, with the trainer
     settings they must agree with (trainer.batch_size, trainer.eval_every)."""
@@ -49,12 +62,10 @@ def check_data_config(d, trainer) -> None:
     check_choice("data.overlong", d.overlong, OVERLONG)
     if d.source == "task":
         check_choice("data.name", d.name, TASKS)
-    if d.calculator_demos and (d.source != "task" or d.name != "arith"):
-        raise ConfigError("data.calculator_demos=true writes demonstrations of the arith task's problems; use data=arith "
-                          "or set data.calculator_demos=false (a file can hold its own messages column)")
         if d.train_size < trainer.batch_size:
             raise ConfigError(f"data.train_size={d.train_size} is smaller than trainer.batch_size="
                               f"{trainer.batch_size}; raise data.train_size or lower trainer.batch_size")
+    check_tool_demos(d)
     if d.source == "hub" and d.name in ("auto", ""):  # "auto" is the schema's default, not a dataset
         raise ConfigError("data=hub needs the dataset: data.name=org/set (or a local dataset folder)")
     if d.path and d.source != "file":

@@ -8,6 +8,7 @@ those columns as keyword arguments. Preference rows add `chosen` and `rejected`,
 
 from __future__ import annotations
 
+import itertools
 import random
 from typing import Any, Callable, Dict, List, Tuple
 
@@ -69,11 +70,11 @@ def _split(space: List[Row], train_size: int, eval_size: int, seed: int, dev: bo
 
 def arith(cfg) -> Split:
     """'What is 23+58? Answer with just the number.' with operands of `cfg.digits` digits, or of
-    every size from `cfg.digits` to `cfg.max_digits` in equal shares. Each size holds out its own
-    eval rows, the same ones a run with data.digits=<that size> holds out, so a model trained on a
-    mix can be scored on exactly the held-out two-digit problems (eval.data={digits: 2}). With
-    `cfg.calculator_demos` each train row (never a held-out one) has a `messages` column too:
-    calculator_demo."""
+    every size from `cfg.digits` to `cfg.max_digits` in equal shares, `cfg.operands` of them
+    ('What is 347+589+123?'). Each size holds out its own eval rows, the same ones a run with
+    data.digits=<that size> holds out, so a model trained on a mix can be scored on exactly the
+    held-out two-digit problems (eval.data={digits: 2}). With `cfg.tool_demos` each train row (never
+    a held-out one) has a `messages` column too: a demonstration of that tool (TOOL_DEMOS)."""
     if cfg.max_digits is None or cfg.max_digits == cfg.digits:
         train, eval_rows = _arith(cfg, cfg.digits, cfg.train_size)
     elif cfg.max_digits < cfg.digits:
@@ -85,37 +86,73 @@ def arith(cfg) -> Split:
         splits = [_arith(cfg, d, per_size) for d in sizes]
         train = [splits[i % len(sizes)][0][i // len(sizes)] for i in range(cfg.train_size)]
         eval_rows = [row for _, rows in splits for row in rows]
-    if cfg.calculator_demos:
-        train = [{**row, "messages": calculator_demo(row)} for row in train]
+    if cfg.tool_demos:
+        demo = TOOL_DEMOS[cfg.tool_demos]
+        train = [{**row, "messages": demo(row)} for row in train]
     return train, eval_rows
 
 
-def calculator_demo(row: Row) -> List[Dict[str, str]]:
-    """The conversation that answers an arith row with the built-in calculator tool: the question,
-    the assistant's call in the form the calculator experiment's system prompt shows, the tool's
-    result (the calculator's text for it: the answer), then the number alone."""
-    expression = row["prompt"].removeprefix("What is ").split("?")[0]
-    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "%s"}}</tool_call>' % expression
+def _expression(row: Row) -> str:
+    """The arithmetic of an arith row's question: '347+589' of 'What is 347+589? ...'."""
+    return row["prompt"].removeprefix("What is ").split("?")[0]
+
+
+def _tool_demo(row: Row, name: str, arguments: str) -> List[Dict[str, str]]:
+    """The conversation that answers an arith row with one call of the built-in tool `name`: the
+    question, the assistant's call (`arguments`: its JSON), the tool's result (the answer), then the
+    number alone."""
+    call = '<tool_call>{"name": "%s", "arguments": %s}</tool_call>' % (name, arguments)
     return [{"role": "user", "content": row["prompt"]}, {"role": "assistant", "content": call},
-            {"role": "tool", "name": "calculator", "content": row["answer"]},
+            {"role": "tool", "name": name, "content": row["answer"]},
             {"role": "assistant", "content": row["answer"]}]
+
+
+def calculator_demo(row: Row) -> List[Dict[str, str]]:
+    """An arith row answered with one call of the built-in calculator tool, in the form the
+    calculator experiment's system prompt shows: {"expression": "639+142"}."""
+    return _tool_demo(row, "calculator", '{"expression": "%s"}' % _expression(row))
+
+
+def add_demo(row: Row) -> List[Dict[str, str]]:
+    """A two-operand sum answered with one call of the built-in add tool: {"a": 347, "b": 589}."""
+    a, b = _expression(row).split("+")
+    return _tool_demo(row, "add", '{"a": %s, "b": %s}' % (a, b))
+
+
+# data.tool_demos: the demonstration each train row gets, by the built-in tool it calls.
+TOOL_DEMOS: Dict[str, Callable[[Row], List[Dict[str, str]]]] = {"calculator": calculator_demo, "add": add_demo}
+
+
+def _value(numbers: Tuple[int, ...], ops: Tuple[str, ...]) -> int:
+    """The value of numbers[0] ops[0] numbers[1] ops[1] ...: * before + and -, then left to right."""
+    terms = [numbers[0]]  # the summands, each with its sign
+    for op, n in zip(ops, numbers[1:]):
+        if op == "*":
+            terms[-1] *= n
+        else:
+            terms.append(n if op == "+" else -n)
+    return sum(terms)
 
 
 def _arith(cfg, digits: int, train_size: int) -> Split:
     lo, hi = (0, 9) if digits == 1 else (10 ** (digits - 1), 10**digits - 1)
     # Read once: an OmegaConf attribute costs far more than a local name, and the loops below run up to
     # 50,000 times.
-    op_chars, instruction = cfg.ops, cfg.instruction
-    ops = _check_ops(op_chars)
+    op_chars, instruction, n = cfg.ops, cfg.instruction, cfg.operands
+    _check_ops(op_chars)
     rng = random.Random(cfg.seed)
-    size = (hi - lo + 1) ** 2 * len(set(op_chars))
+    size = (hi - lo + 1) ** n * len(set(op_chars)) ** (n - 1)
+    # A problem is (a, op, b, op, c, ...): two operands keep the order and draws they always had.
     if size <= 50_000:
-        problems = [(a, op, b) for op in sorted(set(op_chars)) for a in range(lo, hi + 1) for b in range(lo, hi + 1)]
+        numbers = list(itertools.product(range(lo, hi + 1), repeat=n))
+        problems = [tuple(x for pair in itertools.zip_longest(ns, os) for x in pair if x is not None)
+                    for os in itertools.product(sorted(set(op_chars)), repeat=n - 1) for ns in numbers]
     else:  # too many to list: a large random sample stands for the space
-        problems = list({(rng.randint(lo, hi), rng.choice(op_chars), rng.randint(lo, hi)) for _ in range(50_000)})
+        problems = list({tuple(rng.randint(lo, hi) if i % 2 == 0 else rng.choice(op_chars) for i in range(2 * n - 1))
+                         for _ in range(50_000)})
         problems.sort()
-    space = [{"prompt": f"What is {a}{op}{b}? {instruction}".strip(), "answer": str(ops[op](a, b))}
-             for a, op, b in problems]
+    space = [{"prompt": f"What is {''.join(map(str, p))}? {instruction}".strip(),
+              "answer": str(_value(p[::2], p[1::2]))} for p in problems]
     return _split(space, train_size, task_eval_size(cfg), cfg.seed, wants_dev(cfg))
 
 

@@ -124,7 +124,9 @@ class Data:
     # The sha256 of the train rows in order (restore.rows_sha256), kept in each checkpoint: a resume on
     # other rows is refused.
     rows_sha256: Optional[str]
-    # The SFT warm-up's order over the train rows (training.warmup), made on its first step.
+    # The SFT warm-up's rows when sft_warmup.data sets them apart; None: the train rows.
+    warmup_rows: Optional[List[Row]] = None
+    # The SFT warm-up's order over its rows (training.warmup), made on its first step.
     warmup_sampler: Optional[PromptSampler] = None
 
 

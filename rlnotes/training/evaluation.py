@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Dict, List, Optional
 import torch
 from omegaconf import OmegaConf, open_dict
 
-from rlnotes.agents.multi_turn import MultiTurn
+from rlnotes.agents.multi_turn import Conversations, MultiTurn
 from rlnotes.agents.routing import environment_names
 from rlnotes.data.datasets import load_checked
 from rlnotes.data.fitting import fit_and_split
@@ -106,12 +106,14 @@ def evaluate(policy, cfg, rows: List[dict], scorer, step: int = 0) -> Evaluation
     with policy.sampling(cfg.rollout.merge_adapter, cfg.rollout.pack_weights) as model:
         for start in range(0, len(rows), e.batch_size):
             batch = rows[start:start + e.batch_size]
-            rollout, rewards, prompts = _sample_and_score(model, policy.tokenizer, multi_turn, batch, n, sampling,
-                                                          fmt, generator, scorer)
+            rollout, rewards, episodes = _sample_and_score(model, policy.tokenizer, multi_turn, batch, n, sampling,
+                                                           fmt, generator, scorer)
             lengths += rollout.completion_mask.sum(-1).tolist()
             truncated += rollout.truncated.tolist()
+            prompts, calls = (episodes.prompts(), episodes.tool_calls()) if episodes else (None, None)
             for i, (text, reward) in enumerate(zip(rollout.texts, rewards.tolist())):
-                samples.append(_sample(batch[i // n], text, reward, prompts[i] if prompts else None))
+                samples.append(_sample(batch[i // n], text, reward, prompts[i] if prompts else None,
+                                       calls[i] if calls else None))
     if was_training:
         policy.train()
     correct = [s["correct"] for s in samples]
@@ -123,6 +125,8 @@ def evaluate(policy, cfg, rows: List[dict], scorer, step: int = 0) -> Evaluation
         per_prompt = [sum(correct[i:i + n]) for i in range(0, len(correct), n)]
         for k in sorted({1, n}):
             metrics[f"eval/pass@{k}"] = sum(pass_at_k(n, c, k) for c in per_prompt) / len(per_prompt)
+    if multi_turn is not None and multi_turn.tools:
+        metrics["eval/tools/calls"] = sum(s["tool_calls"] for s in samples) / len(samples)
     for name in multi_turn.names if multi_turn is not None else ():  # rows choose among several environments
         mine = [s for s in samples if s["environment"] == name]
         if mine:
@@ -131,13 +135,15 @@ def evaluate(policy, cfg, rows: List[dict], scorer, step: int = 0) -> Evaluation
     return Evaluation(metrics, samples)
 
 
-def _sample(row: dict, completion: str, reward: float, prompt=None) -> dict:
+def _sample(row: dict, completion: str, reward: float, prompt=None, tool_calls: Optional[int] = None) -> dict:
     """One sample of an evaluation: its prompt (the row's, or `prompt`: an episode's as the model saw
-    it), completion, reward and correctness, then the row's other columns; a column named like one
-    of the sample's own fields (an SFT row's reference `completion`) is kept as row.<name>, so it
-    never stands for the sampled completion or its score."""
+    it), completion, reward and correctness (and an episode's tool calls), then the row's other
+    columns; a column named like one of the sample's own fields (an SFT row's reference
+    `completion`) is kept as row.<name>, so it never stands for the sampled completion or its score."""
     sample = {"prompt": row["prompt"] if prompt is None else prompt, "completion": completion, "reward": reward,
               "correct": reward >= 1.0}
+    if tool_calls is not None:
+        sample["tool_calls"] = tool_calls
     for column, value in row.items():
         if column != "prompt":
             sample[f"row.{column}" if column in sample else column] = value
@@ -146,12 +152,12 @@ def _sample(row: dict, completion: str, reward: float, prompt=None) -> dict:
 
 def _sample_and_score(model, tokenizer, multi_turn: Optional[MultiTurn], batch: List[dict], n: int,
                       sampling: SamplingSettings, fmt: PromptFormat, generator,
-                      scorer) -> tuple[Rollout, torch.Tensor, Optional[List[list]]]:
+                      scorer) -> tuple[Rollout, torch.Tensor, Optional[Conversations]]:
     """n completions (multi-turn: whole episodes, scored as in training) for each row of `batch`, their
-    rewards, and (multi-turn) each episode's prompt as the model saw it (else None: the rows')."""
+    rewards, and (multi-turn) the episodes' conversations (else None)."""
     if multi_turn is not None:
         conversations, rollout = multi_turn.run_episodes(model, tokenizer, batch, n, sampling, fmt, generator)
-        return rollout, conversations.score(scorer, batch, rollout)[0], conversations.prompts()
+        return rollout, conversations.score(scorer, batch, rollout)[0], conversations
     ids = fmt.encode(tokenizer, [r["prompt"] for r in batch])
     rollout = generate(model, tokenizer, ids, n, sampling, generator)
     return rollout, scorer.score_groups(batch, rollout.texts, rollout.token_lists(), n)[0], None

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-from omegaconf import OmegaConf
+from omegaconf import OmegaConf, open_dict
 from rich.console import Console
 
 from rlnotes.agents.multi_turn import MultiTurn
@@ -53,8 +53,7 @@ def setup(cfg, algo: Algorithm, run_dir: Path, console: Console, resume_from: Op
         data = load_checked(cfg.data, algo, rewards.fns if rewards else [],
                             "eval.generate" if cfg.trainer.eval_every and cfg.eval.generate else None,
                             multi_turn.names if multi_turn else ())
-        if cfg.sft_warmup.steps:
-            require_demonstrations(data.train, cfg.sft_warmup.column, f"sft_warmup.steps={cfg.sft_warmup.steps}")
+        warm = warmup_data(cfg, data) if cfg.sft_warmup.steps else None
         policy = Policy.from_config(cfg.model, device, share_prompts=cfg.trainer.shared_prompt)
     threads = set_threads(cfg.hardware.threads, policy.model)
     precision, said = set_precision(cfg.hardware, device, policy)
@@ -66,6 +65,7 @@ def setup(cfg, algo: Algorithm, run_dir: Path, console: Console, resume_from: Op
                                           samples=algo.samples)
     if cfg.eval.data:
         eval_rows = held_out_rows(cfg, policy.tokenizer, context_length(policy.model), console)
+    warm_rows = warmup_rows(cfg, warm, policy.tokenizer, context_length(policy.model), console)
     params = policy.trainable_parameters()
     distributed.broadcast_parameters(params)  # every rank starts from rank 0's weights
     o = cfg.optim
@@ -94,10 +94,36 @@ def setup(cfg, algo: Algorithm, run_dir: Path, console: Console, resume_from: Op
         model=Model(policy, prompt_format(cfg), device, precision, Batching.of(cfg.trainer), optimizer, scheduler,
                     o.lr, lr_factor, o.max_grad_norm),
         data=Data(PromptSampler(train_rows, cfg.trainer.batch_size, cfg.seed), eval_rows, rewards, scorer,
-                  restore.rows_sha256(train_rows)),
+                  restore.rows_sha256(train_rows), warm_rows),
         rollouts=Rollouts(SamplingSettings.of(r), per_prompt_seed, r.merge_adapter, r.pack_weights, r.tis_cap,
                           engine, multi_turn),
         out=Output(run_dir, NullLogger(), console))
+
+
+def warmup_config(cfg):
+    """The run's config with the SFT warm-up's data: `data` with sft_warmup.data merged over it."""
+    other = cfg.copy()
+    with open_dict(other):
+        other.data = OmegaConf.merge(cfg.data, cfg.sft_warmup.data)
+    return other
+
+
+def warmup_data(cfg, data):
+    """The SFT warm-up's demonstrations, checked before the model loads: the run's rows (`data`), or
+    those of `data` + sft_warmup.data, whose train rows the warm-up then learns from instead."""
+    w = cfg.sft_warmup
+    if w.data:
+        data = load_checked(warmup_config(cfg).data, None)
+    require_demonstrations(data.train, w.column, f"sft_warmup.steps={w.steps}")
+    return data
+
+
+def warmup_rows(cfg, warm, tokenizer, limit: Optional[int], console: Console) -> Optional[list]:
+    """The rows of sft_warmup.data's demonstrations (`warm`, from warmup_data), fitted to the model as
+    the train rows are; None when the warm-up learns from the train rows (or there is none)."""
+    if warm is None or not cfg.sft_warmup.data:
+        return None
+    return fit_and_split(warm, warmup_config(cfg), tokenizer, limit, console, evaluating=False, training=False)[0]
 
 
 def set_precision(hardware, device: torch.device, policy: Policy) -> tuple[str, str]:
@@ -124,7 +150,8 @@ def describe_steps(cfg, algo: Algorithm, train_rows: int, console: Console) -> N
     console.print(describe_batches(batch_arithmetic(cfg.trainer, algo.shape(cfg), train_rows,
                                                     cfg.trainer.steps - w.steps)), highlight=False, soft_wrap=True)
     if w.steps:
-        console.print(f"sft_warmup: first {w.steps} supervised steps on the demonstrations in column {w.column!r} "
+        rows = f" of data + sft_warmup.data {OmegaConf.to_container(w.data)}" if w.data else ""
+        console.print(f"sft_warmup: first {w.steps} supervised steps on the demonstrations in column {w.column!r}{rows} "
                       f"({w.batch_size} rows a step, lr {w.lr:g}), then the {cfg.trainer.steps - w.steps} of "
                       f"algo={cfg.algo.name} above: trainer.steps={cfg.trainer.steps} in all",
                       highlight=False, soft_wrap=True)

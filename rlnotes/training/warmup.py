@@ -1,15 +1,16 @@
 """SFT warm-up: supervised steps on demonstrations before the algorithm's own, in the same run
 (sft_warmup; InstructGPT's first stage, Ouyang et al. 2022, ahead of its RL stage).
 
-The first `sft_warmup.steps` of trainer.steps each take `sft_warmup.batch_size` train rows (an order
-of their own, so the algorithm's steps then see the data from its start, as a separate run would)
-and minimise the token-mean negative log-likelihood of each row's demonstration (`sft_warmup.column`):
-text given its prompt, or a conversation's assistant turns, rendered as the run's episodes render
-them (the tools' descriptions included; rlnotes.agents.rendering), at `sft_warmup.lr` shaped by optim.schedule over the warm-up's steps (linear: down
-to 0 at its end; no optim.warmup_steps). The next step starts the optimizer afresh (Adam's moments of
-the supervised gradients would otherwise scale the first policy-gradient steps), so the algorithm
-trains as a run from the warmed-up weights would. Checkpoints, stops and resumes work as for any
-step: the warm-up's data position is its step count.
+The first `sft_warmup.steps` of trainer.steps each take `sft_warmup.batch_size` train rows (those of
+data + sft_warmup.data where it is set; an order of their own, so the algorithm's steps then see the
+data from its start, as a separate run would) and minimise the token-mean negative log-likelihood
+of each row's demonstration (`sft_warmup.column`): text given its prompt, or a conversation's
+assistant turns, rendered as the run's episodes render them (the tools' descriptions included;
+rlnotes.agents.rendering), at `sft_warmup.lr` shaped by optim.schedule over the warm-up's steps
+(linear: down to 0 at its end; no optim.warmup_steps). The next step starts the optimizer afresh
+(Adam's moments of the supervised gradients would otherwise scale the first policy-gradient
+steps), so the algorithm trains as a run from the warmed-up weights would. Checkpoints, stops and
+resumes work as for any step: the warm-up's data position is its step count.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ def warmup_step(ctx: Context) -> Dict[str, float]:
     """One supervised step on the next sft_warmup.batch_size rows (micro-batched like any step)."""
     cfg, warm, model, run, data = ctx.cfg, ctx.cfg.sft_warmup, ctx.model, ctx.run, ctx.data
     if data.warmup_sampler is None:  # made on this process's first warm-up step; a resumed run skips the batches done
-        data.warmup_sampler = PromptSampler(data.sampler.rows, warm.batch_size, cfg.seed + 1)
+        rows = data.sampler.rows if data.warmup_rows is None else data.warmup_rows
+        data.warmup_sampler = PromptSampler(rows, warm.batch_size, cfg.seed + 1)
         for _ in range(run.step):
             data.warmup_sampler.next_batch()
     seqs = encode_demonstrations(model, distributed.shard(data.warmup_sampler.next_batch()), (warm.column,),
