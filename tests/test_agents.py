@@ -183,6 +183,10 @@ def test_parse_arguments_given_as_a_json_string():
     ('{"name": "a", "arguments": "x=1"}', "a string that is not JSON"),
     ('["a"]', "not a JSON object"),
     ('"calculator"', "not a JSON object"),
+    # a repeated key: JSON keeps the last value, so add(347, 123) would run for {"a": 347, "b": 589, "b": 123}
+    ('{"name": "add", "arguments": {"a": 347, "b": 589, "b": 123}}', 'the key "b" is given twice in one object'),
+    ('{"name": "add", "name": "sub", "arguments": {}}', 'the key "name" is given twice'),
+    ('{"name": "add", "arguments": "{\\"a\\": 1, \\"a\\": 2}"}', 'the "arguments" of add: the key "a" is given twice'),
 ])
 def test_parse_malformed_calls_are_errors_for_the_model(block, says):
     parsed = parse_tool_calls(call("ok") + f"<tool_call>{block}</tool_call>")

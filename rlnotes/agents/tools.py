@@ -152,12 +152,33 @@ def parse_tool_calls(text: str, fmt: str = "hermes") -> ToolCalls:
     return out
 
 
+class _RepeatedKey(ValueError):
+    pass
+
+
+def _unique_keys(pairs: List[tuple]) -> dict:
+    """A JSON object's pairs as a dict, refusing a key given twice: JSON would keep the last value
+    silently, and a call like {"a": 3, "b": 5, "b": 7} would run as if it had been meant."""
+    out = {}
+    for key, value in pairs:
+        if key in out:
+            raise _RepeatedKey(f'the key "{key}" is given twice in one object; give each argument once')
+        out[key] = value
+    return out
+
+
+def _loads(text: str) -> object:
+    return json.loads(text, object_pairs_hook=_unique_keys)
+
+
 def _read_json(block: str) -> tuple[object, Optional[str]]:
-    """(the block's JSON value, None), or (None, why it is not JSON)."""
+    """(the block's JSON value, None), or (None, why it is not JSON or repeats a key)."""
     try:
-        return json.loads(block), None
+        return _loads(block), None
     except json.JSONDecodeError as e:
         return None, f"not valid JSON ({e.msg} at character {e.pos})"
+    except _RepeatedKey as e:
+        return None, str(e)
 
 
 def _checked_call(item) -> object:
@@ -170,9 +191,11 @@ def _checked_call(item) -> object:
     arguments = item.get("arguments", item.get("parameters", {}))
     if isinstance(arguments, str):
         try:
-            arguments = json.loads(arguments)
+            arguments = _loads(arguments)
         except json.JSONDecodeError:
             return f'the "arguments" of {name} are a string that is not JSON'
+        except _RepeatedKey as e:
+            return f'the "arguments" of {name}: {e}'
     if not isinstance(arguments, dict):
         return f'the "arguments" of {name} are not a JSON object'
     return {"name": name, "arguments": arguments}
