@@ -301,18 +301,25 @@ def wait_rusage(proc: subprocess.Popen, timeout: Optional[float]) -> tuple[int, 
         time.sleep(0.1)
 
 
+def thread_env(threads: str, **extra: str) -> Dict[str, str]:
+    """This process's environment for a child that runs with `threads` threads (OMP_NUM_THREADS;
+    'default' leaves torch's own), passive OpenMP waiting unless set, and `extra`."""
+    env = dict(os.environ, **extra)
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if threads == "default":
+        env.pop("OMP_NUM_THREADS", None)
+    else:
+        env["OMP_NUM_THREADS"] = threads
+    return env
+
+
 def run_one(tool: str, prep: dict, model: str, shape_name: str, shape: Shape, threads: str, steps: int,
             run_dir: Path, timeout: Optional[float] = None, precision: str = "fp32") -> dict:
     """One run of one tool in its own process: its per-step rows, peak RSS, wall time, exit code and
     the 1-minute load average before and after it."""
     data = prep["data" if tool == "rlnotes" else "trl_data"][shape_name]
     run_dir.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
-    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    if threads == "default":
-        env.pop("OMP_NUM_THREADS", None)
-    else:
-        env["OMP_NUM_THREADS"] = threads
+    env = thread_env(threads, TOKENIZERS_PARALLELISM="false")
     if tool == "rlnotes":
         cmd = rlnotes_command(prep, model, shape, data, threads, steps, run_dir, precision)
     else:
@@ -534,13 +541,9 @@ def tables(summary: Dict[tuple, Dict[str, dict]]) -> str:
 def measure_rate(dims: dict, threads: str, precision: str) -> float:
     """The matmul rate (FLOP/s, step_floor.matmul_rate) in a process of its own, with the thread
     count the runs get (OMP_NUM_THREADS; 'default' leaves torch's own)."""
-    env = dict(os.environ)
-    env.pop("OMP_NUM_THREADS", None)
-    if threads != "default":
-        env["OMP_NUM_THREADS"] = threads
     spec = {"dims": dims, "precision": precision}
     done = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", "rate", "--spec", "-"],
-                          input=json.dumps(spec), capture_output=True, text=True, env=env, check=True)
+                          input=json.dumps(spec), capture_output=True, text=True, env=thread_env(threads), check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])["rate"]
 
 
