@@ -12,7 +12,8 @@ recipe's SFT warm-up (TRL: its SFTTrainer on the same demonstrations, prompt-com
 completion only, then its GRPOTrainer on the same adapter), group size, prompts per step,
 temperature, completion length, learning rates and their schedule (each stage its own, as rlnotes'
 optim.schedule shapes the warm-up and the steps after it apart), beta, clip range, the notes' GRPO loss (TRL: loss_type
-grpo, scale_rewards group), AdamW, float32, threads. What differs: the order the training rows come
+grpo, scale_rewards group), AdamW, precision (the experiment's hardware.precision as rlnotes resolves
+it on this machine: bf16 is TRL's bf16=True), threads. What differs: the order the training rows come
 in (each tool shuffles its own way) and TRL's own evaluation (greedy, HF generate, batches of 100).
 
 The clock counts training only: from the first step to the last, less the time spent evaluating
@@ -38,6 +39,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 LORA = {"r": 16, "alpha": 32, "dropout": 0.0, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
 BARS = (0.5, 0.67)
+SMOLLM2_PARAMETERS = 134_515_008  # what hardware.threads=auto and precision=auto read of the model
 
 
 def recipe(seed: int, overrides: List[str], experiment: str = "smollm2_arith"):
@@ -87,7 +89,8 @@ def trl_worker(spec: dict) -> None:
     model, tokenizer = load_model(spec)
     system = [{"role": "system", "content": spec["system_prompt"]}]
     as_prompt = lambda text: system + [{"role": "user", "content": text}]  # noqa: E731
-    train = [{"prompt": as_prompt(r["prompt"]), "answer": r["answer"]} for r in spec["train"]]
+    column = spec["warmup_column"]  # the warm-up's demonstrations: the bare number, or the sum worked out
+    train = [{"prompt": as_prompt(r["prompt"]), "answer": r["answer"], "shown": r[column]} for r in spec["train"]]
     test = [{"prompt": as_prompt(r["prompt"]), "answer": r["answer"]} for r in spec["test"]]
     lora = lora_config()
     curve: List[Dict[str, float]] = []
@@ -132,7 +135,7 @@ def trl_worker(spec: dict) -> None:
         policy, peft_config = model, lora
         if warm:
             demos = Dataset.from_list([{"prompt": r["prompt"], "completion": [{"role": "assistant",
-                                                                               "content": r["answer"]}]}
+                                                                               "content": r["shown"]}]}
                                        for r in train])
             sft = SFTTrainer(model=model, args=SFTConfig(output_dir=tmp, max_steps=warm, learning_rate=spec["warmup_lr"],
                                                          per_device_train_batch_size=spec["warmup_batch"],
@@ -181,11 +184,11 @@ def lora_config():
 
 
 def training_args(spec: dict) -> dict:
-    """The TrainingArguments both TRL trainers share: rlnotes' AdamW, clipping and schedule, float32 on
-    the CPU, no gradient checkpointing, evaluation or saving, a log row every step."""
+    """The TrainingArguments both TRL trainers share: rlnotes' AdamW, clipping and schedule, its
+    precision on the CPU, no gradient checkpointing, evaluation or saving, a log row every step."""
     return dict(optim="adamw_torch", lr_scheduler_type=spec["schedule"], warmup_steps=0, weight_decay=0.0,
                 adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, max_grad_norm=1.0,
-                gradient_checkpointing=False, bf16=False, fp16=False, use_cpu=True, logging_steps=1,
+                gradient_checkpointing=False, bf16=spec["precision"] == "bf16", fp16=False, use_cpu=True, logging_steps=1,
                 save_strategy="no", eval_strategy="no", report_to="none", seed=spec["seed"], disable_tqdm=True,
                 dataloader_num_workers=0)
 
@@ -193,12 +196,15 @@ def training_args(spec: dict) -> dict:
 def recipe_spec(cfg, seed: int, train: List[dict], test: List[dict]) -> dict:
     """What TRL's side takes from an experiment's config: the model dir, prompt, threads, shapes,
     sampling, loss and learning-rate settings, the warm-up's, and the rows."""
+    import torch
+
     from rlnotes.data.settings import system_prompt
+    from rlnotes.engine.hardware.devices import choose_precision
     from rlnotes.engine.hardware.threads import auto_threads
     from rlnotes.engine.model.loading import smollm2_dir
 
     a, threads = cfg.algo, cfg.hardware.threads
-    threads = auto_threads(134_515_008) if threads == "auto" else threads or 0
+    threads = auto_threads(SMOLLM2_PARAMETERS) if threads == "auto" else threads or 0
     return {"model_dir": str(smollm2_dir()), "system_prompt": system_prompt(cfg), "seed": seed,
             "train": train, "test": test, "threads": threads,
             "steps": cfg.trainer.steps, "eval_every": cfg.trainer.eval_every, "prompts": cfg.trainer.batch_size,
@@ -206,7 +212,8 @@ def recipe_spec(cfg, seed: int, train: List[dict], test: List[dict]) -> dict:
             "temperature": cfg.rollout.temperature, "beta": a.beta, "clip_eps": a.clip_eps, "lr": cfg.optim.lr,
             "schedule": cfg.optim.schedule,
             "warmup_steps": cfg.sft_warmup.steps, "warmup_lr": cfg.sft_warmup.lr,
-            "warmup_batch": cfg.sft_warmup.batch_size}
+            "warmup_batch": cfg.sft_warmup.batch_size, "warmup_column": cfg.sft_warmup.column,
+            "precision": choose_precision(cfg.hardware.precision, torch.device("cpu"), SMOLLM2_PARAMETERS)[0]}
 
 
 def time_to(curve: List[Dict[str, float]], bar: float) -> Optional[float]:

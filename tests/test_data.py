@@ -173,6 +173,50 @@ def test_tool_demos_that_cannot_be_written_are_one_line(overrides, message):
         compose(*overrides)
 
 
+@pytest.mark.parametrize("question, worked", [
+    ("47+38", "7+8=15. 4+3+1=8. 85"), ("42+13", "2+3=5. 4+1+0=5. 55"), ("97+97", "7+7=14. 9+9+1=19. 194"),
+    ("10+90", "0+0=0. 1+9+0=10. 100"), ("3+4", "3+4=7. 7"), ("5+5", "5+5=10. 10"),
+    ("347+589+123", "7+9+3=19. 4+8+2+1=15. 3+5+1+1=10. 1059")])
+def test_a_worked_sum_writes_each_column_and_its_carry_then_the_number(question, worked):
+    from rlnotes.data.tasks import worked_sum
+
+    assert worked_sum({"prompt": f"What is {question}? Answer with just the number.", "answer": str(eval(question))}) \
+        == worked
+
+
+@pytest.mark.parametrize("digits, max_digits, operands", [(2, None, 2), (1, 2, 2), (3, None, 3)])
+def test_worked_sums_are_given_to_train_rows_alone_and_add_up(digits, max_digits, operands):
+    """data.worked: each train row's `worked` column adds its operands column by column, ones first:
+    each step's terms are the operands' digits of that column and the carry out of the column before
+    (none into the ones), its result their sum, the last step the row's answer; the held-out rows
+    have none, and the rows are otherwise the task's."""
+    cfg = dict(name="arith", digits=digits, max_digits=max_digits, operands=operands, train_size=300, seed=3)
+    train, test = arith(data_cfg(**cfg, worked=True))
+    assert [{k: v for k, v in r.items() if k != "worked"} for r in train] == arith(data_cfg(**cfg))[0]
+    assert test == arith(data_cfg(**cfg))[1] and not any("worked" in r for r in test)
+    for row in train:
+        operands_ = row["prompt"].removeprefix("What is ").split("?")[0].split("+")
+        width = max(map(len, operands_))
+        *columns, number = row["worked"].split(". ")
+        assert number == row["answer"] and len(columns) == width
+        carry = 0
+        for i, step in enumerate(columns):
+            terms, total = step.split("=")
+            digits_ = [o.rjust(width, "0")[width - 1 - i] for o in operands_] + ([str(carry)] if i else [])
+            assert terms.split("+") == digits_ and int(total) == sum(map(int, digits_))
+            carry = int(total) // 10
+        assert int(total) * 10 ** (width - 1) + int(row["answer"]) % 10 ** (width - 1) == int(row["answer"])
+
+
+@pytest.mark.parametrize("overrides", [("data=letters", "data.worked=true"), ("data=arith", "data.ops=+-", "data.worked=true")])
+def test_worked_sums_that_cannot_be_written_are_one_line(overrides):
+    from rlnotes.commands.usage import UsageError
+    from tests.conftest import compose
+
+    with pytest.raises(UsageError, match=re.escape("data.worked=true writes the arith task's sums worked column")):
+        compose(*overrides)
+
+
 def test_a_task_with_fewer_train_rows_than_a_batch_is_refused_before_anything_loads():
     from rlnotes.commands.usage import UsageError
     from tests.conftest import compose

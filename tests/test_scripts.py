@@ -114,10 +114,17 @@ def test_vs_trl_without_trl_says_so_in_a_line_before_any_run(name, runner, tmp_p
 def test_arith_vs_trl_reads_the_recipe_and_a_run(tmp_path):
     """Its rlnotes half on the tiny model: the experiment's problems (held-out ones apart) and the
     curve and table of a run's evaluations."""
+    import torch
+
+    from rlnotes.engine.hardware.devices import bf16_units
+
     vs = _script("arith_vs_trl")
     cfg, train, test = vs.recipe(0, ["model=tiny", "data.train_size=16", "data.eval_size=8"])
     assert cfg.model.name_or_path == "tiny" and len(train) == 16 and len(test) == 8
     assert not {r["prompt"] for r in train} & {r["prompt"] for r in test}
+    spec = vs.recipe_spec(cfg, 0, train, test)  # TRL's SFT learns from the warm-up's column, at rlnotes' precision
+    assert spec["warmup_column"] == "worked" and all(r["worked"].endswith(r["answer"]) for r in spec["train"])
+    assert spec["precision"] == ("bf16" if bf16_units(torch.device("cpu")) else "fp32")  # the recipe's auto
     rows = [{"step": 0, "eval/accuracy": 0.25, "time/eval_s": 3.0, "time/elapsed_s": 3.0},
             {"step": 1, "time/step_s": 2.0, "time/elapsed_s": 5.0},
             {"step": 2, "eval/accuracy": 0.75, "time/eval_s": 1.0, "time/elapsed_s": 8.0}]

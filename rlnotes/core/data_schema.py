@@ -75,5 +75,9 @@ class DataConfig:
     # (sft_warmup.column=messages); the held-out rows get none. calculator: {"expression": "639+142"};
     # add: {"a": 639, "b": 142} (two-operand sums). null: none.
     tool_demos: Optional[str] = None
+    # arith, sums only: give each training row a `worked` column, the sum worked column by column, ones
+    # first, with each carry written ('7+8=15. 4+3+1=8. 85'), for an SFT warm-up on it
+    # (sft_warmup.column=worked); the number comes last, where the built-in arith reward reads it.
+    worked: bool = False
     # The letters the prompts ask for (letters).
     letters: str = "a"

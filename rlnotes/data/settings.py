@@ -55,6 +55,16 @@ def check_tool_demos(d) -> None:
                           f"numbers: set data.operands=2 and data.ops=+ (now {d.operands} and {d.ops!r})")
 
 
+def check_worked(d) -> None:
+    """data.worked writes sums of the arith task worked column by column."""
+    if not d.worked:
+        return
+    if d.source != "task" or d.name != "arith" or set(d.ops) != {"+"}:
+        raise ConfigError("data.worked=true writes the arith task's sums worked column by column; use data=arith "
+                          f"with data.ops=+ (now {d.name if d.source == 'task' else d.source} with {d.ops!r}) or "
+                          "set data.worked=false")
+
+
 def check_data_config(d, trainer) -> None:
     """The data settings `d` a schema type cannot check, before anything loads, with the trainer
     settings they must agree with (trainer.batch_size, trainer.eval_every)."""
@@ -66,6 +76,7 @@ def check_data_config(d, trainer) -> None:
             raise ConfigError(f"data.train_size={d.train_size} is smaller than trainer.batch_size="
                               f"{trainer.batch_size}; raise data.train_size or lower trainer.batch_size")
     check_tool_demos(d)
+    check_worked(d)
     if d.source == "hub" and d.name in ("auto", ""):  # "auto" is the schema's default, not a dataset
         raise ConfigError("data=hub needs the dataset: data.name=org/set (or a local dataset folder)")
     if d.path and d.source != "file":

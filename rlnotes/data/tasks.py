@@ -89,7 +89,25 @@ def arith(cfg) -> Split:
     if cfg.tool_demos:
         demo = TOOL_DEMOS[cfg.tool_demos]
         train = [{**row, "messages": demo(row)} for row in train]
+    if cfg.worked:
+        train = [{**row, "worked": worked_sum(row)} for row in train]
     return train, eval_rows
+
+
+def worked_sum(row: Row) -> str:
+    """A sum of an arith row worked column by column, ones first, each column's digits and the carry
+    into it written out, then the number: 47+38 -> '7+8=15. 4+3+1=8. 85'; 42+13 -> '2+3=5. 4+1+0=5. 55';
+    3+4 -> '3+4=7. 7'. Every step is a one-digit sum (SmolLM2 writes each digit as a token of its own)."""
+    operands = _expression(row).split("+")
+    width = max(map(len, operands))
+    digits = [o.rjust(width, "0") for o in operands]
+    steps, carry = [], 0
+    for col in range(width - 1, -1, -1):
+        terms = [d[col] for d in digits] + ([str(carry)] if col < width - 1 else [])
+        total = sum(map(int, terms))
+        steps.append(f"{'+'.join(terms)}={total}")
+        carry = total // 10
+    return ". ".join(steps + [row["answer"]])
 
 
 def _expression(row: Row) -> str:
