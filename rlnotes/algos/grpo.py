@@ -16,6 +16,11 @@ live on one rank; the loss normalisers (tokens, sequences) are the global batch'
 
 pi_old needs no pass of its own: with mu = 1 it is the current policy (rho = 1 in value, its
 gradient is the policy gradient), and with mu > 1 it is the log-prob recorded while sampling.
+
+Nor does a completion with A_i = 0 when beta = 0 (a group whose rewards are all equal): every term
+of its loss is min(rho 0, clip(rho) 0) = 0, so its gradient is exactly zero and step 5 does not
+forward it; the normalisers stay the whole batch's, so the update is the same. `perf/trained_frac`
+is the share of completions step 5 forwarded (policy/clip_frac counts the clipped tokens among theirs).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from rlnotes.core.checks import model_token_limit, planned_world_size
 from rlnotes.core.errors import ConfigError
 from rlnotes.core.schema import AlgoConfig
 from rlnotes.engine.hardware import distributed
+from rlnotes.engine.hardware.fsdp import is_sharded
 from rlnotes.engine.rollout import Rollout, concat_rollouts
 from rlnotes.notes import (
     AGGREGATIONS,
@@ -50,7 +56,8 @@ class GRPOConfig(AlgoConfig):
     # Completions sampled per prompt, G. DeepSeekMath uses 64; small runs use 4-16.
     group_size: int = 4
     # The weight of the KL penalty; 0 turns it off. GRPO's is a KL(pi || pi_ref) term inside the loss
-    # (DeepSeekMath: 0.04); at 0 the reference forward pass is skipped entirely.
+    # (DeepSeekMath: 0.04); at 0 the reference forward pass is skipped entirely, and so is the training
+    # pass of each completion whose advantage is 0 (its gradient is exactly zero).
     beta: float = 0.04
     # The clip range of the ratio pi / pi_old, to [1 - eps, 1 + eps]. DeepSeekMath uses 0.2.
     clip_eps: float = 0.2
@@ -113,6 +120,14 @@ def sample_informative(ctx: Context, group_size: int,
     return concat_rollouts(kept, ctx.model.policy.tokenizer.pad_token_id), torch.cat(kept_rewards), metrics
 
 
+def rows_with_gradient(advantages: torch.Tensor, beta: float, sharded: bool) -> torch.Tensor:
+    """The completions whose loss has a gradient: with beta = 0 those with A_i != 0 (a completion
+    with A_i = 0 adds exactly zero), else all; all under FSDP too, whose passes go in lock step."""
+    if beta > 0 or sharded:
+        return torch.arange(len(advantages))
+    return (advantages != 0).nonzero().squeeze(-1).cpu()
+
+
 def train_step(ctx: Context) -> Dict[str, float]:
     cfg, algo, model, run = ctx.cfg, ctx.cfg.algo, ctx.model, ctx.run
     policy, temperature, tis_cap = model.policy, ctx.rollouts.sampling.temperature, ctx.rollouts.tis_cap
@@ -129,7 +144,8 @@ def train_step(ctx: Context) -> Dict[str, float]:
     advantages = group_advantages(rewards, algo.group_size, scale_by_std=algo.scale_by_std) if len(rewards) else rewards
 
     # 4. Reference log-probs of the sampled tokens (no gradients: passes as large as the budget allows).
-    chunks = rollout_micro_batches(model, rollout)
+    trained = rows_with_gradient(advantages, algo.beta, is_sharded(policy.model))
+    chunks = [trained[c] for c in rollout_micro_batches(model, rollout, trained)]
     batches = [rollout.select(idx) for idx in chunks]
     ref = [None] * len(chunks)
     if algo.beta > 0:
@@ -160,8 +176,12 @@ def train_step(ctx: Context) -> Dict[str, float]:
                     sums["policy/clip_frac"] += float(out.clip_frac) * share
                     if ref_logp is not None:
                         sums["kl/ref"] += float(out.kl) * share
+            if not chunks:  # every advantage 0: the zero gradient the skipped passes would have given
+                for p in model.trainable_parameters():
+                    p.grad = torch.zeros_like(p) if p.grad is None else p.grad
             metrics.update(optimizer_step(model, run, ctx.out.console))
     sums = distributed.sum_shares(sums)
+    sums["perf/trained_frac"] = len(trained) / max(len(rollout), 1)
     if algo.beta == 0:
         sums["kl/ref"] = float("nan")  # no reference pass was made
     metrics.update(sums)

@@ -123,3 +123,53 @@ def test_ctrl_c_keeps_the_policy_and_the_metrics(tmp_path, monkeypatch):
     assert (tmp_path / "checkpoints" / "step_000002" / "adapter_config.json").exists()  # a resumable checkpoint
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
+
+
+def _adapter(run_dir):
+    from safetensors.torch import load_file
+
+    return load_file(run_dir / "final" / "adapter_model.safetensors")
+
+
+def first_letter_is_a(prompts, completions, **_):
+    """1 for a completion that starts with 'a', else 0: ties within most of the tiny model's groups."""
+    return [float(c.lstrip().startswith("a")) for c in completions]
+
+
+@pytest.mark.parametrize("last_step_all_equal", [False, True])
+def test_completions_without_advantage_are_not_forwarded_and_the_step_is_the_same(tmp_path, monkeypatch,
+                                                                                  last_step_all_equal):
+    """beta = 0: a completion whose advantage is 0 (its group's rewards all equal) adds exactly nothing
+    to the gradient, so the training pass leaves it out; every step's loss, gradient and weights are
+    those of the pass over every completion. Also when no completion of a step has an advantage
+    (the update is then Adam's with a zero gradient, as with the full pass)."""
+    import torch
+
+    from rlnotes.algos import grpo
+
+    common = ("trainer.steps=4", "trainer.batch_size=8", "algo.beta=0", "reward=custom", "optim.lr=0.05",
+              "reward.target=tests.algos.test_grpo.first_letter_is_a", "trainer.save_every=0")
+    if last_step_all_equal:  # the last step's rewards all 0
+        real = grpo.group_advantages
+        calls = []
+
+        def advantages(rewards, *a, **k):
+            calls.append(1)
+            return real(rewards * 0 if len(calls) == 4 else rewards, *a, **k)
+        monkeypatch.setattr(grpo, "group_advantages", advantages)
+    skipped = run(tmp_path / "skipped", *common)
+    skipped_weights = _adapter(tmp_path / "skipped")
+    if last_step_all_equal:
+        calls.clear()
+    monkeypatch.setattr(grpo, "rows_with_gradient", lambda advantages, beta, sharded: torch.arange(len(advantages)))
+    every = run(tmp_path / "every", *common)
+    assert [r["reward/mean"] for r in skipped] == [r["reward/mean"] for r in every]  # same samples
+    assert any(0 < r["perf/trained_frac"] < 1 for r in skipped)  # a step with some groups tied, some not
+    assert all(r["perf/trained_frac"] == 1 for r in every)
+    if last_step_all_equal:
+        assert skipped[-1]["perf/trained_frac"] == 0 and skipped[-1]["optim/grad_norm"] == 0
+    for a, b in zip(skipped, every):
+        assert a["optim/grad_norm"] == pytest.approx(b["optim/grad_norm"], rel=1e-4, abs=1e-7)
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=2e-6)
+    for name, w in _adapter(tmp_path / "every").items():
+        assert torch.allclose(skipped_weights[name], w, rtol=1e-4, atol=1e-6), name
