@@ -86,6 +86,7 @@ def test_the_add_agent_recipe_warms_up_on_two_operand_calls_and_trains_on_three_
     """experiment=smollm2_add_agent on the tiny model: the warm-up learns one call of add on two-operand
     sums (sft_warmup.data), GRPO's episodes are three-operand sums that no row demonstrates, and each
     evaluation (the held-out three-operand problems) logs calls per episode beside accuracy."""
+    import io
     import re
 
     from tests.test_multiturn import roomy_tiny_model
@@ -98,7 +99,10 @@ def test_the_add_agent_recipe_warms_up_on_two_operand_calls_and_trains_on_three_
     from rlnotes.algos.registry import REGISTRY
     from rlnotes.training.setup import setup
 
-    data = setup(cfg, REGISTRY["grpo"], tmp_path / "setup", Console(quiet=True)).data
+    console = Console(record=True, width=400, file=io.StringIO())
+    data = setup(cfg, REGISTRY["grpo"], tmp_path / "setup", console).data
+    said = [line.split(":")[0] for line in console.export_text().splitlines() if " train rows, " in line]
+    assert said == ["data", "sft_warmup.data"], said  # the start lines say which rows are the warm-up's
     two = re.compile(r"^What is (\d{3})\+(\d{3})\? ")
     three = re.compile(r"^What is (\d{3})\+(\d{3})\+(\d{3})\? ")
     assert len(data.warmup_rows) == 1000 and all(two.match(r["prompt"]) for r in data.warmup_rows)

@@ -170,12 +170,14 @@ def evaluates(cfg) -> bool:
 
 
 def fit_and_split(data: Data, cfg, tokenizer, limit: Optional[int], console=None,
-                  evaluating: Optional[bool] = None, samples: bool = True, training: bool = True) -> Split:
+                  evaluating: Optional[bool] = None, samples: bool = True, training: bool = True,
+                  label: str = "data") -> Split:
     """(train rows, eval rows) that fit the model: prompts measured with the run's chat settings,
     long ones handled by data.overlong (the counts shown on `console`), then the eval rows held out
     (`evaluating`: whether they will be scored; None: whether the training run `cfg` scores them).
     `samples`: whether completions are sampled (else the rows' answer columns must fit too);
-    `training`: whether batches of trainer.batch_size train rows will be drawn (not to evaluate alone)."""
+    `training`: whether batches of trainer.batch_size train rows will be drawn (not to evaluate alone);
+    `label`: the settings the line on `console` names (sft_warmup.data for the warm-up's own rows)."""
     lengths = PromptLengths(tokenizer, cfg.model.chat_template, system_prompt(cfg))
     max_new_tokens = cfg.rollout.max_new_tokens if samples else None
     notes = []
@@ -191,7 +193,7 @@ def fit_and_split(data: Data, cfg, tokenizer, limit: Optional[int], console=None
         raise ConfigError(f"{data.train.source} gives {len(train_rows)} training rows, fewer than "
                           f"trainer.batch_size={cfg.trainer.batch_size}; lower trainer.batch_size or data.eval_size")
     if console is not None:
-        console.print(f"data: {data.train.source}: {len(train_rows)} train rows, {len(eval_rows)} eval rows"
+        console.print(f"{label}: {data.train.source}: {len(train_rows)} train rows, {len(eval_rows)} eval rows"
                       f"{_held_out_note(data, len(eval_rows))}" + "".join(f"; {n}" for n in notes), highlight=False)
     return train_rows, eval_rows
 

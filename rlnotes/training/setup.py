@@ -123,7 +123,8 @@ def warmup_rows(cfg, warm, tokenizer, limit: Optional[int], console: Console) ->
     the train rows are; None when the warm-up learns from the train rows (or there is none)."""
     if warm is None or not cfg.sft_warmup.data:
         return None
-    return fit_and_split(warm, warmup_config(cfg), tokenizer, limit, console, evaluating=False, training=False)[0]
+    return fit_and_split(warm, warmup_config(cfg), tokenizer, limit, console, evaluating=False, training=False,
+                         label="sft_warmup.data")[0]
 
 
 def set_precision(hardware, device: torch.device, policy: Policy) -> tuple[str, str]:
