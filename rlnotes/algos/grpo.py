@@ -178,13 +178,13 @@ def train_step(ctx: Context) -> Dict[str, float]:
                         sums["kl/ref"] += float(out.kl) * share
             if not chunks:  # every advantage 0: the zero gradient the skipped passes would have given
                 for p in model.trainable_parameters():
-                    p.grad = torch.zeros_like(p) if p.grad is None else p.grad
+                    p.grad = torch.zeros_like(p)
             metrics.update(optimizer_step(model, run, ctx.out.console))
     sums = distributed.sum_shares(sums)
-    sums["perf/trained_frac"] = len(trained) / max(len(rollout), 1)
     if algo.beta == 0:
         sums["kl/ref"] = float("nan")  # no reference pass was made
     metrics.update(sums)
+    metrics["perf/trained_frac"] = len(trained) / max(len(rollout), 1)
     return metrics
 
 

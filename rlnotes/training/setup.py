@@ -53,7 +53,7 @@ def setup(cfg, algo: Algorithm, run_dir: Path, console: Console, resume_from: Op
         data = load_checked(cfg.data, algo, rewards.fns if rewards else [],
                             "eval.generate" if cfg.trainer.eval_every and cfg.eval.generate else None,
                             multi_turn.names if multi_turn else ())
-        warm = warmup_data(cfg, data) if cfg.sft_warmup.steps else None
+        warm_cfg, warm = warmup_data(cfg, data) if cfg.sft_warmup.steps else (None, None)
         policy = Policy.from_config(cfg.model, device, share_prompts=cfg.trainer.shared_prompt)
     threads = set_threads(cfg.hardware.threads, policy.model)
     precision, said = set_precision(cfg.hardware, device, policy)
@@ -65,7 +65,7 @@ def setup(cfg, algo: Algorithm, run_dir: Path, console: Console, resume_from: Op
                                           samples=algo.samples)
     if cfg.eval.data:
         eval_rows = held_out_rows(cfg, policy.tokenizer, context_length(policy.model), console)
-    warm_rows = warmup_rows(cfg, warm, policy.tokenizer, context_length(policy.model), console)
+    warm_rows = warmup_rows(warm_cfg, warm, policy.tokenizer, context_length(policy.model), console)
     params = policy.trainable_parameters()
     distributed.broadcast_parameters(params)  # every rank starts from rank 0's weights
     o = cfg.optim
@@ -109,21 +109,24 @@ def warmup_config(cfg):
 
 
 def warmup_data(cfg, data):
-    """The SFT warm-up's demonstrations, checked before the model loads: the run's rows (`data`), or
-    those of `data` + sft_warmup.data, whose train rows the warm-up then learns from instead."""
+    """(the config of the SFT warm-up's own rows, its demonstrations), checked before the model loads:
+    (None, the run's rows `data`), or with sft_warmup.data (warmup_config, the train rows of its data
+    section), which the warm-up then learns from instead."""
     w = cfg.sft_warmup
-    if w.data:
-        data = load_checked(warmup_config(cfg).data, None)
+    warm_cfg = warmup_config(cfg) if w.data else None
+    if warm_cfg is not None:
+        data = load_checked(warm_cfg.data, None)
     require_demonstrations(data.train, w.column, f"sft_warmup.steps={w.steps}")
-    return data
+    return warm_cfg, data
 
 
-def warmup_rows(cfg, warm, tokenizer, limit: Optional[int], console: Console) -> Optional[list]:
-    """The rows of sft_warmup.data's demonstrations (`warm`, from warmup_data), fitted to the model as
-    the train rows are; None when the warm-up learns from the train rows (or there is none)."""
-    if warm is None or not cfg.sft_warmup.data:
+def warmup_rows(warm_cfg, warm, tokenizer, limit: Optional[int], console: Console) -> Optional[list]:
+    """The rows of sft_warmup.data's demonstrations (`warm`, from warmup_data, under the config
+    `warm_cfg`), fitted to the model as the train rows are; None when the warm-up learns from the
+    train rows or there is none (no warm_cfg)."""
+    if warm_cfg is None:
         return None
-    return fit_and_split(warm, warmup_config(cfg), tokenizer, limit, console, evaluating=False, training=False,
+    return fit_and_split(warm, warm_cfg, tokenizer, limit, console, evaluating=False, training=False,
                          label="sft_warmup.data")[0]
 
 
