@@ -38,7 +38,7 @@ test-slow: $(STAMP)
 	OMP_WAIT_POLICY=PASSIVE $(VENV_PYTHON) -m pytest -q -m slow
 
 bench: $(STAMP)
-	OMP_WAIT_POLICY=PASSIVE $(VENV_PYTHON) scripts/bench.py
+	$(VENV_PYTHON) scripts/bench.py
 
 # rlnotes as a user installs it, which the editable .venv hides: the wheel (built from an sdist of the
 # working tree) in a fresh venv, then the CLI and two 3-step runs from empty dirs outside the repository.
@@ -50,4 +50,4 @@ wheel-check:
 # full default takes hours on 2 cores, most of it SmolLM2 at grpo-long. Shorter: BENCH_TRL_ARGS="--models tiny --rounds 1"
 bench-trl: $(STAMP)
 	$(VENV_PYTHON) -c "import trl" 2>/dev/null || $(VENV_PYTHON) -m pip install -e ".[bench]"
-	OMP_WAIT_POLICY=PASSIVE $(VENV_PYTHON) scripts/bench_trl.py $(BENCH_TRL_ARGS)
+	$(VENV_PYTHON) scripts/bench_trl.py $(BENCH_TRL_ARGS)

@@ -35,7 +35,9 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+from rlnotes.engine.hardware.openmp import wait_briefly  # no torch: it must act before torch loads
+
+wait_briefly(os.environ)  # OpenMP threads spin briefly, then sleep, as under `rlnotes`; a user's setting wins
 
 LORA = {"r": 16, "alpha": 32, "dropout": 0.0, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
 BARS = (0.5, 0.67)

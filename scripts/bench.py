@@ -24,7 +24,9 @@ import tempfile
 import time
 from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+from rlnotes.engine.hardware.openmp import wait_briefly  # no torch: it must act before torch loads
+
+wait_briefly(os.environ)  # OpenMP threads spin briefly, then sleep, as under `rlnotes`; a user's setting wins
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import step_floor  # noqa: E402  (scripts/step_floor.py: a step's FLOPs and the matmul rate)
 

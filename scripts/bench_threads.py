@@ -23,7 +23,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+from rlnotes.engine.hardware.openmp import wait_briefly  # no torch: it must act before torch loads
+
+wait_briefly(os.environ)  # OpenMP threads spin briefly, then sleep, as under `rlnotes`; a user's setting wins
 
 # The default batch shape of `rlnotes train` (conf/), progress bar off.
 COMMON = ["logging.progress=false", "trainer.eval_every=null", "trainer.save_every=0"]

@@ -47,7 +47,9 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+from rlnotes.engine.hardware.openmp import wait_briefly  # no torch: it must act before torch loads
+
+wait_briefly(os.environ)  # OpenMP threads spin briefly, then sleep, as under `rlnotes`; a user's setting wins
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import step_floor  # noqa: E402  (scripts/step_floor.py)
 
@@ -303,9 +305,9 @@ def wait_rusage(proc: subprocess.Popen, timeout: Optional[float]) -> tuple[int, 
 
 def thread_env(threads: str, **extra: str) -> Dict[str, str]:
     """This process's environment for a child that runs with `threads` threads (OMP_NUM_THREADS;
-    'default' leaves torch's own), passive OpenMP waiting unless set, and `extra`."""
+    'default' leaves torch's own), OpenMP's waiting as rlnotes sets it (openmp.wait_briefly; this process
+    set it already unless the user did), and `extra`: the same for both tools."""
     env = dict(os.environ, **extra)
-    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     if threads == "default":
         env.pop("OMP_NUM_THREADS", None)
     else:

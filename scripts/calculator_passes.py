@@ -25,7 +25,9 @@ import statistics
 import time
 from types import SimpleNamespace
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+from rlnotes.engine.hardware.openmp import wait_briefly  # no torch: it must act before torch loads
+
+wait_briefly(os.environ)  # OpenMP threads spin briefly, then sleep, as under `rlnotes`; a user's setting wins
 
 MODES = ("whole rows", "per group", "prefix once")
 

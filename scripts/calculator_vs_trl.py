@@ -45,7 +45,9 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+from rlnotes.engine.hardware.openmp import wait_briefly  # no torch: it must act before torch loads
+
+wait_briefly(os.environ)  # OpenMP threads spin briefly, then sleep, as under `rlnotes`; a user's setting wins
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the shared helpers of the two scripts below
 import arith_vs_trl as vs  # noqa: E402
 import bench_trl  # noqa: E402

@@ -35,7 +35,9 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+from rlnotes.engine.hardware.openmp import wait_briefly  # no torch: it must act before torch loads
+
+wait_briefly(os.environ)  # OpenMP threads spin briefly, then sleep, as under `rlnotes`; a user's setting wins
 
 import torch  # noqa: E402
 

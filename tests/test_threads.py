@@ -1,12 +1,17 @@
 """hardware.threads: auto picks one thread for a small model and torch's default for a larger one;
-an explicit number wins; null leaves torch's default; a bad value is one error line."""
+an explicit number wins; null leaves torch's default; a bad value is one error line. OpenMP's threads
+spin briefly before they sleep unless the user chose how they wait."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
 from rich.console import Console
 
+from rlnotes.commands import cli
+from rlnotes.engine.hardware.openmp import SPIN_COUNT, wait_briefly
 from rlnotes.engine.hardware.threads import AUTO_ONE_THREAD_BELOW, auto_threads, set_threads
 from tests.conftest import compose, set_step
 
@@ -98,3 +103,19 @@ def test_a_bad_thread_count_is_one_line(value, expected):
 @pytest.mark.parametrize("value", ["auto", "null", "1", "3"])
 def test_auto_null_and_positive_integers_are_valid(value):
     compose(f"hardware.threads={value}")
+
+
+def test_openmp_threads_spin_briefly_unless_the_user_chose_how_they_wait(monkeypatch):
+    env = {}
+    wait_briefly(env)
+    assert env == {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": SPIN_COUNT}
+    for mine in ({"OMP_WAIT_POLICY": "ACTIVE"}, {"GOMP_SPINCOUNT": "0"}, {"OMP_WAIT_POLICY": "PASSIVE"}):
+        env = dict(mine)
+        wait_briefly(env)
+        assert env == mine  # either variable set: both left as the user has them
+
+    # the command sets them before anything imports torch
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    cli._environment()
+    assert (os.environ["OMP_WAIT_POLICY"], os.environ["GOMP_SPINCOUNT"]) == ("PASSIVE", SPIN_COUNT)

@@ -17,6 +17,7 @@ from typing import List, NoReturn, Optional
 from rlnotes import __version__
 from rlnotes.commands.usage import UsageError
 from rlnotes.core.errors import INPUT_ERROR, Interrupted
+from rlnotes.engine.hardware.openmp import wait_briefly
 from rlnotes.run.logger import quiet_libraries
 
 USAGE = """usage: rlnotes COMMAND [OVERRIDES...]   |   rlnotes --version (-V)
@@ -42,8 +43,8 @@ COMMANDS = {"train": "rlnotes.commands.front", "eval": "rlnotes.commands.eval", 
 
 def _environment() -> None:
     """Settings that must be in place before torch is imported; a user's own values win."""
-    # Spinning OpenMP threads make a shared CPU crawl; passive waiting costs nothing when idle.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    # OpenMP's threads spin briefly between parallel regions, then sleep (rlnotes.engine.hardware.openmp).
+    wait_briefly(os.environ)
     # A hub id with no network behind it fails within seconds instead of hanging.
     os.environ.setdefault("HF_HUB_ETAG_TIMEOUT", "5")
     os.environ.setdefault("HF_HUB_DOWNLOAD_TIMEOUT", "10")
