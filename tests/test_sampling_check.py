@@ -136,6 +136,41 @@ def test_a_biased_draw_fails_the_same_tests():
     assert check.rare_rate(fair, exact, below=3e-8)["p"] >= ALPHA
 
 
+def whole_row_cdf_draws(probs, u):
+    """The inverse CDF as one float64 cumulative sum over each whole row: (the first token whose
+    cumulative probability reaches u times the row's total, u [N, k]; whether that target lies
+    further than float64 rounding from every token's bound, where two ways of summing must agree)."""
+    cdf = probs.double().cumsum(-1)
+    target = u * cdf[:, -1:]
+    tokens = torch.searchsorted(cdf, target).clamp(max=probs.shape[1] - 1)
+    bounds = torch.stack([cdf.gather(1, tokens), cdf.gather(1, (tokens - 1).clamp(min=0))])
+    clear = ((bounds - target).abs() > 1e-12 * cdf[:, -1:]).all(0)
+    return tokens, clear
+
+
+def test_the_blockwise_cdf_draws_the_whole_rows_tokens():
+    """sample_inverse_cdf's two levels (block sums, then one block's entries) give the token of one
+    float64 cumulative sum over the whole row, for one draw per row and for k draws per row; at
+    vocabularies that do and do not fill the last block, with peaked rows, rows whose nucleus left
+    whole blocks and block ends at 0, and uniform numbers at the edges of (0, 1) (wherever the target is
+    further than float64 rounding from a token's bound); never a token of probability 0."""
+    g = torch.Generator().manual_seed(5)
+    for vocab in (V, 1000, 257, 3):
+        z = torch.randn(64, vocab, generator=g) * torch.linspace(0.5, 8, 64)[:, None]
+        probs = sampling_probs(z, 1.0, 1.0)
+        probs[::3, : vocab // 2] = 0.0          # whole leading blocks without mass
+        probs[1::3, 255::256] = 0.0             # every block's last entry without mass
+        probs[2, :] = 0.0
+        probs[2, vocab // 2] = 1.0              # all the mass on one token
+        edges = torch.tensor([1e-300, 1e-12, 0.5, 1 - 1e-12, 1 - 2**-53], dtype=torch.float64)
+        u = torch.cat([torch.rand(64, 200, generator=g, dtype=torch.float64), edges.expand(64, -1)], dim=1)
+        expected, clear = whole_row_cdf_draws(probs, u)
+        drawn = sample_inverse_cdf(probs, u)
+        assert torch.equal(drawn[clear], expected[clear]) and clear.float().mean() > 0.95
+        assert torch.equal(sample_inverse_cdf(probs, u[:, 0]), drawn[:, 0])
+        assert bool((probs.gather(1, drawn) > 0).all())
+
+
 def test_draw_tokens_samples_each_row_and_gives_its_log_prob():
     """draw_tokens as generate calls it, row by row at the real vocabulary (the temperature
     applied inside): the draws fit the exact softmax, each log-prob is log softmax(z / T) of its
