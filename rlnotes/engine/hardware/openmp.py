@@ -9,8 +9,8 @@ costs a wake-up of tens of microseconds at the next region instead, and a decodi
 pass of a model like SmolLM2-135M runs thousands of regions of a few dozen microseconds each. A short
 spin (GOMP_SPINCOUNT=SPIN_COUNT, tens of microseconds) catches the next region while work goes on and
 gives the core up soon after it stops. Measured on a 2-core machine (docs/benchmarks.md, "How threads
-wait"): a SmolLM2 GRPO step 21% faster than passive waiting on a quiet machine, and about as fast as it
-beside two busy processes.
+wait"): a SmolLM2 GRPO step's passes 1.2-1.5x faster than with passive waiting on a quiet machine, and
+about as fast as with it beside two busy processes.
 """
 
 from __future__ import annotations
