@@ -18,7 +18,8 @@ from tests.conftest import compose, set_step
 
 def test_auto_is_one_thread_below_the_measured_size_and_torchs_default_from_it():
     assert auto_threads(90_000) == 1                           # the tiny model
-    assert auto_threads(5_350_000) == 1                        # measured still faster on one thread
+    assert auto_threads(350_000) == 1                          # measured still faster on one thread
+    assert auto_threads(1_360_000) == 0                        # measured faster on two (threads spinning briefly)
     assert auto_threads(AUTO_ONE_THREAD_BELOW - 1) == 1
     assert auto_threads(AUTO_ONE_THREAD_BELOW) == 0            # 0: torch's default
     assert auto_threads(135_000_000) == 0                      # SmolLM2-135M

@@ -11,8 +11,10 @@ import torch
 # it up (all cores; under torchrun the launcher's OMP_NUM_THREADS share). Below it a step's matmuls are
 # too small to split: threads only add hand-off and wake-up costs. scripts/bench_threads.py times a GRPO
 # step at widths around it with one thread and with all (figures: docs/benchmarks.md); more cores may move
-# the crossover down, never below the sizes measured faster on one.
-AUTO_ONE_THREAD_BELOW = 20_000_000
+# the crossover down, never below the sizes measured faster on one. It was 20M while threads slept at once
+# between parallel regions (rlnotes.engine.hardware.openmp): each region paid a wake-up; with the short spin
+# two threads won from 1.36M parameters (0.35M: 0.94x, 1.36M: 1.29x, 5.35M: 1.32x, 21M: 1.62x).
+AUTO_ONE_THREAD_BELOW = 1_000_000
 
 
 def auto_threads(parameters: int) -> int:
