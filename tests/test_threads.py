@@ -115,8 +115,9 @@ def test_openmp_threads_spin_briefly_unless_the_user_chose_how_they_wait(monkeyp
         wait_briefly(env)
         assert env == mine  # either variable set: both left as the user has them
 
-    # the command sets them before anything imports torch
-    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
-    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    # the command sets them before anything imports torch (into a copy of the environment: the
+    # command's other settings must not reach the tests after this one)
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    monkeypatch.setattr(os, "environ", env)
     cli._environment()
-    assert (os.environ["OMP_WAIT_POLICY"], os.environ["GOMP_SPINCOUNT"]) == ("PASSIVE", SPIN_COUNT)
+    assert (env["OMP_WAIT_POLICY"], env["GOMP_SPINCOUNT"]) == ("PASSIVE", SPIN_COUNT)
