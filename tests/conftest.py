@@ -60,6 +60,21 @@ def set_step(name: str, fn) -> None:
     REGISTRY[name] = dataclasses.replace(REGISTRY[name], train_step=fn)
 
 
+def record_forwards(monkeypatch) -> list:
+    """The [rows, tokens] of every forward pass from here on (rlnotes.engine.policy.passes.states: the
+    model's forward or rlnotes' own pass), appended to the list returned."""
+    from rlnotes.engine.policy import passes
+
+    seen, states = [], passes.states
+
+    def spy(model, input_ids, *args, **kwargs):
+        seen.append(tuple(input_ids.shape))
+        return states(model, input_ids, *args, **kwargs)
+
+    monkeypatch.setattr(passes, "states", spy)
+    return seen
+
+
 def record_passes(monkeypatch) -> list:
     """The sizes of every cut the token budget makes from here on (lists of chunk sizes, one per
     batch or minibatch cut), recorded around rlnotes.training.batching.micro_batches."""

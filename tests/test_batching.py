@@ -14,6 +14,7 @@ from rlnotes.training.batching import (
     pass_tokens,
     token_budget,
 )
+from tests.conftest import record_forwards
 
 LENGTHS = [3, 7, 1, 5, 2, 6]   # uneven completions; the widest is 7 tokens
 
@@ -177,14 +178,10 @@ def test_pass_tokens_are_the_tokens_the_passes_forward(monkeypatch):
     model = Policy.from_config(OmegaConf.structured(ModelConfig(name_or_path="tiny")), torch.device("cpu")).model
     prompt_ids, prompt_mask, real = calculator_batch(groups=3, prefix=150)
     ids, attn = torch.cat([prompt_ids, (real * 7).long()], 1), torch.cat([prompt_mask, real.long()], 1)
-    seen = []
-    hook = model.get_input_embeddings().register_forward_hook(lambda m, args, out: seen.append(args[0].numel()))
     tokens = pass_tokens(prompt_ids, prompt_mask, real, share_prompts=True, trimmed=False)
-    try:
-        for idx in (torch.arange(12), torch.arange(3, 9), torch.tensor([0, 5, 10]), torch.tensor([4, 5])):
-            seen.clear()
-            with torch.no_grad():
-                sequence_logprobs(model, ids[idx], attn[idx], real.shape[1])
-            assert tokens(idx) == sum(seen) + len(idx), idx
-    finally:
-        hook.remove()
+    seen = record_forwards(monkeypatch)
+    for idx in (torch.arange(12), torch.arange(3, 9), torch.tensor([0, 5, 10]), torch.tensor([4, 5])):
+        seen.clear()
+        with torch.no_grad():
+            sequence_logprobs(model, ids[idx], attn[idx], real.shape[1])
+        assert tokens(idx) == sum(rows * length for rows, length in seen) + len(idx), idx

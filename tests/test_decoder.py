@@ -202,8 +202,8 @@ def test_smollm2_samples_the_same_through_either_step():
 
 
 def test_a_sharded_model_decodes_through_its_own_forward(monkeypatch):
-    from rlnotes.engine.sampling import decoder
+    from rlnotes.engine.policy import llama
 
     model = family_model("llama")
-    monkeypatch.setattr(decoder, "is_sharded", lambda m: m is model)  # as FSDP's fully_shard would leave it
+    monkeypatch.setattr(llama, "is_sharded", lambda m: m is model)  # as FSDP's fully_shard would leave it
     assert Decoder.of(model) is None and not isinstance(decoding_step(model), Decoder)

@@ -427,7 +427,11 @@ def test_grouped_attention_on_cpu_gives_the_same_log_probs_and_gradients(monkeyp
     from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.integrations import sdpa_attention
 
+    from rlnotes.engine.policy.llama import LlamaLayers
     from rlnotes.engine.policy.passes import sequence_logprobs
+
+    # through the model's forward, as architectures other than the Llama family's pass
+    monkeypatch.setattr(LlamaLayers, "of", classmethod(lambda cls, model: None))
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

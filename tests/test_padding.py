@@ -8,6 +8,7 @@ import torch
 from test_shared_prompt import group_batch, lora_smollm2_shaped, tiny_policy
 
 from rlnotes.engine.policy import padding
+from rlnotes.engine.policy.llama import LlamaLayers
 from rlnotes.engine.policy.padding import forward_real, position_wise, skip_padding
 from rlnotes.engine.policy.passes import position_ids, sequence_logprobs
 
@@ -29,7 +30,12 @@ def rows_seen(module: torch.nn.Module, run) -> int:
     return sum(seen)
 
 
-def test_mlp_and_projections_compute_the_real_positions_only():
+@pytest.mark.parametrize("own", [True, False], ids=["own pass", "model's forward"])
+def test_mlp_and_projections_compute_the_real_positions_only(monkeypatch, own):
+    """Through rlnotes' own pass of the Llama family (rlnotes.engine.policy.llama) and through the
+    model's forward with its position-wise layers swapped (what other architectures take)."""
+    if not own:
+        monkeypatch.setattr(LlamaLayers, "of", classmethod(lambda cls, model: None))
     model = tiny_policy()
     ids, attn, mask = group_batch(model.config.vocab_size)
     layer = model.base_model.model.model.layers[0]

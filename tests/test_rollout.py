@@ -11,6 +11,7 @@ from rlnotes.engine.policy.passes import sequence_logprobs
 from rlnotes.engine.prompts import encode_prompts
 from rlnotes.engine.sampling.generate import draw_tokens, generate, stop_ids, top_p_filter
 from rlnotes.engine.sampling.settings import SamplingSettings
+from tests.conftest import record_forwards
 
 PROMPTS = ["Write the letter a:", "What is 2+3?", "Hi"]
 
@@ -142,15 +143,13 @@ def test_prompts_that_share_a_prefix_prefill_it_once_and_sample_the_same(monkeyp
     model, tok, _ = setup()
     prompts = encode_prompts(tok, [f"You are a careful assistant; answer in one word. {p}" for p in PROMPTS],
                              chat_template=False)
-    fed = []
-    hook = model.get_input_embeddings().register_forward_hook(lambda m, args, out: fed.append(args[0].shape))
     runs = {}
+    fed = record_forwards(monkeypatch)
     for saving in (float("inf"), 1):
         monkeypatch.setattr(rlnotes.engine.policy.passes, "MIN_PREFIX_SAVING", saving)
         fed.clear()
         runs[saving] = sample(model, tok, prompts, temperature=0.7)
         assert fed[0][0] == (3 if saving > 1 else 1)  # the prefill: every prompt whole, or the prefix once
-    hook.remove()
     plain, shared = runs[float("inf")], runs[1]
     assert torch.equal(plain.completion_ids, shared.completion_ids) and plain.texts == shared.texts
     assert torch.equal(plain.prompt_ids, shared.prompt_ids) and torch.equal(plain.prompt_mask, shared.prompt_mask)

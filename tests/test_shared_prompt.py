@@ -15,6 +15,7 @@ from rlnotes.engine.policy.head import head_logprobs
 from rlnotes.engine.policy.passes import position_ids, prompt_groups, sequence_logprobs, shared_prefix
 from rlnotes.engine.policy.policy import Policy
 from rlnotes.engine.rollout import left_pad
+from tests.conftest import record_forwards
 
 
 @pytest.fixture(autouse=True)
@@ -132,24 +133,20 @@ def any_prefix(monkeypatch):
     monkeypatch.setattr(rlnotes.engine.policy.passes, "MIN_PREFIX_SAVING", 1)
 
 
-def equivalent_passes(model, ids, attn, mask) -> list:
+def equivalent_passes(model, ids, attn, mask, monkeypatch) -> list:
     """check_equivalent, then the [rows, tokens] of each forward pass the shared path makes."""
     check_equivalent(model, ids, attn, mask)
-    seen = []
-    hook = model.get_input_embeddings().register_forward_hook(lambda m, args, out: seen.append(args[0].shape))
-    try:
-        sequence_logprobs(model, ids, attn, mask.shape[1])
-    finally:
-        hook.remove()
+    seen = record_forwards(monkeypatch)
+    sequence_logprobs(model, ids, attn, mask.shape[1])
     return seen
 
 
-def test_a_prefix_all_prompts_share_is_forwarded_once(any_prefix):
+def test_a_prefix_all_prompts_share_is_forwarded_once(any_prefix, monkeypatch):
     model = tiny_policy()
     ids, attn, mask = group_batch(model.config.vocab_size, prefix=40)
     n = mask.shape[1]
     # the prefix once, each prompt's own tokens, the completions
-    assert equivalent_passes(model, ids, attn, mask) == [(1, 40), (3, 11), (9, n - 1)]
+    assert equivalent_passes(model, ids, attn, mask, monkeypatch) == [(1, 40), (3, 11), (9, n - 1)]
 
 
 @pytest.mark.parametrize("case", ["lora", "temperature", "full", "partial", "shuffled", "one token", "shortest"])
@@ -183,21 +180,17 @@ def test_a_shared_prefix_on_a_smollm2_shaped_model_gives_the_plain_pass_and_valu
                                    atol=1e-5, rtol=1e-5)
 
 
-def test_shared_prompt_forward_runs_each_prompt_once():
+def test_shared_prompt_forward_runs_each_prompt_once(monkeypatch):
     model = tiny_policy()
     ids, attn, mask = group_batch(model.config.vocab_size)
-    seen = []
-    hook = model.get_input_embeddings().register_forward_hook(lambda m, args, out: seen.append(args[0].numel()))
-    try:
-        sequence_logprobs(model, ids, attn, mask.shape[1])
-        shared = sum(seen)
-        seen.clear()
-        sequence_logprobs(model, ids, attn, mask.shape[1], share_prompts=False)
-    finally:
-        hook.remove()
+    seen = record_forwards(monkeypatch)
+    sequence_logprobs(model, ids, attn, mask.shape[1])
+    shared = list(seen)
+    seen.clear()
+    sequence_logprobs(model, ids, attn, mask.shape[1], share_prompts=False)
     width, n = ids.shape[1] - mask.shape[1], mask.shape[1]
-    assert shared == 3 * width + 9 * (n - 1)  # P + G(R - 1) per group; the last token is only a target
-    assert sum(seen) == 9 * (width + n)
+    assert shared == [(3, width), (9, n - 1)]  # P + G(R - 1) per group; the last token is only a target
+    assert seen == [(9, width + n)]
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
@@ -361,11 +354,11 @@ def test_under_fsdp_every_rank_runs_the_same_passes(monkeypatch, any_prefix, oth
     other = lambda plan: plan if other_rank == "same" else (False, plan[1])  # noqa: E731
     monkeypatch.setattr(rlnotes.engine.policy.passes.distributed, "gather", lambda plan: [plan, other(plan)])
     n = mask.shape[1]
-    assert equivalent_passes(model, ids, attn, mask) == \
+    assert equivalent_passes(model, ids, attn, mask, monkeypatch) == \
         ([(3, ids.shape[1] - n), (9, n - 1)] if other_rank == "same" else [tuple(ids.shape)])
 
 
-def test_episodes_forward_their_groups_prompt_once_with_the_plain_passs_log_probs_and_gradients():
+def test_episodes_forward_their_groups_prompt_once_with_the_plain_passs_log_probs_and_gradients(monkeypatch):
     """Multi-turn episodes (the letters environment: a turn, the environment's reply, a turn) share
     their group's prompt though the tokens after it differ per episode (model turns and observations
     alike): one pass of the 2 prompts, one of the 8 episodes against their cache, and the log-probs
@@ -390,22 +383,18 @@ def test_episodes_forward_their_groups_prompt_once_with_the_plain_passs_log_prob
     weights = torch.randn(r.completion_mask.shape, generator=torch.Generator().manual_seed(1)) * r.completion_mask
     expected, _ = plain_logprobs(model, r.input_ids, r.attention_mask, n)
     expected_grads = grads(model, (expected * weights).sum())
-    seen = []
-    hook = model.get_input_embeddings().register_forward_hook(lambda m, args, out: seen.append(args[0].shape))
-    try:
-        logp = sequence_logprobs(model, r.input_ids, r.attention_mask, n)
-    finally:
-        hook.remove()
+    seen = record_forwards(monkeypatch)
+    logp = sequence_logprobs(model, r.input_ids, r.attention_mask, n)
     assert seen == [(2, r.prompt_ids.shape[1]), (8, n - 1)]
     torch.testing.assert_close(logp, expected, atol=1e-5, rtol=1e-5)
     assert_grads_close(grads(model, (logp * weights).sum()), expected_grads)
 
 
-def test_rows_with_prompts_of_their_own_forward_the_prefix_they_share_once(any_prefix):
+def test_rows_with_prompts_of_their_own_forward_the_prefix_they_share_once(any_prefix, monkeypatch):
     """An SFT batch (a demonstration per prompt) behind one long system prompt: the prefix once, each
     prompt's own tokens, the completions; the plain pass's log-probs and gradients."""
     model = tiny_policy()
     model.train()
     ids, attn, mask = group_batch(model.config.vocab_size, group=1, prefix=40)
     n = mask.shape[1]
-    assert equivalent_passes(model, ids, attn, mask) == [(1, 40), (3, 11), (3, n - 1)]
+    assert equivalent_passes(model, ids, attn, mask, monkeypatch) == [(1, 40), (3, 11), (3, n - 1)]

@@ -12,7 +12,7 @@ from rlnotes.algos import ppo
 from rlnotes.algos.registry import REGISTRY
 from rlnotes.commands.train import train
 from rlnotes.training.setup import setup
-from tests.conftest import compose, record_passes
+from tests.conftest import compose, record_forwards, record_passes
 
 # 8 prompts x 4 completions per batch, two epochs of two minibatches: 4 optimizer steps a batch.
 SMALL = ("algo.group_size=4", "algo.minibatch_size=16", "algo.epochs=2")
@@ -61,8 +61,7 @@ def test_one_forward_per_minibatch(tmp_path, monkeypatch):
         cfg = compose("logging.progress=false", "algo=ppo", *SMALL, f"algo.beta={beta}", "trainer.steps=4",
                       f"trainer.shared_prompt={str(shared).lower()}")
         ctx = setup(cfg, REGISTRY["ppo"], tmp_path / f"{beta}-{shared}", Console(quiet=True))
-        calls = []
-        ctx.model.policy.model.get_base_model().model.register_forward_pre_hook(lambda *_: calls.append(1))
+        calls = record_forwards(monkeypatch)
 
         def sample_then_count(*args):
             out = real(*args)

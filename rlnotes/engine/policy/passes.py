@@ -1,9 +1,11 @@
 """Forward passes over [left-padded prompt | completion] rows, and per-token log-probs.
 
 Rows that share a prompt forward it once (completion_states; a prefix every prompt shares, once
-more: prompt_pass), the MLPs and projections skip padding (rlnotes.engine.policy.padding), and the LM
-head turns hidden states into log-probs a block at a time (rlnotes.engine.policy.head), so
-full-vocabulary logits of the whole batch never exist at once.
+more: prompt_pass), each pass computes the real positions only (the Llama family through rlnotes' own
+pass, rlnotes.engine.policy.llama; other models through their forward with the MLPs and projections
+skipping padding, rlnotes.engine.policy.padding), and the LM head turns hidden states into log-probs a
+block at a time (rlnotes.engine.policy.head), so full-vocabulary logits of the whole batch never exist
+at once.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from rlnotes.engine.hardware import distributed
 from rlnotes.engine.hardware.fsdp import is_sharded
 from rlnotes.engine.policy.head import head_logprobs
 from rlnotes.engine.policy.kvcache import plain_layers
+from rlnotes.engine.policy.llama import LlamaLayers
 from rlnotes.engine.policy.padding import forward_real
 
 
@@ -33,6 +36,23 @@ def forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits
     return forward_real(model, input_ids=input_ids, attention_mask=attention_mask,
                         position_ids=position_ids(attention_mask), use_cache=False, logits_to_keep=logits_to_keep,
                         output_hidden_states=hidden_states)
+
+
+def states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, positions: torch.Tensor,
+           cache: Optional[DynamicCache] = None, logits: bool = False) -> torch.Tensor:
+    """One forward pass of `input_ids` [B, T] at `positions`, `attention_mask` [B, K] covering
+    `cache`'s columns first (keys and values go into it): the last layer's hidden states after the
+    final norm [B, T, H], or with `logits` the next-token logits at each row's last position [B, V].
+    Through rlnotes' own pass (rlnotes.engine.policy.llama) where it computes the model's, else the
+    model's forward with padding skipped in its position-wise layers."""
+    own = LlamaLayers.of(model)
+    if own is not None:
+        hidden = own.hidden(input_ids, attention_mask, positions, cache)
+        return model.get_output_embeddings()(hidden[:, -1]) if logits else hidden
+    out = forward_real(model, input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, cache=cache,
+                       use_cache=cache is not None, logits_to_keep=1 if logits else input_ids.new_empty(0),
+                       output_hidden_states=not logits)
+    return out.logits[:, -1] if logits else out.hidden_states[-1]  # hidden states after the final norm
 
 
 def prompt_groups(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
@@ -61,10 +81,6 @@ def own_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> Optional
     return rows, rows
 
 
-def _last_hidden(out) -> torch.Tensor:
-    return out.hidden_states[-1]  # after the final norm: the LM head's input
-
-
 def completion_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, n_completion: int,
                       share_prompts: bool = True) -> torch.Tensor:
     """The last layer's hidden states [B, n, d] at the positions that predict the last n tokens of
@@ -89,7 +105,6 @@ def completion_states(model, input_ids: torch.Tensor, attention_mask: torch.Tens
     # for the backward pass only through its outputs (its keys and values would find them freed).
     if groups is None and share_prompts and width and not sharded:
         groups = own_prompts(input_ids[:, :width], attention_mask[:, :width])
-    none = input_ids.new_empty(0)  # logits_to_keep: none, the head runs in head_logprobs
     cache = DynamicCache(config=model.config) if groups is not None else None
     if cache is not None and not plain_layers(cache):
         groups = None
@@ -98,21 +113,17 @@ def completion_states(model, input_ids: torch.Tensor, attention_mask: torch.Tens
     if sharded and len(set(distributed.gather((groups is not None, n_completion > 1)))) > 1:
         groups = None
     if groups is None:
-        out = forward_real(model, input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
-                           use_cache=False, logits_to_keep=none, output_hidden_states=True)
-        return _last_hidden(out)[:, width - 1:-1]
+        return states(model, input_ids, attention_mask, positions)[:, width - 1:-1]
     first, number = groups
-    out, cached_mask = prompt_pass(model, input_ids[first, :width], attention_mask[first, :width],
-                                   positions[first, :width], cache, none, hidden=True, common=common)
-    last = _last_hidden(out)[:, -1:]  # predicts each row's first completion token
+    hidden, cached_mask = prompt_pass(model, input_ids[first, :width], attention_mask[first, :width],
+                                      positions[first, :width], cache, common=common)
+    last = hidden[:, -1:]  # predicts each row's first completion token
     if n_completion == 1:
         return last[number]
     cache.batch_select_indices(number)  # indexing, so the rows' gradients add up in the prompt pass
-    rest = forward_real(model, input_ids=input_ids[:, width:-1],
-                        attention_mask=torch.cat([cached_mask[number], attention_mask[:, width:-1]], dim=1),
-                        position_ids=positions[:, width:-1], cache=cache, use_cache=True, logits_to_keep=none,
-                        output_hidden_states=True)
-    return torch.cat([last[number], _last_hidden(rest)], dim=1)
+    rest = states(model, input_ids[:, width:-1], torch.cat([cached_mask[number], attention_mask[:, width:-1]], dim=1),
+                  positions[:, width:-1], cache)
+    return torch.cat([last[number], rest], dim=1)
 
 
 # A prefix the distinct prompts share is forwarded once when that saves at least this many tokens: the
@@ -143,9 +154,10 @@ def prefix_to_share(ids: torch.Tensor, mask: torch.Tensor) -> int:
 
 
 def prompt_pass(model, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: DynamicCache,
-                logits_to_keep, hidden: bool = False, common: Optional[int] = None):
-    """The U distinct left-padded prompts [U, P] forwarded into `cache`: (the model's output for the
-    last tokens of each, the attention mask [U, K] of the K columns now cached). A prefix of `common`
+                logits: bool = False, common: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The U distinct left-padded prompts [U, P] forwarded into `cache`: (their `states` after the
+    cached columns: hidden states [U, T, H], or with `logits` each prompt's next-token logits [U, V];
+    the attention mask [U, K] of the K columns now cached). A prefix of `common`
     tokens they all share (default: prefix_to_share) goes once, as one row, then each prompt's
     remainder against it: the cache holds [prefix | left-padded remainders], a layout whose mask has
     its padding in the middle and whose tokens keep their whole-row positions, so every output
@@ -154,19 +166,16 @@ def prompt_pass(model, ids: torch.Tensor, mask: torch.Tensor, positions: torch.T
     if common is None:
         common = prefix_to_share(ids, mask) if plain_layers(cache) else 0
     if not common:
-        return forward_real(model, input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache,
-                            use_cache=True, logits_to_keep=logits_to_keep, output_hidden_states=hidden), mask
+        return states(model, ids, mask, positions, cache, logits), mask
     lengths = mask.sum(1)
     start = width - int(lengths[0])
-    model(input_ids=ids[:1, start:start + common], attention_mask=mask[:1, start:start + common],
-          position_ids=positions[:1, start:start + common], cache=cache, use_cache=True,
-          logits_to_keep=ids.new_empty(0))
+    prefix = slice(start, start + common)
+    states(model, ids[:1, prefix], mask[:1, prefix], positions[:1, prefix], cache)
     cache.batch_select_indices(torch.zeros(n, dtype=torch.long, device=ids.device))
     tail = int(lengths.max()) - common  # the longest remainder; shorter ones are left-padded to it
     own = torch.arange(width - tail, width, device=ids.device) >= (width - lengths + common)[:, None]
     cached = torch.cat([mask.new_ones(n, common), own.to(mask.dtype)], dim=1)
-    return forward_real(model, input_ids=ids[:, -tail:], attention_mask=cached, position_ids=positions[:, -tail:],
-                        cache=cache, use_cache=True, logits_to_keep=logits_to_keep, output_hidden_states=hidden), cached
+    return states(model, ids[:, -tail:], cached, positions[:, -tail:], cache, logits), cached
 
 
 def sequence_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, n_completion: int,

@@ -23,19 +23,11 @@ weights (gathered by the model's own forward) decode through the model's forward
 
 from __future__ import annotations
 
-import functools
 from typing import Callable, Optional
 
 import torch
-import torch.nn.functional as F
 
-from rlnotes.engine.hardware.fsdp import is_sharded
-from rlnotes.engine.policy.merged import LowRankLinear, MergedLinear
-from rlnotes.engine.policy.packed import PackedLinear
-
-# The causal LMs whose decoder layers compute exactly the step above; their attention, MLP and norm
-# classes are checked too, so a subclass that changes one of them is not taken for the family.
-FAMILIES = ("Llama", "Qwen2", "Mistral")
+from rlnotes.engine.policy.llama import LlamaLayers, half_sign, linear, rms_norm, rotate
 
 # (tokens [N], attention mask [N, K] over the cache's columns and the new one, positions [N], cache)
 # -> logits of the next token [N, V]
@@ -57,62 +49,16 @@ def decoding_step(model, own: bool = True) -> Step:
     return model_step(model) if decoder is None else decoder
 
 
-def _linear(module: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
-    """x -> module(x) without the module call around it where the module is a plain linear map."""
-    if type(module) in (torch.nn.Linear, MergedLinear):
-        return functools.partial(F.linear, weight=module.weight, bias=module.bias)
-    if type(module) in (PackedLinear, LowRankLinear):
-        return module.forward
-    return module
-
-
-def rms_norm(x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
-    """w * x / sqrt(mean(x^2) + eps), in float32 and back to x's dtype before the weight, as the
-    Llama family's RMSNorm."""
-    if x.dtype == torch.float32:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon) * norm.weight
-    h = x.float()
-    return norm.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)).to(x.dtype)
-
-
-def _family(model) -> Optional[str]:
-    """The family of FAMILIES whose classes make up `model` (a causal LM), or None."""
-    layers = getattr(getattr(model, "model", None), "layers", None)
-    if layers is None or not len(layers):
-        return None
-    for family in FAMILIES:
-        def named(module, part):
-            return type(module).__name__ == f"{family}{part}"
-
-        if named(model, "ForCausalLM") and named(model.model.norm, "RMSNorm") and all(
-                named(layer, "DecoderLayer") and named(layer.self_attn, "Attention") and named(layer.mlp, "MLP")
-                and named(layer.input_layernorm, "RMSNorm") and named(layer.post_attention_layernorm, "RMSNorm")
-                for layer in layers):
-            return family
-    return None
-
-
-class Decoder:
+class Decoder(LlamaLayers):
     """The decoding step above for one model, as its modules are now (built per sampling call)."""
 
     def __init__(self, model):
-        base = model.model
-        config = model.config
-        self.embed, self.rotary, self.norm = base.embed_tokens, base.rotary_emb, base.norm
-        self.head = _linear(model.get_output_embeddings())
-        attn = base.layers[0].self_attn
-        self.heads, self.kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, attn.head_dim
-        self.scale = attn.scaling
-        half = self.head_dim // 2
-        # rotate_half(x) * sin == roll(x, d/2) * (sin with its first half negated)
-        self.sign = torch.cat([-torch.ones(half), torch.ones(half)]).to(base.embed_tokens.weight.device)
+        super().__init__(model)
+        self.head = linear(model.get_output_embeddings())
+        self.sign = half_sign(self.head_dim, torch.ones(1, device=self.embed.weight.device))
         rope = self.rotary.rope_type
         self.tabled = isinstance(rope, str) and "dynamic" not in rope and rope != "longrope"
         self.table: Optional[tuple[torch.Tensor, torch.Tensor]] = None
-        self.layers = [(layer.input_layernorm, *(_linear(getattr(layer.self_attn, f"{w}_proj")) for w in "qkvo"),
-                        layer.post_attention_layernorm,
-                        *(_linear(getattr(layer.mlp, f"{w}_proj")) for w in ("gate", "up", "down")), layer.mlp.act_fn)
-                       for layer in base.layers]
 
     def _rotation(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sign * sin at each row's position [N, 1, d], from a table of the rotary module's
@@ -128,23 +74,6 @@ class Decoder:
             self.table = (cos[0], sin[0] * self.sign.to(sin.dtype))
         return tuple(t[positions][:, None] for t in self.table)
 
-    @classmethod
-    def of(cls, model) -> Optional["Decoder"]:
-        """The Decoder of `model` (a causal LM, or a peft model around one), or None where the step
-        above is not what the model computes or its weights are sharded."""
-        if is_sharded(model):
-            return None
-        inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-        family = _family(inner)
-        if family is None:
-            return None
-        windows = [getattr(layer.self_attn, "sliding_window", None) for layer in inner.model.layers]
-        if family == "Mistral":  # its window is the config's, for every layer
-            windows.append(getattr(inner.config, "sliding_window", None))
-        if any(w is not None for w in windows):
-            return None
-        return cls(inner)
-
     def __call__(self, tokens: torch.Tensor, attention_mask: torch.Tensor, positions: torch.Tensor,
                  cache) -> torch.Tensor:
         n, d, group = len(tokens), self.head_dim, self.heads // self.kv_heads
@@ -155,8 +84,7 @@ class Decoder:
         for (norm1, wq, wk, wv, wo, norm2, gate, up, down, act), layer in zip(self.layers, cache.layers):
             h = rms_norm(x, norm1)
             q, k, v = (w(h).view(n, -1, d) for w in (wq, wk, wv))       # [N, heads, d]
-            q = torch.addcmul(q * cos, q.roll(d // 2, -1), sin)
-            k = torch.addcmul(k * cos, k.roll(d // 2, -1), sin)
+            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
             keys, values = layer.update(k[:, :, None], v[:, :, None])   # [N, kv heads, K, d]
             q = q.view(n, self.kv_heads, group, d)                       # a key/value head's queries as rows
             scores = torch.add(bias, q @ keys.transpose(-1, -2), alpha=self.scale)

@@ -171,8 +171,7 @@ def prefill(model, prompts: Sequence[Sequence[int]], pad_id: int, group_size: in
     if room and plain_layers(cache):
         cache.layers = [GrowingLayer(room) for _ in cache.layers]
     positions = position_ids(prompt_mask)
-    out, cache_mask = prompt_pass(model, prompt_ids, prompt_mask, positions, cache, logits_to_keep=1)
-    logits = out.logits[:, -1]
+    logits, cache_mask = prompt_pass(model, prompt_ids, prompt_mask, positions, cache, logits=True)
     if group_size > 1:
         cache.batch_repeat_interleave(group_size)
         logits = logits.repeat_interleave(group_size, dim=0)
