@@ -11,7 +11,7 @@ from test_decoder import ROPES, family_model
 from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel
 
 from rlnotes.engine.model.precision import frozen_linears_to_bf16
-from rlnotes.engine.policy import passes
+from rlnotes.engine.policy import packed, passes
 from rlnotes.engine.policy.llama import LlamaLayers, attention_mask
 from rlnotes.engine.policy.passes import position_ids
 
@@ -69,11 +69,23 @@ def assert_same_pass(model, ids, mask, positions, atol=2e-5):
         torch.testing.assert_close(mine, expected, atol=1e-4 * float(expected.abs().max()), rtol=1e-4)
 
 
+@pytest.fixture(params=[False, True], ids=["plain weights", "frozen weights packed"])
+def pack(request, monkeypatch):
+    """The frozen weights through oneDNN with kept packed copies (packed.frozen_linear), however small."""
+    if request.param:
+        if not packed.available():
+            pytest.skip("this torch has no working oneDNN linear")
+        monkeypatch.setattr(packed, "MIN_WEIGHTS", 0)
+    return request.param
+
+
 @pytest.mark.parametrize("family, rope", [("llama", None), ("qwen2", None), ("mistral", None), ("llama", "linear"),
                                           ("llama", "dynamic")])
-def test_hidden_states_and_lora_gradients_are_the_models(family, rope):
+def test_hidden_states_and_lora_gradients_are_the_models(family, rope, pack):
     model = adapted(family_model(family, **ROPES.get(rope, {}))).train()
+    kept = len(packed._KEPT)
     assert_same_pass(model, *batch(model.config.vocab_size))
+    assert (len(packed._KEPT) > kept) == pack  # W and W^T of the frozen weights, kept
 
 
 def test_every_weight_training_gets_the_models_gradients():
@@ -94,7 +106,7 @@ def test_the_reference_is_the_base_with_the_adapter_off():
     assert off[~real].abs().max() == 0  # padding positions are 0
 
 
-def test_tokens_after_a_cache_attend_to_it_as_in_the_model():
+def test_tokens_after_a_cache_attend_to_it_as_in_the_model(pack):
     """A prompt pass into a cache, then the rest against it (passes.completion_states' two passes),
     gradients flowing through the cache into the prompt pass."""
     model = adapted(family_model("mistral")).train()

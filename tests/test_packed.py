@@ -76,3 +76,36 @@ def test_without_onednn_nothing_is_swapped(monkeypatch):
     policy = trained_policy()
     with policy.sampling() as model:
         assert not any(isinstance(m, PackedLinear) for m in model.modules())
+
+
+def test_a_frozen_linear_gives_the_layers_outputs_and_input_gradients_with_kept_packs():
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(500, 300).requires_grad_(False)
+    fast = packed.frozen_linear(layer)
+    x = torch.randn(7, 500, requires_grad=True)
+    y = fast(x)
+    torch.testing.assert_close(y, layer(x), atol=1e-5, rtol=1e-5)
+    g = torch.randn_like(y)
+    expected, = torch.autograd.grad(layer(x), x, g)
+    mine, = torch.autograd.grad(y, x, g)
+    torch.testing.assert_close(mine, expected, atol=1e-5, rtol=1e-5)
+    kept = [packed.kept_packing(layer.weight), packed.kept_packing(layer.weight, True)]
+    assert [packed.kept_packing(layer.weight), packed.kept_packing(layer.weight, True)] == kept  # kept, not made again
+    with torch.no_grad():
+        layer.weight.mul_(2)  # changed in place: packed again, and the outputs follow
+        torch.testing.assert_close(fast(x), layer(x), atol=1e-5, rtol=1e-5)
+    assert packed.kept_packing(layer.weight) is not kept[0]
+    # a weight that trains, a small one, or bf16 autocast: the plain layer's own product
+    assert packed.frozen_linear(torch.nn.Linear(500, 300)) is None
+    assert packed.frozen_linear(torch.nn.Linear(8, 8).requires_grad_(False)) is None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert fast(x).dtype == torch.bfloat16
+
+
+def test_a_kept_pack_goes_with_its_weight():
+    layer = torch.nn.Linear(500, 300).requires_grad_(False)
+    packed.kept_packing(layer.weight)
+    key = (id(layer.weight), False, None)
+    assert key in packed._KEPT
+    del layer
+    assert key not in packed._KEPT

@@ -259,14 +259,18 @@ def test_values_and_entropy_equal_the_plain_pass():
                                    atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("packs", [True, False], ids=["packed blocks", "plain blocks"])
 @pytest.mark.parametrize("chunk,rows,scale", [(22, 1024, 1.0), (6, 2, 1.0), (8, 4, 30.0), (10**6, 3, 30.0)])
-def test_head_logprobs_chunks_and_matches_log_softmax(monkeypatch, chunk, rows, scale):
+def test_head_logprobs_chunks_and_matches_log_softmax(monkeypatch, chunk, rows, scale, packs):
     # Blocks of positions (rows) and of vocabulary columns (chunk // rows: 1, 3, 2 or all 11, so the
-    # last block is short), each raising or keeping the running maximum; large logits (scale) too.
+    # last block is short), each raising or keeping the running maximum; large logits (scale) too;
+    # the frozen head's blocks through oneDNN with kept packed copies, or through torch's product.
     import rlnotes.engine.policy.head
 
     monkeypatch.setattr(rlnotes.engine.policy.head, "LOGIT_CHUNK", chunk)
     monkeypatch.setattr(rlnotes.engine.policy.head, "LOGIT_ROWS", rows)
+    if not packs:
+        monkeypatch.setattr(rlnotes.engine.policy.head, "packed_frozen", lambda weight: False)
     head = torch.nn.Linear(4, 11).requires_grad_(False)
     hidden = (torch.randn(3, 5, 4) * scale).requires_grad_(True)
     tokens = torch.randint(0, 11, (3, 5))

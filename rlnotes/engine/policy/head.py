@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
+from rlnotes.engine.policy.packed import kept_packing, packed_frozen, packed_product
+
 # A frozen head's logits exist LOGIT_CHUNK floats at a time (16 MiB in float32): a block of at most
 # LOGIT_ROWS positions against as many vocabulary columns as fit, so each block stays in a server
 # CPU's last-level cache while it is exponentiated and summed, and no block is large enough for
@@ -70,12 +72,15 @@ def _online_block(h, weight, bias, tokens, temperature: float, grads: bool, entr
     """(log pi(token), H, d log pi / dh, dH / dh) for the positions h [M, d] (the last three None
     when not asked for), the vocabulary LOGIT_CHUNK // M columns at a time: _FrozenHeadLogprobs."""
     n, vocab = h.shape[0], weight.shape[0]
-    columns = max(1, LOGIT_CHUNK // n)
+    packs = packed_frozen(weight)  # fixed blocks of columns, each's packed copies kept between passes
+    columns = max(1, LOGIT_CHUNK // (LOGIT_ROWS if packs else n))
     picked = h.new_zeros(n, dtype=torch.float32)  # z_token
     m = s = a = g = gz = None
     for start in range(0, vocab, columns):
         w = weight[start:start + columns]
-        z = F.linear(h, w, None if bias is None else bias[start:start + columns]).float()
+        b = None if bias is None else bias[start:start + columns]
+        block = (start, start + len(w)) if packs else None
+        z = packed_product(h, kept_packing(weight, rows=block), b) if packs else F.linear(h, w, b).float()
         if temperature != 1.0:
             z.div_(temperature)
         local = tokens - start
@@ -86,6 +91,7 @@ def _online_block(h, weight, bias, tokens, temperature: float, grads: bool, entr
         u = z.sub_(top[:, None])  # z_j - m, in place
         e = u.exp() if entropy else u.exp_()
         eu = e * u if entropy else None
+        w = (weight, block) if packs else w  # c @ w through the kept pack of the block's transpose
         if m is None:
             s = e.sum(1)
             a = eu.sum(1) if entropy else None
@@ -113,11 +119,16 @@ def _online_block(h, weight, bias, tokens, temperature: float, grads: bool, entr
 
 
 def _scaled_plus(acc: Optional[torch.Tensor], scale: Optional[torch.Tensor], c: torch.Tensor,
-                 w: torch.Tensor) -> torch.Tensor:
+                 w) -> torch.Tensor:
     """acc * scale + c @ w in float32 [M, d] (c @ w alone when acc is None), for c [M, k] (float32) and
-    a block of head weights w [k, d]. In float32 when w is float32 outside autocast; else, as the
-    logits (hardware.precision=bf16: w stored in bf16, or rounded by autocast), the products in bf16
-    summed by the matmul and rounded to bf16 once per block before they join the float32 sum."""
+    a block of head weights w [k, d], or (the head's weight, the block's rows) for a frozen float32
+    one, whose block's transpose is packed for oneDNN and kept (kept_packing). In float32 when w is
+    float32 outside autocast; else, as the logits (hardware.precision=bf16: w stored in bf16, or
+    rounded by autocast), the products in bf16 summed by the matmul and rounded to bf16 once per
+    block before they join the float32 sum."""
+    if isinstance(w, tuple):
+        product = packed_product(c, kept_packing(w[0], transposed=True, rows=w[1]))
+        return product if acc is None else acc.mul_(scale[:, None]).add_(product)
     if w.dtype == torch.float32 and not torch.is_autocast_enabled(w.device.type):
         return c @ w if acc is None else acc.mul_(scale[:, None]).addmm_(c, w)
     product = (c.to(w.dtype) @ w).float()

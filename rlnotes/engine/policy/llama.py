@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from rlnotes.engine.hardware.fsdp import is_sharded
 from rlnotes.engine.policy.merged import LowRankLinear, MergedLinear
-from rlnotes.engine.policy.packed import PackedLinear
+from rlnotes.engine.policy.packed import PackedLinear, frozen_linear
 
 # The causal LMs whose decoder layers compute exactly the layer above; their attention, MLP and norm
 # classes are checked too, so a subclass that changes one of them is not taken for the family.
@@ -56,7 +56,7 @@ def _hooked(module: torch.nn.Module) -> bool:
     return bool(module._forward_hooks or module._forward_pre_hooks)
 
 
-def _lora(layer) -> Optional[Linear]:
+def _lora(layer, pack_frozen: bool) -> Optional[Linear]:
     """x -> the peft LoRA linear layer's output, W0 x + sum over its active adapters of s B A dropout(x)
     (W0 x with its adapters off), or None where it computes something else (a variant such as DoRA,
     a LoRA bias, a merged adapter, a base layer that is not a plain linear map)."""
@@ -64,7 +64,7 @@ def _lora(layer) -> Optional[Linear]:
 
     if type(layer) is not LoraLinear or layer.merged or _hooked(layer):
         return None
-    base = linear(layer.base_layer)
+    base = linear(layer.base_layer, pack_frozen)
     if layer.disable_adapters:
         return base
     terms = []
@@ -86,17 +86,19 @@ def _lora(layer) -> Optional[Linear]:
     return forward
 
 
-def linear(module: torch.nn.Module) -> Linear:
+def linear(module: torch.nn.Module, pack_frozen: bool = True) -> Linear:
     """x -> module(x), without the module call around it where the module is a plain linear map
     (nn.Linear, a merged, low-rank or packed layer for sampling, a plain peft LoRA layer) and has no
-    hooks; else the module itself."""
+    hooks; else the module itself. `pack_frozen`: a large frozen nn.Linear (a LoRA layer's base too)
+    multiplies through oneDNN with packed copies of its weight kept between passes (frozen_linear)."""
     if _hooked(module):
         return module
     if type(module) in (torch.nn.Linear, MergedLinear):
-        return functools.partial(F.linear, weight=module.weight, bias=module.bias)
+        return (pack_frozen and frozen_linear(module)) or functools.partial(F.linear, weight=module.weight,
+                                                                           bias=module.bias)
     if type(module) in (PackedLinear, LowRankLinear):
         return module.forward
-    return _lora(module) or module
+    return _lora(module, pack_frozen) or module
 
 
 def family(model) -> Optional[str]:
@@ -158,15 +160,16 @@ class LlamaLayers:
     """A model's modules as the functions of the pass above, as they are now (built per pass: sampling
     swaps layers in and out, and training flags decide dropout); `hidden` runs the pass."""
 
-    def __init__(self, model):
+    def __init__(self, model, pack_frozen: bool = True):
         base, config = model.model, model.config
+        make = functools.partial(linear, pack_frozen=pack_frozen)
         self.embed, self.rotary, self.norm = base.embed_tokens, base.rotary_emb, base.norm
         attn = base.layers[0].self_attn
         self.heads, self.kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, attn.head_dim
         self.scale = attn.scaling
-        self.layers = [(layer.input_layernorm, *(linear(getattr(layer.self_attn, f"{w}_proj")) for w in "qkvo"),
+        self.layers = [(layer.input_layernorm, *(make(getattr(layer.self_attn, f"{w}_proj")) for w in "qkvo"),
                         layer.post_attention_layernorm,
-                        *(linear(getattr(layer.mlp, f"{w}_proj")) for w in ("gate", "up", "down")), layer.mlp.act_fn)
+                        *(make(getattr(layer.mlp, f"{w}_proj")) for w in ("gate", "up", "down")), layer.mlp.act_fn)
                        for layer in base.layers]
 
     @classmethod

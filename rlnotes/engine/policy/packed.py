@@ -1,26 +1,37 @@
-"""Sampling through linear layers whose weights are packed for oneDNN's matmul.
+"""Linear layers whose weights are packed for oneDNN's matmul: while sampling, and for the frozen
+weights of every pass.
 
 torch multiplies float32 matrices on a CPU with MKL's sgemm. oneDNN (torch's mkldnn operators),
 given a copy of the weight reordered once into its own blocked layout, multiplies the same matrices
-faster on the CPUs measured, most at the few rows of a decoding step, and most of all for a wide LM
-head. Each call costs oneDNN a fixed few microseconds more, so a small weight (below MIN_WEIGHTS
-elements: a tiny model's, or SmolLM2's 576 x 192 key and value maps) stays with MKL.
+faster on the CPUs measured: most at the few rows of a decoding step and for a wide LM head on a
+Zen 3 EPYC, and 2.2-2.4x at every shape on a Zen 5 EPYC, where MKL's float32 kernels use half the
+vector width (figures: docs/benchmarks.md). Each call costs oneDNN a fixed few microseconds more, so
+a small weight (below MIN_WEIGHTS elements: a tiny model's, or SmolLM2's 576 x 192 key and value
+maps) stays with MKL.
 
 While sampling, each such nn.Linear (the merged LoRA layers of rlnotes.engine.policy.merged among them) is
-swapped for a PackedLinear holding the reordered copy, made afresh each time (the adapter changes
-every step, at the cost of the weights' size again in memory while sampling). The outputs are those
+swapped for a PackedLinear holding the reordered copy, made afresh each time for a weight that
+changes (a merged adapter), kept between calls for a frozen one (kept_packing). The outputs are those
 of the plain layers up to float32 rounding (which may tip a sampled token where two are nearly tied).
-`rollout.pack_weights=false` keeps MKL; scripts/bench.py times generation (figures: docs/benchmarks.md).
+`rollout.pack_weights=false` keeps MKL for sampling's decoding steps; scripts/bench.py times generation.
 
-bf16 weights (hardware.precision=bf16) are packed too, where oneDNN multiplies bf16 natively; their
-input is rounded to bf16 first, as autocast rounds it for the plain layer.
+The training and reference passes (rlnotes.engine.policy.llama) multiply by each large frozen weight W
+(the base model's under LoRA) through its kept packed copy, and the backward pass's x-gradient dy W
+through a kept packed copy of W^T (frozen_linear); the LM head's blocks of vocabulary likewise
+(rlnotes.engine.policy.head). The copies cost the frozen weights' size twice more in memory, made at
+the first pass, and save every pass their reordering.
+
+bf16 weights (hardware.precision=bf16) are packed for sampling too, where oneDNN multiplies bf16
+natively; their input is rounded to bf16 first, as autocast rounds it for the plain layer. Under bf16
+autocast the passes multiply as autocast does.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Iterator
+import weakref
+from typing import Callable, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
@@ -57,14 +68,42 @@ def available_bf16() -> bool:
         return False
 
 
+# The packed copies of frozen weights (the base model's under LoRA), kept between passes and steps
+# while the weight is unchanged, under (the weight's id, transposed, rows), dropped with the weight:
+# (the weight's identity, storage, version and dtype when packed, the packed copy).
+_KEPT: dict[tuple, tuple[tuple, torch.Tensor]] = {}
+
+
+def frozen(weight: torch.Tensor) -> bool:
+    """A parameter that does not train (its packed copy can be kept)."""
+    return isinstance(weight, torch.nn.Parameter) and not weight.requires_grad
+
+
+def kept_packing(weight: torch.Tensor, transposed: bool = False, rows: Optional[tuple[int, int]] = None) -> torch.Tensor:
+    """The frozen `weight` W [out, in] (or W^T, the weight of the backward pass's x-gradient, dy W),
+    or its rows [start, stop) alone (a block of an LM head's vocabulary), reordered for oneDNN: made
+    at the first call, kept while W is unchanged."""
+    key, stamp = (id(weight), transposed, rows), (id(weight), weight.data_ptr(), weight._version, weight.dtype)
+    kept = _KEPT.get(key)
+    if kept is not None and kept[0] == stamp:
+        return kept[1]
+    w = weight.detach() if rows is None else weight.detach()[rows[0]:rows[1]]
+    packed = torch.ops.mkldnn._reorder_linear_weight(w.t().contiguous() if transposed else w.contiguous(), ROWS)
+    if key not in _KEPT:
+        weakref.finalize(weight, _KEPT.pop, key, None)
+    _KEPT[key] = (stamp, packed)
+    return packed
+
+
 class PackedLinear(torch.nn.Module):
-    """y = x W^T + b through oneDNN with W reordered once; with gradients on (the reordered copy has
-    none), through the plain weight."""
+    """y = x W^T + b through oneDNN with W reordered once (a frozen W's copy kept between calls:
+    kept_packing); with gradients on (the reordered copy has none), through the plain weight."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
         self.weight, self.bias = weight, bias
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), ROWS)
+        self.packed = kept_packing(weight) if frozen(weight) \
+            else torch.ops.mkldnn._reorder_linear_weight(weight.detach(), ROWS)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled() or (x.dtype != torch.float32 and self.weight.dtype == torch.float32):
@@ -72,6 +111,52 @@ class PackedLinear(torch.nn.Module):
         x = x.to(self.weight.dtype)
         bias = None if self.bias is None else self.bias.detach()
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+
+
+class _FrozenLinear(torch.autograd.Function):
+    """y = x W^T + b and, for the backward pass, dx = dy W, both through oneDNN's packed copies (of W
+    and of W^T); W and b are frozen, so they get no gradient."""
+
+    @staticmethod
+    def forward(ctx, x, packed, packed_t, bias):
+        ctx.packed_t = packed_t
+        return packed_product(x, packed, bias)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return packed_product(dy.contiguous(), ctx.packed_t), None, None, None
+
+
+def packed_frozen(weight: torch.Tensor) -> bool:
+    """Whether products with `weight` go through kept oneDNN packs (kept_packing): a frozen float32
+    weight on the CPU, oneDNN working, outside autocast."""
+    return (frozen(weight) and weight.dtype == torch.float32 and weight.device.type == "cpu" and available()
+            and not isinstance(weight, DTensor) and not torch.is_autocast_enabled("cpu"))
+
+
+def packed_product(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x W^T + b through oneDNN, for W reordered by kept_packing."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def frozen_linear(module: torch.nn.Module) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
+    """x -> module(x) for the forward passes of training and the reference: through oneDNN with the
+    kept packed copies of the weight (kept_packing), the x-gradient too, for an nn.Linear whose weight
+    and bias are frozen float32 on the CPU with at least MIN_WEIGHTS entries; else None. Under bf16
+    autocast or for an input of another dtype, the plain layer's F.linear."""
+    weight, bias = module.weight, module.bias
+    if not (type(module) is torch.nn.Linear and packed_frozen(weight) and (bias is None or frozen(bias))
+            and weight.numel() >= MIN_WEIGHTS):
+        return None
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32 or torch.is_autocast_enabled(x.device.type):
+            return F.linear(x, weight, bias)
+        b = None if bias is None else bias.detach()
+        if torch.is_grad_enabled() and x.requires_grad:
+            return _FrozenLinear.apply(x, kept_packing(weight), kept_packing(weight, True), b)
+        return packed_product(x, kept_packing(weight), b)
+    return forward
 
 
 def _packable(module: torch.nn.Module) -> bool:

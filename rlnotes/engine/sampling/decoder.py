@@ -53,8 +53,8 @@ class Decoder(LlamaLayers):
     """The decoding step above for one model, as its modules are now (built per sampling call)."""
 
     def __init__(self, model):
-        super().__init__(model)
-        self.head = linear(model.get_output_embeddings())
+        super().__init__(model, pack_frozen=False)  # sampling's layers are packed or not as rollout.pack_weights says
+        self.head = linear(model.get_output_embeddings(), pack_frozen=False)
         self.sign = half_sign(self.head_dim, torch.ones(1, device=self.embed.weight.device))
         rope = self.rotary.rope_type
         self.tabled = isinstance(rope, str) and "dynamic" not in rope and rope != "longrope"
