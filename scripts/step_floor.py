@@ -1,6 +1,9 @@
 """A training step's floor: the seconds its matrix products would take at the rate this machine
 multiplies the model's own weight matrices, measured in the same run as the step (used by
-scripts/bench_trl.py, which prints each step beside its floor).
+scripts/bench_trl.py, which prints each step beside its floor). Run alone, it prints the rate of each
+of torch's products at each linear shape of SmolLM2-135M:
+
+    python scripts/step_floor.py --threads 2 --rows 32 512 1024
 
 Per step of B prompts (pairs): N the weights of the model's linear layers below its LM head, H
 the LM head's (embeddings are looked up, not multiplied), d the model width, L its layers:
@@ -136,3 +139,36 @@ def matmul_rate(dims: dict, threads: int, precision: str = "fp32", repeats: int 
         flops += count * work
         seconds += count * best
     return flops / seconds, per_shape
+
+
+def main() -> None:
+    import argparse
+    import os
+
+    parser = argparse.ArgumentParser(description="GFLOP/s of torch's products at each linear shape of SmolLM2-135M")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--rows", type=int, nargs="+", default=[32, RATE_ROWS, 1024], help="rows of x (tokens)")
+    args = parser.parse_args()
+    from rlnotes.engine.hardware.openmp import wait_briefly  # before torch loads, as under `rlnotes`
+
+    wait_briefly(os.environ)
+    import torch
+
+    from rlnotes.engine.model.loading import smollm2_shaped
+
+    torch.set_num_threads(args.threads)
+    with torch.device("meta"):
+        dims = dims_of(smollm2_shaped())
+    g = torch.Generator().manual_seed(0)
+    print(f"{args.threads} threads, float32; GFLOP/s of torch's default product (MKL) and oneDNN's with W packed once")
+    print("rows | W^T in x out | default | oneDNN | oneDNN / default")
+    for rows in args.rows:
+        for fan_in, fan_out, _ in dims["linears"]:
+            x, w = torch.randn(rows, fan_in, generator=g), torch.randn(fan_out, fan_in, generator=g)
+            rates = [2.0 * rows * fan_in * fan_out / best_time(p, 5) / 1e9 for p in products(x, w)]
+            cells = [f"{r:.0f}" for r in rates] + (["-", "-"] if len(rates) == 1 else [f"{rates[1] / rates[0]:.2f}x"])
+            print(f"{rows} | {fan_in} x {fan_out} | " + " | ".join(cells))
+
+
+if __name__ == "__main__":
+    main()

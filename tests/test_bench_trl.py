@@ -267,6 +267,21 @@ def test_model_dims_are_the_models_linear_layers(tmp_path):
     assert min(per_shape.values()) <= rate <= max(per_shape.values())  # a mean of the shapes' rates
 
 
+def test_the_rate_takes_each_of_torchs_products_that_compute_the_same():
+    """The floor's rate is that of the faster product: torch's default and, where this torch has it,
+    oneDNN's with the weight packed, both giving x @ W^T."""
+    import torch
+
+    from rlnotes.engine.policy import packed
+
+    x, w = torch.randn(9, 20), torch.randn(30, 20)
+    ways = floor.products(x, w)
+    assert len(ways) == (2 if packed.available() else 1)
+    for product in ways:
+        torch.testing.assert_close(product(), x @ w.T, atol=1e-5, rtol=1e-5)
+    assert floor.best_time(ways[0], repeats=2) > 0
+
+
 def test_each_step_is_printed_beside_its_floor():
     dims = {"body": 10**6, "head": 10**5, "d": 16, "layers": 2}
     prep = {"dims": dims, "prompt_tokens": {"grpo": 10.0}}

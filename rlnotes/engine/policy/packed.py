@@ -6,8 +6,8 @@ given a copy of the weight reordered once into its own blocked layout, multiplie
 faster on the CPUs measured: most at the few rows of a decoding step and for a wide LM head on a
 Zen 3 EPYC, and 2.2-2.4x at every shape on a Zen 5 EPYC, where MKL's float32 kernels use half the
 vector width (figures: docs/benchmarks.md). Each call costs oneDNN a fixed few microseconds more, so
-a small weight (below MIN_WEIGHTS elements: a tiny model's, or SmolLM2's 576 x 192 key and value
-maps) stays with MKL.
+a small weight (below MIN_WEIGHTS elements: a tiny model's) stays with MKL; SmolLM2's 576 x 192 key
+and value maps, below the bound on a Zen 3 EPYC, gained on the Zen 5 one from being packed.
 
 While sampling, each such nn.Linear (the merged LoRA layers of rlnotes.engine.policy.merged among them) is
 swapped for a PackedLinear holding the reordered copy, made afresh each time for a weight that
@@ -39,7 +39,7 @@ from torch.distributed.tensor import DTensor
 
 from rlnotes.engine.policy.merged import MergedLinear, swapped_in
 
-MIN_WEIGHTS = 2**17
+MIN_WEIGHTS = 2**16
 ROWS = 32  # the number of rows oneDNN lays the weight out for; as fast as MKL or faster from 1 to 1024 rows
 
 
