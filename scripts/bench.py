@@ -6,6 +6,7 @@ weight matrices at, measured in the same run.
     python scripts/bench.py --models tiny --steps 10
     python scripts/bench.py --shared-prompt       # the policy pass with and without prompt sharing
     python scripts/bench.py --precision           # bf16 log-probs against fp32's (SmolLM2's own weights)
+    python scripts/bench.py --choice own-pass     # a GRPO step's phases with the choice on and off
 
 Each model runs in its own process (so peak RSS is that model's). Figures are medians over the
 steps after the first (warm-up). Run on a quiet machine; compare ratios within one run.
@@ -212,6 +213,70 @@ def precision_check(name: str, threads: int, new_tokens: int) -> None:
           f"{token_stats(bf16.logprobs - logprobs(low, 'bf16', bf16), bf16.completion_mask)}")
 
 
+def switch(choice: str, on: bool) -> None:
+    """Turn one of CHOICES on or off in this process (the choices have no config key: they compute the
+    same outputs up to rounding)."""
+    from rlnotes.engine.policy import head, llama, packed, passes
+
+    if choice == "own-pass":  # off: the model's forward with padding skipped, for the passes but not the decoder
+        passes.LlamaLayers = llama.LlamaLayers if on else type("Off", (), {"of": classmethod(lambda cls, m: None)})
+    else:  # "frozen-packs" off: frozen weights through torch's product (sampling's packing stays as set)
+        llama.frozen_linear = packed.frozen_linear if on else (lambda module: None)
+        head.packed_frozen = packed.packed_frozen if on else (lambda weight: False)
+
+
+CHOICES = ("own-pass", "frozen-packs")
+
+
+def choice_ab(name: str, choice: str, rounds: int) -> None:
+    """The phases of `name`'s GRPO step (sampling, reference pass, training pass forward and backward)
+    with `choice` on and off, alternating in one process: medians of `rounds` each."""
+    import torch
+    from hydra.types import RunMode
+    from omegaconf import open_dict
+    from rich.console import Console
+
+    from rlnotes.algos.registry import algorithm
+    from rlnotes.commands.check import check, loader
+    from rlnotes.training.batching import rollout_micro_batches
+    from rlnotes.training.sampling import next_rows, reference_logprobs, sample_and_score
+    from rlnotes.training.setup import setup
+
+    overrides = MODELS[name] + SHAPE + ["trainer.steps=1"]
+    check(overrides, False, None)
+    cfg = loader(None).load_configuration("config", overrides, RunMode.RUN)
+    with open_dict(cfg):
+        del cfg["hydra"]
+    with tempfile.TemporaryDirectory() as tmp:
+        ctx = setup(cfg, algorithm(cfg.algo.name), Path(tmp), Console(quiet=True))
+        model, policy = ctx.model, ctx.model.policy
+        times = {True: [], False: []}
+        for i in range(rounds + 1):  # the first round warms both up
+            for on in (True, False) if i % 2 else (False, True):
+                switch(choice, on)
+                start = time.perf_counter()
+                rollout, _, _ = sample_and_score(ctx.rollouts, model, ctx.data, ctx.run, next_rows(ctx.data.sampler),
+                                                 cfg.algo.group_size)
+                sampled = time.perf_counter()
+                reference_logprobs(model, ctx.run, rollout, 1.0)
+                referenced = time.perf_counter()
+                policy.train()
+                rows = torch.arange(len(rollout))
+                for chunk in rollout_micro_batches(model, rollout, rows):
+                    b = rollout.select(rows[chunk])
+                    policy.logprobs(b.input_ids, b.attention_mask, b.completion_ids.shape[1]).sum().backward()
+                model.policy.model.zero_grad(set_to_none=True)
+                if i:
+                    times[on].append((sampled - start, referenced - sampled, time.perf_counter() - referenced))
+        switch(choice, True)
+        ctx.out.logger.close()
+    print(f"{name}, {choice}, {torch.get_num_threads()} threads, medians of {rounds} alternating rounds")
+    for on in (True, False):
+        gen, ref, train = (statistics.median(t[k] for t in times[on]) for k in range(3))
+        print(f"{'on' if on else 'off'}: sampling {gen:.4f} s, reference pass {ref:.4f} s, training pass {train:.4f} s, "
+              f"reference + training {ref + train:.4f} s")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
@@ -223,8 +288,11 @@ def main() -> None:
     parser.add_argument("--precision", action="store_true",
                         help="instead: bf16 log-probs against fp32's and the sampler's against the training pass's "
                              "(SmolLM2-135M's own weights)")
+    parser.add_argument("--choice", choices=CHOICES,
+                        help="instead: the phases of each --models' GRPO step with this choice of rlnotes' passes on "
+                             "and off, alternating in one process (--rounds each)")
     parser.add_argument("--threads", type=int, default=2, help="--shared-prompt, --precision: torch threads")
-    parser.add_argument("--rounds", type=int, default=3, help="--shared-prompt: alternating rounds")
+    parser.add_argument("--rounds", type=int, default=3, help="--shared-prompt, --choice: alternating rounds")
     parser.add_argument("--layers", type=int, default=30, help="--shared-prompt: layers of the model (SmolLM2: 30)")
     args = parser.parse_args()
     if args.shared_prompt:
@@ -232,6 +300,10 @@ def main() -> None:
         return
     if args.precision:
         precision_check("smollm2-135m", args.threads, 32)
+        return
+    if args.choice:
+        for name in args.models:
+            choice_ab(name, args.choice, args.rounds)
         return
     if args.one:
         print(json.dumps(run_one(args.one, args.steps)))

@@ -22,7 +22,7 @@ completions of a group attend to their prompt, which is counted once.
 The rate: x (M tokens) @ W^T for every linear layer of the model, at M = 512 tokens (a training
 pass's size), best of several repeats, in the step's precision and thread count, through the faster
 of torch's default product (MKL) and oneDNN's with the weight packed once (on a Zen 5 EPYC oneDNN's
-float32 product ran 2.2-2.4x MKL's at these shapes: MKL's kernels there use half the vector width). Decoding runs at
+float32 product ran about 2x MKL's at these shapes: docs/benchmarks.md). Decoding runs at
 far fewer rows per product and reaches a lower rate, so the floor is one no step can beat.
 """
 

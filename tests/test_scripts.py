@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -66,6 +67,25 @@ def test_bench_precision_sets_bf16_log_probs_against_fp32s(capsys):
                            "pass", "bf16 sampler against bf16 training pass"]
     assert 1e-4 < means["bf16 training pass against fp32's, fp32's samples"] < 0.05
     assert means["fp32 sampler against fp32 training pass"] < 1e-4
+
+
+@pytest.mark.parametrize("choice", ["own-pass", "frozen-packs"])
+def test_bench_choice_times_a_steps_phases_with_the_choice_on_and_off(choice, monkeypatch, capsys):
+    """--choice: both arms ran (times above 0) and the choice is back on after (what rlnotes runs)."""
+    from rlnotes.engine.policy import head, llama, packed, passes
+
+    bench = _script("bench")
+    monkeypatch.setattr(sys, "argv", ["bench.py", "--models", "tiny", "--choice", choice, "--rounds", "1"])
+    seen = []
+    switch = bench.switch
+    monkeypatch.setattr(bench, "switch", lambda c, on: seen.append(on) or switch(c, on))
+    bench.main()
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith(f"tiny, {choice}, ") and set(seen) == {True, False}
+    for line, arm in zip(out[1:], ("on", "off")):
+        assert line.startswith(f"{arm}: sampling ") and all(float(x) > 0 for x in re.findall(r"([0-9.]+) s", line))
+    assert passes.LlamaLayers is llama.LlamaLayers and llama.frozen_linear is packed.frozen_linear
+    assert head.packed_frozen is packed.packed_frozen
 
 
 @pytest.mark.slow

@@ -4,8 +4,8 @@ weights of every pass.
 torch multiplies float32 matrices on a CPU with MKL's sgemm. oneDNN (torch's mkldnn operators),
 given a copy of the weight reordered once into its own blocked layout, multiplies the same matrices
 faster on the CPUs measured: most at the few rows of a decoding step and for a wide LM head on a
-Zen 3 EPYC, and 2.2-2.4x at every shape on a Zen 5 EPYC, where MKL's float32 kernels use half the
-vector width (figures: docs/benchmarks.md). Each call costs oneDNN a fixed few microseconds more, so
+Zen 3 EPYC, and about 2x at most shapes on a Zen 5 EPYC, where MKL's float32 products ran at half
+oneDNN's rate (figures: docs/benchmarks.md). Each call costs oneDNN a fixed few microseconds more, so
 a small weight (below MIN_WEIGHTS elements: a tiny model's) stays with MKL; SmolLM2's 576 x 192 key
 and value maps, below the bound on a Zen 3 EPYC, gained on the Zen 5 one from being packed.
 
