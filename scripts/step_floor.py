@@ -148,6 +148,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="GFLOP/s of torch's products at each linear shape of SmolLM2-135M")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--rows", type=int, nargs="+", default=[32, RATE_ROWS, 1024], help="rows of x (tokens)")
+    parser.add_argument("--repeats", type=int, default=5, help="timings of ~20 ms per product, the best kept")
     args = parser.parse_args()
     from rlnotes.engine.hardware.openmp import wait_briefly  # before torch loads, as under `rlnotes`
 
@@ -165,7 +166,7 @@ def main() -> None:
     for rows in args.rows:
         for fan_in, fan_out, _ in dims["linears"]:
             x, w = torch.randn(rows, fan_in, generator=g), torch.randn(fan_out, fan_in, generator=g)
-            rates = [2.0 * rows * fan_in * fan_out / best_time(p, 5) / 1e9 for p in products(x, w)]
+            rates = [2.0 * rows * fan_in * fan_out / best_time(p, args.repeats) / 1e9 for p in products(x, w)]
             cells = [f"{r:.0f}" for r in rates] + (["-", "-"] if len(rates) == 1 else [f"{rates[1] / rates[0]:.2f}x"])
             print(f"{rows} | {fan_in} x {fan_out} | " + " | ".join(cells))
 

@@ -835,6 +835,8 @@ def _bench_trl():
 SCRIPT_SHRINK: Dict[str, Tuple[str, ...]] = {
     # the tiny model for SmolLM2 (minutes); tests/test_sampling_check.py runs it on SmolLM2, slow-marked
     "scripts/sampling_check.py": ("--model", "tiny", "--samples", "256", "--draws", "20000", "--threads", "1"),
+    # few rows and one timing of each product: the table's shape, not its figures
+    "scripts/step_floor.py": ("--rows", "4", "--repeats", "1", "--threads", "1"),
 }
 
 
