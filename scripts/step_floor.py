@@ -95,13 +95,12 @@ def products(x, w) -> list:
     no tool's kernel beats."""
     import torch
 
+    from rlnotes.engine.policy import packed
+
     ways = [lambda: torch.nn.functional.linear(x, w)]
-    try:
-        packed = torch.ops.mkldnn._reorder_linear_weight(w, 32)
-        torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-        ways.append(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""))
-    except (AttributeError, RuntimeError):  # no oneDNN, or not for this dtype on this CPU
-        pass
+    if packed.available() and (w.dtype == torch.float32 or (w.dtype == torch.bfloat16 and packed.available_bf16())):
+        copy = packed.reordered(w)
+        ways.append(lambda: packed.packed_product(x, copy))
     return ways
 
 

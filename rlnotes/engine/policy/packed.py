@@ -70,7 +70,7 @@ def available_bf16() -> bool:
 
 # The packed copies of frozen weights (the base model's under LoRA), kept between passes and steps
 # while the weight is unchanged, under (the weight's id, transposed, rows), dropped with the weight:
-# (the weight's identity, storage, version and dtype when packed, the packed copy).
+# (the weight's storage, version and dtype when packed, the packed copy).
 _KEPT: dict[tuple, tuple[tuple, torch.Tensor]] = {}
 
 
@@ -79,16 +79,27 @@ def frozen(weight: torch.Tensor) -> bool:
     return isinstance(weight, torch.nn.Parameter) and not weight.requires_grad
 
 
+def reordered(weight: torch.Tensor) -> torch.Tensor:
+    """A copy of the weight W [out, in] in oneDNN's blocked layout, laid out for ROWS rows
+    (packed_product multiplies by it)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), ROWS)
+
+
+def packed_product(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x W^T + b through oneDNN, for W reordered (reordered, kept_packing)."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
 def kept_packing(weight: torch.Tensor, transposed: bool = False, rows: Optional[tuple[int, int]] = None) -> torch.Tensor:
     """The frozen `weight` W [out, in] (or W^T, the weight of the backward pass's x-gradient, dy W),
     or its rows [start, stop) alone (a block of an LM head's vocabulary), reordered for oneDNN: made
     at the first call, kept while W is unchanged."""
-    key, stamp = (id(weight), transposed, rows), (id(weight), weight.data_ptr(), weight._version, weight.dtype)
+    key, stamp = (id(weight), transposed, rows), (weight.data_ptr(), weight._version, weight.dtype)
     kept = _KEPT.get(key)
     if kept is not None and kept[0] == stamp:
         return kept[1]
-    w = weight.detach() if rows is None else weight.detach()[rows[0]:rows[1]]
-    packed = torch.ops.mkldnn._reorder_linear_weight(w.t().contiguous() if transposed else w.contiguous(), ROWS)
+    w = weight if rows is None else weight[rows[0]:rows[1]]
+    packed = reordered(w.t() if transposed else w)
     if key not in _KEPT:
         weakref.finalize(weight, _KEPT.pop, key, None)
     _KEPT[key] = (stamp, packed)
@@ -102,15 +113,14 @@ class PackedLinear(torch.nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
         self.weight, self.bias = weight, bias
-        self.packed = kept_packing(weight) if frozen(weight) \
-            else torch.ops.mkldnn._reorder_linear_weight(weight.detach(), ROWS)
+        self.packed = kept_packing(weight) if frozen(weight) else reordered(weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled() or (x.dtype != torch.float32 and self.weight.dtype == torch.float32):
             return F.linear(x, self.weight, self.bias)
         x = x.to(self.weight.dtype)
         bias = None if self.bias is None else self.bias.detach()
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+        return packed_product(x, self.packed, bias)
 
 
 class _FrozenLinear(torch.autograd.Function):
@@ -132,11 +142,6 @@ def packed_frozen(weight: torch.Tensor) -> bool:
     weight on the CPU, oneDNN working, outside autocast."""
     return (frozen(weight) and weight.dtype == torch.float32 and weight.device.type == "cpu" and available()
             and not isinstance(weight, DTensor) and not torch.is_autocast_enabled("cpu"))
-
-
-def packed_product(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """x W^T + b through oneDNN, for W reordered by kept_packing."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 def frozen_linear(module: torch.nn.Module) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
