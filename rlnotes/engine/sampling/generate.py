@@ -128,24 +128,37 @@ def uniforms(n: int, seeds: Optional[torch.Tensor], t: Union[int, torch.Tensor],
     return torch.rand(n, generator=generator, device=device, dtype=torch.float64)
 
 
+def tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """z / T in float32 (z itself at T = 1: no pass over the vocabulary)."""
+    return logits.float() if temperature == 1.0 else logits.float() / temperature
+
+
 def sampling_probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
     """p = softmax(z / T) cut to its top-p nucleus (top_p_filter) and renormalised, in float32:
     [N, V] -> [N, V]."""
-    return top_p_filter(logits.float() / temperature, top_p).softmax(-1)
+    return top_p_filter(tempered(logits, temperature), top_p).softmax(-1)
 
 
 def draw_tokens(logits: torch.Tensor, sampling: SamplingSettings, seeds: Optional[torch.Tensor],
                 t: Union[int, torch.Tensor], generator: Optional[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor]:
     """Token t of each row from its logits z [N, V], and its log-prob log softmax(z / T) [N]: the
-    most likely token (sampling.greedy), or a draw from sampling_probs by sample_inverse_cdf with
-    the uniform numbers of `seeds` [N] or `generator` (uniforms)."""
-    logp = (logits.float() / sampling.temperature).log_softmax(-1)
+    most likely token (sampling.greedy), or a draw by sample_inverse_cdf with the uniform numbers of
+    `seeds` [N] or `generator` (uniforms) from p = exp(z / T - m), m = max z / T, left unnormalised
+    (the inverse CDF scales by each row's total), or from sampling_probs where top-p cuts the
+    vocabulary. One pass of exp over the row gives both the draw and the log-prob,
+
+        log softmax(z / T)_i = z_i / T - m - log sum_j exp(z_j / T - m),
+
+    where a log_softmax and a softmax of the same row would take two."""
+    z = tempered(logits, sampling.temperature)
+    top = z.amax(-1, keepdim=True)
+    weights = (z - top).exp_()                                          # [N, V]: p up to each row's total
     if sampling.greedy:
-        tokens = logits.argmax(-1)
+        tokens = z.argmax(-1)
     else:
-        probs = sampling_probs(logits, sampling.temperature, sampling.top_p)
+        probs = weights if sampling.top_p >= 1.0 else sampling_probs(z, 1.0, sampling.top_p)
         tokens = sample_inverse_cdf(probs, uniforms(len(probs), seeds, t, generator, probs.device))
-    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+    return tokens, z.gather(-1, tokens[:, None]).squeeze(-1) - top.squeeze(-1) - weights.sum(-1).log()
 
 
 def stop_ids(model, tokenizer) -> List[int]:
