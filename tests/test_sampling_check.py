@@ -96,7 +96,8 @@ CASES = [(lm_like, 1.0, 1.0, 100_000), (lm_like, 0.7, 0.95, 30_000), (peaked, 1.
 
 def rlnotes_draws(z, temperature, top_p, n, seeds=None, generator=None):
     """n tokens from logits z [V] as generate draws them: sampling_probs, then sample_inverse_cdf on
-    the uniform numbers of the generator's stream or of per-completion seeds."""
+    the uniform numbers of the generator's stream or of per-completion seeds (draw_tokens scales by
+    each row's total instead of normalising first: the same tokens, test below)."""
     probs = sampling_probs(z[None], temperature, top_p)
     return sample_inverse_cdf(probs, uniforms(n, seeds, 3, generator, "cpu")[None])[0]
 
@@ -169,6 +170,19 @@ def test_the_blockwise_cdf_draws_the_whole_rows_tokens():
         assert torch.equal(drawn[clear], expected[clear]) and clear.float().mean() > 0.95
         assert torch.equal(sample_inverse_cdf(probs, u[:, 0]), drawn[:, 0])
         assert bool((probs.gather(1, drawn) > 0).all())
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 1.0), (0.7, 0.95)])
+def test_draw_tokens_draws_what_the_tested_draw_draws(temperature, top_p):
+    """draw_tokens samples from exp(z / T - max) left unnormalised (at top_p = 1) where the draw
+    tested above samples from sampling_probs: on the same uniform numbers (per-row seeds), the same
+    token in every row but at most one (a target within float32 rounding of a token's bound)."""
+    rows = torch.stack([lm_like(s) for s in range(8)] + [peaked(8), flat(9)]).repeat(10, 1)   # [100, V]
+    seeds = torch.arange(len(rows)) * 7919
+    settings = SamplingSettings(32, temperature=temperature, top_p=top_p)
+    drawn, _ = draw_tokens(rows, settings, seeds, 5, None)
+    tested = sample_inverse_cdf(sampling_probs(rows, temperature, top_p), uniforms(len(rows), seeds, 5, None, "cpu"))
+    assert int((drawn != tested).sum()) <= 1 and len(set(drawn.tolist())) > 5
 
 
 def test_draw_tokens_samples_each_row_and_gives_its_log_prob():
