@@ -37,7 +37,8 @@ def test_the_private_names_exist_and_accept_what_the_adapter_passes():
     for module, name in [("hydra._internal.config_loader_impl", "ConfigLoaderImpl"),
                          ("hydra._internal.core_plugins.basic_sweeper", "BasicSweeper"),
                          ("hydra._internal.utils", "create_automatic_config_search_path"),
-                         ("hydra._internal.utils", "get_args_parser")]:
+                         ("hydra._internal.utils", "get_args_parser"),
+                         ("hydra._internal.hydra", "Hydra")]:
         try:
             internals[name] = getattr(__import__(module, fromlist=[name]), name)
         except (ImportError, AttributeError):
@@ -49,6 +50,7 @@ def test_the_private_names_exist_and_accept_what_the_adapter_passes():
     accepts(Loader.load_configuration, "ConfigLoaderImpl.load_configuration", None, "config", [], hydra.RunMode.RUN)
     accepts(Loader.get_group_options, "ConfigLoaderImpl.get_group_options", None, "algo")
     accepts(internals["BasicSweeper"].split_arguments, "BasicSweeper.split_arguments", [], None)
+    accepts(internals["Hydra"].get_mode, "Hydra.get_mode", None, config_name="config", overrides=[])
     args = internals["get_args_parser"]().parse_args(["-m", "--config-dir", "x", "seed=1"])
     for flag in ("overrides", "multirun", "config_dir", "help", "hydra_help", "cfg", "info", "shell_completion"):
         assert hasattr(args, flag), changed("hydra._internal.utils.get_args_parser", f"its result has no {flag}")
@@ -141,6 +143,29 @@ def test_a_run_in_process_leaves_the_callers_command_line_as_it_was(monkeypatch,
     argv = ["seed=3", f"hydra.run.dir={tmp_path}"]
     hydra.run(lambda cfg: seen.append(sys.argv[1:]), argv)
     assert seen == [argv] and sys.argv == ["my_script.py", "out.json"]
+
+
+def test_a_config_composed_already_spares_hydra_a_composition_and_names_the_run_mode(monkeypatch, tmp_path):
+    """Given the command's config, composed already (rlnotes.commands.check), Hydra composes once
+    (for the run) where it composes twice (first only to read hydra.mode), and runs in the mode that
+    config names: a sweep for hydra.mode=MULTIRUN without -m, as Hydra's own reading would."""
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+
+    from rlnotes.commands.check import loader
+
+    configs = loader(None)  # registers the schemas, as `rlnotes train` does before its run
+    load, calls, seen = ConfigLoaderImpl.load_configuration, [], []
+    monkeypatch.setattr(ConfigLoaderImpl, "load_configuration", lambda self, *a, **k: calls.append(1) or load(self, *a, **k))
+    for composed in (None, hydra.compose(configs, ["seed=3"])):
+        calls.clear()
+        hydra.run(lambda cfg: seen.append(cfg.seed), ["seed=3", f"hydra.run.dir={tmp_path / str(len(seen))}"], composed)
+        seen.append(len(calls))
+    assert seen == [3, 2, 3, 1]
+    sweep = ["seed=1,2", "hydra.mode=MULTIRUN", f"hydra.sweep.dir={tmp_path / 'sweep'}"]
+    composed = hydra.compose(configs, ["seed=1", *sweep[1:]])
+    assert composed.hydra.mode == hydra.RunMode.MULTIRUN
+    hydra.run(lambda cfg: seen.append(cfg.seed), sweep, composed)
+    assert seen[4:] == [1, 2]
 
 
 def test_the_users_files_and_their_errors_read_as_the_adapter_expects(tmp_path):

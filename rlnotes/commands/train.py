@@ -67,7 +67,7 @@ def main(argv: List[str], checked: Optional[list] = None) -> int:
     register()
     SweepSummary.failed = []
     try:
-        hydra.run(train_job, argv)
+        hydra.run(train_job, argv, jobs[0] if jobs else None)
     finally:
         if args.multirun and jobs:
             release_sweep_dir(jobs)  # held for the whole multirun (claim_run_dirs)
