@@ -55,7 +55,7 @@ class Decoder(LlamaLayers):
     def __init__(self, model):
         super().__init__(model, pack_frozen=False)  # sampling's layers are packed or not as rollout.pack_weights says
         self.head = linear(model.get_output_embeddings(), pack_frozen=False)
-        self.sign = half_sign(self.head_dim, torch.ones(1, device=self.embed.weight.device))
+        self.sign = half_sign(self.head_dim, self.embed.weight)
         rope = self.rotary.rope_type
         self.tabled = isinstance(rope, str) and "dynamic" not in rope and rope != "longrope"
         self.table: Optional[tuple[torch.Tensor, torch.Tensor]] = None
