@@ -23,6 +23,26 @@ DOC = Path(__file__).resolve().parents[1] / "docs" / "config.md"
 OPTIONS = group_options(loader(None), "algo")
 
 
+def test_a_config_holding_a_declared_schema_pickles_it_by_name_and_leaves_it_as_it_was():
+    """A sweep's config travels to joblib's or submitit's processes and back (cloudpickle). Its algo
+    node's class, the declared schema, must go by name: by value, the way back sets the class's
+    fields to copies in which dataclasses.MISSING is no longer MISSING (every later composition in
+    the process then reads garbage defaults)."""
+    cloudpickle = pytest.importorskip("cloudpickle")
+    import pickle
+
+    for name in ("grpo", "ppo"):
+        _, cfg = config.compose([f"algo={name}"])
+        schema = OmegaConf.get_type(cfg.algo)
+        assert schema is declarations()[name].schema
+        before = [(f.default, f.default_factory) for f in dataclasses.fields(schema)]
+        for module in (pickle, cloudpickle):
+            back = module.loads(module.dumps(cfg))
+            assert OmegaConf.get_type(back.algo) is schema and back == cfg
+        assert all(a is b and c is d for (a, c), (b, d) in
+                   zip(before, [(f.default, f.default_factory) for f in dataclasses.fields(schema)]))
+
+
 def test_each_declaration_read_from_its_source_is_the_imported_one():
     """The config command reads the runner modules without importing them; what it reads must be
     what rlnotes.algos.registry.REGISTRY holds, for every algorithm."""

@@ -79,10 +79,29 @@ def algorithm(name: str) -> Algorithm:
     return found[name].algorithm
 
 
+class _Schemas:
+    """Each declared schema as an attribute named for its algorithm (SCHEMAS.grpo): where pickle finds
+    it. A declared schema's __qualname__ says so, so a config that holds one (a sweep's config, which
+    Hydra's joblib and submitit launchers send to other processes and back) refers to it by name.
+    By value instead, cloudpickle rebuilds the class elsewhere and, on the way back, sets the
+    original's fields to copies whose dataclasses.MISSING is no longer MISSING, breaking the schema
+    for the rest of the process."""
+
+    def __getattr__(self, name: str) -> type:
+        found = declarations().get(name)
+        if found is None:
+            raise AttributeError(name)
+        return found.schema
+
+
+SCHEMAS = _Schemas()
+
+
 def _declared(path: Path, tree: ast.Module, keywords: Dict[str, ast.expr]) -> Declared:
     schema = _schema(path, tree, keywords["schema"].id)
     choices = keywords.get("choices")
     name = ast.literal_eval(keywords["name"])
+    schema.__module__, schema.__qualname__ = __name__, f"SCHEMAS.{name}"  # pickled by name (_Schemas)
     options = {ast.literal_eval(k): _options(path, v.id) for k, v in zip(choices.keys, choices.values)} \
         if choices is not None else {}
     ranges = ast.literal_eval(keywords["ranges"]) if "ranges" in keywords else {}
