@@ -29,9 +29,9 @@ $(STAMP): pyproject.toml | $(VENV_PYTHON)
 train: $(STAMP)
 	$(VENV)/bin/rlnotes train $(ARGS)
 
-# One worker per core (pytest-xdist), each on one thread.
+# One worker per core (pytest-xdist), each on one thread; an idle worker takes over half of the other's queue.
 test: $(STAMP)
-	$(TEST_ENV) $(VENV_PYTHON) -m pytest -q -n auto
+	$(TEST_ENV) $(VENV_PYTHON) -m pytest -q -n auto --dist worksteal
 
 # Real-model tests (SmolLM2-135M-Instruct on CPU, minutes).
 test-slow: $(STAMP)

@@ -16,6 +16,7 @@ REQUIRED = ("step", "reward/mean", "reward/std", "loss", "kl/ref", "policy/clip_
             "optim/grad_norm", "optim/lr", "time/elapsed_s", "perf/tokens_per_s")
 
 
+@pytest.mark.long
 def test_console_script_trains_and_saves_a_loadable_adapter(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     command = [RLNOTES, "train", "algo=grpo", "model=tiny", "trainer.steps=3", f"hydra.run.dir={tmp_path}"]
@@ -205,6 +206,7 @@ def test_weighted_rewards_from_a_users_config_dir(tmp_path, monkeypatch):
     assert 0 < row["reward/brevity"] < 1
 
 
+@pytest.mark.long
 def test_every_algorithm_runs_through_the_console_script(tmp_path):
     """One sweep over every algo option with no other override: each picks its own data and reward."""
     algos = sorted(p.stem for p in (Path(__file__).resolve().parents[1] / "conf" / "algo").glob("*.yaml"))

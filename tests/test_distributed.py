@@ -252,6 +252,7 @@ def test_run_dirs_take_one_time():
 # Two processes.
 
 
+@pytest.mark.long
 @pytest.mark.timeout(300)
 def test_two_processes_train_as_one(tmp_path):
     """Every runner on 2 gloo processes vs 1 process with the same global batch and seed: the same
@@ -291,6 +292,7 @@ def test_two_processes_train_as_one(tmp_path):
     assert all(any(f"env/{name}/reward_mean" in r for r in mixed) for name in ("letters", "again"))
 
 
+@pytest.mark.long
 @pytest.mark.timeout(200)
 def test_console_script_starts_torchrun_and_writes_one_run_dir(tmp_path):
     command = [RLNOTES, "train", "hardware=ddp", "hardware.nproc=2", "trainer.steps=2", "trainer.batch_size=4",
@@ -304,6 +306,7 @@ def test_console_script_starts_torchrun_and_writes_one_run_dir(tmp_path):
     assert done.stderr.count("done: 2 steps") == 1  # rank 0 speaks, the other rank is quiet
 
 
+@pytest.mark.long
 @pytest.mark.timeout(200)
 def test_a_multirun_under_torchrun_does_not_hang(tmp_path):
     """One process group per process, kept across the sweep's jobs; one sweep dir, one summary."""

@@ -66,8 +66,8 @@ def test_make_train_sets_up_the_venv_once_then_trains(clone):
 def test_make_test_sets_up_the_same_venv_and_runs_the_suite(clone):
     calls = make(clone, "test")
     assert calls[0] == "python3 -m venv .venv" and "python -m pip install torch==2.13.0" in calls
-    assert calls[-1] == "python -m pytest -q -n auto"
-    assert make(clone, "test") == ["python -m pytest -q -n auto"]
+    assert calls[-1] == "python -m pytest -q -n auto --dist worksteal"
+    assert make(clone, "test") == ["python -m pytest -q -n auto --dist worksteal"]
 
 
 def test_a_torch_already_in_the_venv_is_kept(clone):

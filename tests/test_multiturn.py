@@ -240,6 +240,7 @@ TOY = ("rollout=multi_turn", "rollout.env=letters", "rollout.max_turns=2", "roll
        "rollout.max_episode_tokens=64", "reward=env", "optim.lr=3e-3")
 
 
+@pytest.mark.long
 def test_grpo_learns_the_toy_environment_over_whole_episodes(tmp_path):
     rows = run(tmp_path, "experiment=letters_env", "trainer.eval_every=60", "eval.size=16")
     train_rows = [r for r in rows if "reward/mean" in r]

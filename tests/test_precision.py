@@ -265,6 +265,7 @@ def test_a_run_refuses_bf16_without_units_before_the_model_loads(tmp_path, monke
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
+@pytest.mark.long
 def test_grpo_learns_the_letter_in_bf16(tmp_path, bf16_cpu):
     """The float32 learning test's task and margins (tests/algos/test_grpo.py), in bf16; the start
     line says the precision."""

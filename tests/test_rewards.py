@@ -1187,6 +1187,7 @@ def test_cli_precheck_finds_a_module_in_the_working_directory(in_project_dir):
     assert cfg.reward.target == "cwd_rewards:brevity"
 
 
+@pytest.mark.long
 def test_console_script_trains_with_rewards_from_the_working_directory(tmp_path):
     """The real `rlnotes` script (its sys.path has no working directory) and a user's reward module
     and file beside the data, without PYTHONPATH."""

@@ -319,6 +319,7 @@ class Again(LettersEnv):
         return (f"Again, the letter {self.letter}:" if observation else None), 2 * reward, done
 
 
+@pytest.mark.long
 def test_grpo_learns_two_environments_in_one_run(tmp_path):
     """letters and Again (its twin with another second prompt and twice the reward) share the rows
     of one run: each learns to end its first turn and then write the letter, and each one's reward

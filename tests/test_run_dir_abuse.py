@@ -227,6 +227,7 @@ def test_a_second_process_is_refused_while_a_run_is_live_and_admitted_after(runs
     rundir.release(run_dir)
 
 
+@pytest.mark.long
 def test_the_console_script_is_refused_by_a_live_owner(tmp_path):
     """The real `rlnotes train` in another process, while this one owns the run dir: exit 2, one
     line naming this pid, and not even Hydra's .hydra/ is written."""

@@ -304,6 +304,7 @@ def test_gpu_check_parses_and_its_runs_compose_on_a_gpu(tmp_path, monkeypatch):
 # --------------------------------------------------------------------------------------------- calculator_passes.py
 
 
+@pytest.mark.long
 def test_calculator_passes_times_the_three_ways_on_the_tiny_model(capsys):
     passes = _script("calculator_passes")
     passes.main(["--rounds", "1", "--threads", "1", "model=tiny", "trainer.micro_batch_tokens=2000"])

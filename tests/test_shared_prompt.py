@@ -163,6 +163,7 @@ def test_a_shared_prefix_gives_the_plain_pass(any_prefix, case):
     check_equivalent(model, ids, attn, mask, 0.7 if case == "temperature" else 1.0)
 
 
+@pytest.mark.long
 def test_a_shared_prefix_on_a_smollm2_shaped_model_gives_the_plain_pass_and_values(any_prefix):
     model = lora_smollm2_shaped()
     model.train()

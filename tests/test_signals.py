@@ -72,6 +72,7 @@ def resume_line(err):
     return lines[lines.index("resume with:") + 1].strip()
 
 
+@pytest.mark.long
 def test_two_ctrl_c_50_ms_apart_still_save_and_the_printed_command_resumes(tmp_path, start):
     run_dir = tmp_path / "run"
     proc = start(*ENDLESS, f"hydra.run.dir={run_dir}")
@@ -94,6 +95,7 @@ def test_two_ctrl_c_50_ms_apart_still_save_and_the_printed_command_resumes(tmp_p
     assert [r["step"] for r in rows(run_dir)] == list(range(1, step + 2))
 
 
+@pytest.mark.long
 def test_a_third_ctrl_c_abandons_the_save_and_leaves_nothing_half_written(tmp_path, start):
     run_dir = tmp_path / "run"
     proc = start(*ENDLESS, f"hydra.run.dir={run_dir}", delay=30)
@@ -110,6 +112,7 @@ def test_a_third_ctrl_c_abandons_the_save_and_leaves_nothing_half_written(tmp_pa
     assert list((run_dir / "checkpoints").iterdir()) == []  # the temporary dir is gone too
 
 
+@pytest.mark.long
 def test_sigterm_in_a_sweep_member_saves_exits_143_and_names_that_member(tmp_path, start):
     sweep = tmp_path / "sweep"
     proc = start("-m", "seed=1,2", *ENDLESS, f"hydra.sweep.dir={sweep}", delay=0)

@@ -259,6 +259,7 @@ def test_optuna_study_of_three_trials_survives_a_failed_trial(tmp_path, monkeypa
     assert "## Optuna study" in (tmp_path / "summary.md").read_text()  # plot rewrote it with its sections
 
 
+@pytest.mark.long
 def test_joblib_runs_members_in_parallel_processes_with_threads_shared_out(tmp_path, capsys):
     """Two members in loky worker processes; the second's reward function breaks its contract."""
     _plugin("hydra_plugins.hydra_joblib_launcher")
@@ -277,6 +278,7 @@ def test_joblib_runs_members_in_parallel_processes_with_threads_shared_out(tmp_p
     assert yaml.safe_load((out / "0" / "config.yaml").read_text())["hardware"]["threads"] == threads
 
 
+@pytest.mark.long
 def test_submitit_local_members_have_their_own_run_dirs_and_resume(tmp_path):
     _plugin("hydra_plugins.hydra_submitit_launcher")
     command = ["train", "-m", "hydra/launcher=submitit_local", "hydra.launcher.timeout_min=5", "logging.progress=false",

@@ -23,7 +23,6 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 from rich.console import Console
 from rich.markup import escape
@@ -32,6 +31,7 @@ from rlnotes.commands import hydra
 from rlnotes.commands.declared import Declared, declarations
 from rlnotes.commands.explain import explain
 from rlnotes.commands.usage import Parser, UsageError
+from rlnotes.commands.validate import register
 from rlnotes.core.checks import (
     DEVICES,
     DIRECTIONS,
@@ -79,10 +79,7 @@ class Section:
 def compose(overrides: List[str], config_dir: Optional[str] = None):
     """The loader and the config `rlnotes train OVERRIDES` would run (the hydra node included),
     composed against the schemas as the algorithm modules declare them; a mistake is one UsageError line."""
-    store = ConfigStore.instance()
-    store.store(name="train_schema", node=TrainConfig)
-    for name, declared in declarations().items():
-        store.store(name=f"algo_{name}_schema", node=declared.schema, package="algo")
+    register()
     loader = hydra.config_loader(config_dir)
     try:
         return loader, hydra.compose(loader, overrides)

@@ -37,6 +37,7 @@ def test_ppo_learns_to_write_the_letter(tmp_path):
     assert (tmp_path / "final" / "value_head.safetensors").exists()
 
 
+@pytest.mark.long
 def test_the_critic_learns_a_reward_it_can_predict(tmp_path, monkeypatch):
     """A reward fixed by the prompt: the policy cannot change it, V(s_t) can learn it."""
     (tmp_path / "prompt_reward.py").write_text(
