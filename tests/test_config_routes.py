@@ -73,6 +73,17 @@ def test_a_typo_in_a_users_file_names_the_file_line_key_and_the_closest_key(conf
     assert refused(capsys, "--config-dir", "myconf", *argv).startswith(expected)
 
 
+def test_an_experiment_that_does_not_exist_is_refused_not_skipped(conf, capsys):
+    """experiment= is a group like the others: a misspelled recipe (rlnotes' own or a user's) is one
+    line with the closest name, not the default run trained in its place."""
+    (conf / "experiment" / "port.yaml").write_text("# @package _global_\ntrainer:\n  steps: 2\n")
+    assert refused(capsys, "experiment=smollm2_arithh").startswith(
+        "experiment=smollm2_arithh is not an option; did you mean experiment=smollm2_arith? choose one of: letters_env,")
+    err = refused(capsys, "--config-dir", "myconf", "experiment=prot")
+    assert err.startswith("experiment=prot is not an option; did you mean experiment=port?") and "port" in err, err
+    assert not (conf.parent / "outputs").exists()
+
+
 @pytest.mark.parametrize("where, argv, body, line", [
     ("mine.yaml", ["--config-name", "mine"], MINE_HEAD + "trainer:\n  steps: 3\n   batch_size: 2\n", 7),
     ("experiment/port.yaml", ["experiment=port"], "# @package _global_\ntrainer:\n  steps: [3\n", 4),
@@ -200,6 +211,6 @@ def test_a_config_name_the_dir_lacks_lists_the_yaml_files_it_has(conf, capsys):
 def test_a_bad_preset_in_a_users_defaults_list_names_the_file_and_line(conf, capsys, where, argv, body, line):
     (conf / where).write_text(body)
     err = refused(capsys, "--config-dir", "myconf", *argv)
-    assert err.startswith(f"myconf/{where}, line {line}: algo=grpoo is not an option; choose one of: dapo, dpo,"), err
+    assert err.startswith(f"myconf/{where}, line {line}: algo=grpoo is not an option; did you mean algo=grpo? choose one of: dapo, dpo,"), err
     assert refused(capsys, "--config-dir", "myconf", *argv, "algo=ppoo").startswith(
         "algo=ppoo is not an option")  # the command line's own choice is named as itself

@@ -84,7 +84,9 @@ def _not_an_option(problem: hydra.Problem, configs, overrides: List[str], config
     if presets:  # group=ORG/NAME: Hydra reads a sub-group of `top`; a hub id or a path goes to a key
         return _path_given_as_preset(top, f"{rest}/{problem.option}", presets)
     extra = SWEEP_EXTRA if problem.group in ("hydra/sweeper", "hydra/launcher") else ""
-    line = f"{problem.group}={problem.option} is not an option; choose one of: {', '.join(options)}{extra}"
+    close = difflib.get_close_matches(problem.option, options, n=1)
+    hint = f"did you mean {problem.group}={close[0]}? " if close else ""
+    line = f"{problem.group}={problem.option} is not an option; {hint}choose one of: {', '.join(options)}{extra}"
     chosen = [o.lstrip("+~").split("=", 1) for o in overrides if "=" in o]
     if [problem.group, problem.option] in chosen:
         return line
