@@ -64,7 +64,7 @@ def test_sweep_writes_a_summary_of_every_member_sorted_by_its_objective(sweep):
         rewards = load_run(sweep / row["run"]).series("reward/mean")[1]
         assert len(rewards) == 2 and float(row["reward/mean best"]) == max(rewards)
     md = (sweep / "summary.md").read_text()
-    assert md.startswith("sorted by objective (reward/mean), best first") and md.count("| seed=") == 2
+    assert md.startswith("sorted by objective (reward/mean, mean of the last sweep.last_steps steps), best first") and md.count("| seed=") == 2
     assert swept_overrides(sweep / "1") == ["seed=1"]
 
 

@@ -93,7 +93,8 @@ def summarize(runs: Sequence[Run], sort_by: Optional[str] = None) -> Summary:
     key, sense = metric, direction(metric) if metric is not None else None
     if sort_by is None and results:
         key, sense = "objective", objective_sense(runs)
-        metric = f"objective ({results[0].get('objective')})"
+        name = str(results[0].get("objective"))  # a training metric's objective is its recent mean (objective_value)
+        metric = f"objective ({name}{'' if name.startswith('eval/') else ', mean of the last sweep.last_steps steps'})"
     _sort(rows, key, sense)
     return Summary(columns, rows, metric)
 
