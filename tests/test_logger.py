@@ -3,15 +3,17 @@ the trackers' sinks, diagnostics warnings, and the library noise kept off the sc
 
 import io
 import json
+import signal
 import warnings
 
 import pytest
 from rich.console import Console
+from rich.control import Control
 
 from rlnotes.commands.train import train
 from rlnotes.run.diagnostics import Alert
 from rlnotes.run.display import fmt, pick, plain_line, shorten, summarize, summary_table
-from rlnotes.run.logger import MetricsLogger, quiet_libraries
+from rlnotes.run.logger import LOG, MetricsLogger, RunConsole, quiet_libraries
 from tests.conftest import compose
 
 
@@ -248,3 +250,53 @@ def test_a_tiny_run_prints_its_batches_samples_and_summary(tmp_path):
     assert final["reward"] == fmt(rows[-1]["reward/mean"])
     assert len((tmp_path / "samples.jsonl").read_text().splitlines()) == 6
     assert not (tmp_path / "warnings.log").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# RUN_DIR/train.log: what the run's console said, as plain text
+
+
+def test_the_run_log_starts_when_the_run_owns_its_dir_and_keeps_what_was_said_before(tmp_path):
+    console = RunConsole(file=io.StringIO(), width=100, color_system=None)
+    console.print("[yellow]rlnotes grpo on tiny[/] -> somewhere")  # the start line: the run may yet be refused
+    assert not (tmp_path / LOG).exists()
+    console.open_log(tmp_path)
+    console.print(Control.home())  # cursor moves are not text
+    console.print("[red]rlnotes: error:[/] a line")
+    assert (tmp_path / LOG).read_text() == "rlnotes grpo on tiny -> somewhere\nrlnotes: error: a line\n"
+    quiet = RunConsole(file=io.StringIO(), quiet=True)  # a rank other than 0
+    quiet.open_log(tmp_path / "q")
+    quiet.print("said")
+    assert not (tmp_path / "q" / LOG).exists()
+
+
+def test_with_the_live_bar_the_log_gets_the_plain_lines(tmp_path):
+    console = RunConsole(file=io.StringIO(), width=100, force_terminal=True)
+    console.open_log(tmp_path)
+    logger = MetricsLogger(tmp_path, 4, console, progress=True, print_every=2)
+    for step in range(1, 5):
+        logger.log(step, {"reward/mean": step / 10})
+    logger.close()
+    lines = (tmp_path / LOG).read_text().splitlines()
+    assert [line.split()[1] for line in lines] == ["2/4", "4/4"] and "reward 0.400" in lines[1]
+    assert "\x1b" not in "".join(lines)
+
+
+def test_train_log_holds_every_line_the_run_printed_and_how_to_resume(tmp_path, monkeypatch, capsys):
+    from rlnotes.commands.cli import main
+    from tests.test_checkpoint import stop_at
+
+    monkeypatch.chdir(tmp_path)
+    args = ["train", "trainer.steps=4", "trainer.batch_size=4", "logging.progress=false"]
+    assert main([*args, "hydra.run.dir=whole"]) == 0
+    printed = capsys.readouterr().err.splitlines()
+    log = (tmp_path / "whole" / LOG).read_text().splitlines()
+    assert printed[0].startswith("data: ") and log == printed  # the start lines to the summary, as shown
+    with monkeypatch.context() as patch:
+        stop_at(patch, "grpo", 3, signal.SIGINT)
+        main([*args, "hydra.run.dir=split"])
+    resume = (tmp_path / "split" / LOG).read_text().splitlines()[-1].split()
+    assert resume[:2] == ["rlnotes", "train"] and "trainer.resume=auto" in resume
+    assert main(resume[1:]) == 0  # the printed command, run as printed
+    log = (tmp_path / "split" / LOG).read_text()
+    assert "SIGINT at step 2" in log and "resuming from" in log and log.rstrip().endswith(str(tmp_path / "split" / "final"))

@@ -36,6 +36,7 @@ from rlnotes.engine.hardware import distributed
 from rlnotes.rewards.scoring import RewardFailure
 from rlnotes.run import rundir
 from rlnotes.run.checkpoint import checkpoints
+from rlnotes.run.logger import RunConsole
 from rlnotes.run.records import (
     METRICS_FILE,
     objective_metric,
@@ -110,7 +111,7 @@ def train_job(cfg) -> Optional[float]:
     trial's value, which Optuna refuses) and so does an exception (unless
     hydra.sweeper.max_failure_rate allows it; Hydra's basic sweeper has no such setting)."""
     # A message is one line, however narrow the screen; with several processes rank 0 speaks.
-    console = Console(stderr=True, soft_wrap=True, quiet=not distributed.is_main())
+    console = RunConsole(stderr=True, soft_wrap=True, quiet=not distributed.is_main())  # also RUN_DIR/train.log
     run_dir, member = hydra.job_dir(), hydra.in_sweep()
     resolve_auto(cfg)
     algo = algorithm(cfg.algo.name)

@@ -13,6 +13,7 @@ time, run dir. What each of these looks like is rlnotes.run.display.
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import math
@@ -21,7 +22,8 @@ import warnings
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Sequence
 
-from rich.console import Console
+from rich.console import Console, NewLine
+from rich.control import Control
 from rich.table import Table
 
 from rlnotes.run import files
@@ -40,6 +42,53 @@ WARNINGS = "warnings.log"
 
 # Plain mode prints about this many lines a run when logging.print_every is null.
 PLAIN_LINES = 20
+
+# What the run's console said, as plain text (RunConsole); Hydra's log of the job (Python's logging)
+# is the same file.
+LOG = "train.log"
+
+
+class RunConsole(Console):
+    """The console of a run that also appends what it prints to RUN_DIR/train.log as plain text,
+    from the moment the run owns its dir (open_log). What it printed before (the start line, a
+    resume's notes) waits until then, and is dropped if the run is refused first: a refused command
+    writes nothing. A quiet console (a rank other than 0) writes nothing either. The live progress
+    bar is not printed; MetricsLogger gives the log its plain line instead (plain_log). A log that
+    cannot be written (a full disk) is given up, never raised: the console's own output goes on."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.log_path: Optional[Path] = None
+        self.pending: List[str] = []
+
+    def print(self, *objects, **kwargs) -> None:
+        super().print(*objects, **kwargs)
+        if objects and not all(isinstance(o, (Control, NewLine)) for o in objects):  # not the live display's
+            self.plain_log(*objects, **kwargs)
+
+    def plain_log(self, *objects, **kwargs) -> None:
+        """Append `objects` to the log as print would render them, without colours; not printed."""
+        if self.quiet:
+            return
+        out = io.StringIO()
+        Console(file=out, width=self.width, color_system=None, force_terminal=False,
+                soft_wrap=self.soft_wrap).print(*objects, **kwargs)
+        self.pending.append(out.getvalue())
+        if self.log_path is not None:
+            self._flush()
+
+    def open_log(self, run_dir: Path) -> None:
+        """From now on the run owns `run_dir`: what was said so far, and all that follows, goes to its log."""
+        self.log_path = Path(run_dir) / LOG
+        self._flush()
+
+    def _flush(self) -> None:
+        try:
+            with files.append(self.log_path) as f:
+                f.write("".join(self.pending))
+        except OSError:
+            self.log_path = None
+        self.pending = []
 
 
 def _clean(value):
@@ -151,10 +200,13 @@ class MetricsLogger:
             sink.log(step, row)
         self.latest.update({k: v for k, v in row.items() if v is not None})
         self._advance(step)
-        if self.progress is None and (passed_multiple(self._last_plain, step, self.print_every) or step >= self.total):
+        if passed_multiple(self._last_plain, step, self.print_every) or step >= self.total:
             self._last_plain = step
-            self.console.print(plain_line(step, self.total, self.latest, self.elapsed(), self._base), highlight=False,
-                               soft_wrap=True)
+            line = plain_line(step, self.total, self.latest, self.elapsed(), self._base)
+            if self.progress is None:
+                self.console.print(line, highlight=False, soft_wrap=True)
+            elif isinstance(self.console, RunConsole):  # the live bar shows it; the log gets the line
+                self.console.plain_log(line, highlight=False, soft_wrap=True)
 
     def metrics_panel(self) -> Optional[Table]:
         """The latest key metrics, label over value, for the live display."""

@@ -16,7 +16,7 @@ from rlnotes.core.algorithm import Algorithm
 from rlnotes.core.errors import SaveFailed
 from rlnotes.engine.hardware import distributed, fsdp
 from rlnotes.run import checkpoint, config_file, files, restore, rundir, signals, steplogs
-from rlnotes.run.logger import passed_multiple
+from rlnotes.run.logger import RunConsole, passed_multiple
 from rlnotes.training.context import Context
 from rlnotes.training.evaluation import eval_metrics
 from rlnotes.training.optimizer import apply_settings, changed_settings
@@ -166,6 +166,8 @@ def open_run(ctx: Context, algo: Algorithm, resume_from: Optional[Path]) -> None
                       highlight=False)
     for note in notes:
         console.print(f"[yellow]{escape(note)}[/]", highlight=False)
+    if isinstance(console, RunConsole):
+        console.open_log(run_dir)  # the run owns its dir: what the console said and says goes to train.log
     config_file.write(run_dir / "config.yaml", cfg)
     ctx.out.logger = open_logger(cfg, algo, run_dir, console)
 
