@@ -37,6 +37,30 @@ def starts_with_a(monkeypatch):
     return module
 
 
+@pytest.mark.parametrize("greedy, n, batch, sizes", [(True, 1, 4, [4, 2]), (False, 4, 8, [8, 8, 8]),
+                                                    (False, 4, 3, [4] * 6)])
+def test_a_generation_batch_holds_at_most_eval_batch_size_completions(starts_with_a, monkeypatch, greedy, n, batch,
+                                                                      sizes):
+    """eval.batch_size bounds the completions a generation batch holds (its KV cache grows with them):
+    batch_size // samples_per_prompt prompts at a time, one at least; every prompt still gets its n."""
+    import rlnotes.training.evaluation as evaluation
+
+    cfg = compose("eval.reward=evalcheck.always", "rollout.max_new_tokens=4", f"eval.batch_size={batch}",
+                  f"eval.greedy={str(greedy).lower()}", f"eval.samples_per_prompt={n}")
+    model, tokenizer = load_base(cfg.model)
+    real, seen = evaluation._sample_and_score, []
+
+    def recorded(model, tokenizer, multi_turn, rows, n, *args):
+        rollout, rewards, episodes = real(model, tokenizer, multi_turn, rows, n, *args)
+        seen.append(len(rollout.texts))
+        return rollout, rewards, episodes
+
+    monkeypatch.setattr(evaluation, "_sample_and_score", recorded)
+    rows = [{"prompt": f"Write the letter {c}{s}", "letter": c} for c in "abc" for s in (":", "!")]
+    result = evaluate(Policy(model.eval(), tokenizer, reference=model), cfg, rows, Rewards(evaluation.checker_config(cfg)))
+    assert seen == sizes and len(result.samples) == 6 * (1 if greedy else n)
+
+
 def test_greedy_eval_matches_transformers_generate(starts_with_a):
     """Our greedy completions are transformers' greedy completions, and the metrics are those
     of the known rule applied to them."""

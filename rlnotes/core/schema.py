@@ -282,7 +282,8 @@ class EvalConfig:
     samples_per_prompt: int = 1
     # Completion tokens at most; null = rollout.max_new_tokens.
     max_new_tokens: Optional[int] = None
-    # Prompts per generation batch.
+    # Completions per generation batch at most (prompts x samples_per_prompt; one prompt at least):
+    # a batch's memory (its KV cache) grows with its completions.
     batch_size: int = 100
     # Data settings that differ for evaluation, merged over `data` (e.g. {digits: 2}: train on
     # one-digit sums, evaluate on held-out two-digit ones); empty = the training data's eval split.

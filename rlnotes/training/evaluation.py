@@ -104,8 +104,9 @@ def evaluate(policy, cfg, rows: List[dict], scorer, step: int = 0) -> Evaluation
     multi_turn = MultiTurn.of(cfg.rollout)
     sampling, fmt = SamplingSettings.of(cfg.rollout, greedy=e.greedy, max_new_tokens=max_new), prompt_format(cfg)
     with policy.sampling(cfg.rollout.merge_adapter, cfg.rollout.pack_weights) as model:
-        for start in range(0, len(rows), e.batch_size):
-            batch = rows[start:start + e.batch_size]
+        per_batch = max(1, e.batch_size // n)  # prompts: a batch's memory grows with its completions, n each
+        for start in range(0, len(rows), per_batch):
+            batch = rows[start:start + per_batch]
             rollout, rewards, episodes = _sample_and_score(model, policy.tokenizer, multi_turn, batch, n, sampling,
                                                            fmt, generator, scorer)
             lengths += rollout.completion_mask.sum(-1).tolist()
