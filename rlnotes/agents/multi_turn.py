@@ -176,7 +176,8 @@ class Conversations:
                 raise EnvironmentFailure(f"environment {type(self.episodes[i].env).__name__}.reset made episode {i}'s "
                                          f"prompt {over}; make what reset returns shorter")
             raise ConfigError(f"episode {i}'s prompt is {over} (the tools' descriptions included); shorten the "
-                              "prompts (data.max_prompt_len) or the tools' docstrings")
+                              "prompts (data.max_prompt_len) or the tools' docstrings, or use a model with more "
+                              "positions (the tiny model: model.tiny.max_positions)")
 
     # -- between turns -----------------------------------------------------------------------------
 

@@ -69,7 +69,7 @@ RANGES: Dict[str, str] = {
     "data.train_size": ">= 1", "data.digits": ">= 1", "data.max_digits": ">= 1", "data.operands": ">= 2",
     "model.lora.r": ">= 1", "model.lora.alpha": "> 0", "model.lora.dropout": "[0, 1)",
     "model.tiny.hidden_size": ">= 1", "model.tiny.num_layers": ">= 1", "model.tiny.num_heads": ">= 1",
-    "model.tiny.intermediate_size": ">= 1", "model.tiny.init_std": "> 0",
+    "model.tiny.intermediate_size": ">= 1", "model.tiny.init_std": "> 0", "model.tiny.max_positions": ">= 1",
     "seed": "[-9223372036854775808, 18446744073709551616)", "model.tiny.init_seed": "[-9223372036854775808, "
     "18446744073709551616)",  # torch.manual_seed's: -2^63 to 2^64 - 1
 }

@@ -70,6 +70,10 @@ class TinyModelConfig:
     # The std of the tiny model's initial weights. Larger than Llama's 0.02 so that, like a trained
     # model, the random one has peaked next-token distributions that LoRA can move.
     init_std: float = 0.1
+    # The most positions (tokens of prompt and completion) the tiny model takes. Its rotary positions
+    # have no table to learn, so this changes no weight: room for a multi-turn prompt with tools,
+    # whose descriptions alone are ~900 of its one-character tokens.
+    max_positions: int = 2048
 
 
 @dataclass

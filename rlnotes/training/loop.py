@@ -273,5 +273,5 @@ def rescue(ctx: Context, boundary: checkpoint.Boundary, error: Exception) -> Non
         path = save_checkpoint(ctx, boundary)
     except Exception:  # noqa: BLE001 - the first error is the one to report
         return
-    ctx.out.console.print(f"[yellow]{type(error).__name__} after step {boundary.step}: the checkpoint of that step is "
-                      f"in {path}[/]", soft_wrap=True, highlight=False)
+    ctx.out.console.print(f"[yellow]stopped by the error below after step {boundary.step}: the checkpoint of that "
+                          f"step is in {path}[/]", soft_wrap=True, highlight=False)
