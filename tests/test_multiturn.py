@@ -13,6 +13,7 @@ from rich.console import Console
 
 from rlnotes.agents.environments import EnvironmentFailure
 from rlnotes.agents.multi_turn import Conversations, MultiTurn
+from rlnotes.commands.cli import main
 from rlnotes.commands.train import train
 from rlnotes.commands.usage import UsageError
 from rlnotes.core.errors import ConfigError
@@ -293,14 +294,39 @@ def roomy_tiny_model(path):
     return path
 
 
+@pytest.mark.parametrize("env", ["tests.test_multiturn:ResetOnly", "tests.trl_environments:CounterResetEnv"])
+def test_reward_env_with_an_environment_that_gives_no_reward_is_refused_before_the_model_loads(tmp_path, monkeypatch,
+                                                                                             capsys, env):
+    """reward=env scores episodes by the environment alone; one with neither get_reward() nor a
+    step-style step (a TRL-style class whose reward would be an attribute) trained at reward 0 on
+    every step without a word. The same class is fine with reward functions that read it."""
+    from rlnotes.engine.policy.policy import Policy
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(Policy, "from_config", classmethod(lambda *a: pytest.fail("the model loaded")))
+    with pytest.raises(SystemExit) as stopped:
+        main(["train", "rollout=multi_turn", f"rollout.env={env}", "reward=env", "trainer.steps=1",
+              "logging.progress=false"])
+    assert stopped.value.code == 2 and not list(tmp_path.glob("outputs/*/*"))  # an input error; no run dir left
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith(f"rlnotes: error: reward=env: rollout.env '{env}' (") and "define get_reward(self)" in err
+
+
+class ResetOnly:
+    """An environment of reset alone: no tools, no step, no get_reward."""
+
+    def reset(self, **row):
+        return None
+
+
 def test_the_samples_of_a_multi_turn_run_show_what_reset_added_and_the_tools_block(tmp_path):
     """The samples table, samples.jsonl and the eval files showed the row's prompt alone: neither the
     text the environment's reset appended to it nor the tools the model was told of."""
     data = tmp_path / "rows.jsonl"
     data.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"Increment the counter by {i}. "}]})
                             + "\n" for i in range(1, 9)) * 2)
-    run(tmp_path / "run", "rollout=multi_turn", "rollout.env=tests.trl_environments:CounterResetEnv", "reward=env",
-        "data=file", f"data.path={data}", "rollout.max_turns=2", "rollout.max_new_tokens=6", "trainer.steps=1",
+    run(tmp_path / "run", "rollout=multi_turn", "rollout.env=tests.trl_environments:CounterResetEnv", "reward=custom",
+        "reward.target=tests.trl_environments:counter_reward", "data=file", f"data.path={data}", "rollout.max_turns=2", "rollout.max_new_tokens=6", "trainer.steps=1",
         f"model.name_or_path={roomy_tiny_model(tmp_path / 'model')}", "logging.samples_every=1",
         "trainer.eval_every=1", "eval.size=2", "model.system_prompt=null")
     shown = [json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]

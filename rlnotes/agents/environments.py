@@ -50,12 +50,14 @@ class EnvironmentFailure(RuntimeError):
     environment, unlike a failed tool call (the model's), which the model is told about."""
 
 
-def load_environment(spec: str, style: str = "auto", setting: str = "rollout.env") -> Callable[[], object]:
+def load_environment(spec: str, style: str = "auto", setting: str = "rollout.env",
+                     scored: bool = False) -> Callable[[], object]:
     """The factory (a class or zero-argument callable) that `rollout.env` names (`setting`: the key
     its errors name, rollout.env.NAME in a mapping): a built-in (`rlnotes.agents.builtin.ENVIRONMENTS`)
     or 'pkg.module:Class' / 'path/to/env.py:Class'. One instance is made here, as TRL does, to check
     before a model loads that it has a `reset`, that it is of the `style` (rollout.env_style) asked
-    for, and that the methods the model would call can be described to it."""
+    for, that the methods the model would call can be described to it, and (`scored`: reward=env,
+    its reward the run's only one) that it gives a reward: get_reward(), or a step-style step's."""
     factory = resolve_callable(spec, ENVIRONMENTS, f"{setting}: environment", ("envs", "MyEnv"))
     try:
         env = factory()
@@ -71,8 +73,14 @@ def load_environment(spec: str, style: str = "auto", setting: str = "rollout.env
         raise ConfigError(f"rollout.env_style=gym: environment {spec!r} ({type(env).__name__}) has no step method; "
                           "define step(self, action) returning (observation, reward, done), or set "
                           "rollout.env_style=tools (its public methods are the model's tools, as in TRL)")
-    for method in env_tools(env, is_step_style(env, style)).values():
+    step_style = is_step_style(env, style)
+    for method in env_tools(env, step_style).values():
         tool_schema(method, setting)
+    if scored and not step_style and not callable(getattr(env, "get_reward", None)):
+        raise ConfigError(f"reward=env: {setting} {spec!r} ({type(env).__name__}) gives no reward, so every episode "
+                          "would score 0: define get_reward(self) -> float (as TRL scores such an environment; a "
+                          "reward attribute is not read) or a step(self, action) returning (observation, reward, "
+                          "done), or score the episodes with reward functions (reward=custom reward.target=...)")
     return factory
 
 

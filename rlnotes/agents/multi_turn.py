@@ -58,13 +58,13 @@ class MultiTurn:
     watchdog: Watchdog = field(default_factory=Watchdog, compare=False)
 
     @classmethod
-    def of(cls, rollout) -> Optional["MultiTurn"]:
+    def of(cls, rollout, scored: bool = False) -> Optional["MultiTurn"]:
         """The multi-turn side of the rollout section, or None when a run has neither tools nor an
-        environment (single turn)."""
+        environment (single turn); `scored` (reward=env): each environment must give a reward."""
         if not rollout.tools and not rollout.env:
             return None
         tools = tuple(load_tools(list(rollout.tools)))
-        envs = load_environments(rollout.env, rollout.env_style)
+        envs = load_environments(rollout.env, rollout.env_style, scored)
         return cls(tools, envs, EpisodeLimits.of(rollout), rollout.max_tool_calls, rollout.tool_format,
                    rollout.tool_timeout, rollout.env_timeout, rollout.env_style)
 

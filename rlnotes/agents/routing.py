@@ -35,14 +35,15 @@ def environment_names(env) -> List[str]:
     return [] if env is None or isinstance(env, str) else list(env)
 
 
-def load_environments(env, style: str = "auto") -> Dict[Optional[str], Callable]:
-    """The factories rollout.env names, each loaded and checked (load_environment): {} without an
-    environment, {None: factory} for one, {name: factory} for a mapping."""
+def load_environments(env, style: str = "auto", scored: bool = False) -> Dict[Optional[str], Callable]:
+    """The factories rollout.env names, each loaded and checked (load_environment; `scored`: each must
+    give a reward, reward=env): {} without an environment, {None: factory} for one, {name: factory}
+    for a mapping."""
     if not env:
         return {}
     if isinstance(env, str):
-        return {None: load_environment(env, style)}
-    return {name: load_environment(spec, style, f"rollout.env.{name}") for name, spec in env.items()}
+        return {None: load_environment(env, style, scored=scored)}
+    return {name: load_environment(spec, style, f"rollout.env.{name}", scored) for name, spec in env.items()}
 
 
 def environment_of(row: dict, names: Sequence[str], where: str) -> str:
