@@ -127,6 +127,26 @@ def test_a_local_dataset_folder_loads_as_a_hub_dataset_with_its_eval_split(tmp_p
     assert message.startswith("data.split=validation") and "validation" in message
 
 
+def test_a_dataset_saved_with_save_to_disk_loads_with_data_hub(tmp_path):
+    """data.path=DIR of a saved dataset says to use data=hub data.name=DIR, which the library then
+    refused for one Dataset ('saved using save_to_disk. Please use load_from_disk'): both kinds load."""
+    import datasets
+
+    one = tmp_path / "one"
+    datasets.Dataset.from_list(ROWS).save_to_disk(str(one))
+    train, eval_rows = load_task(data_cfg(source="hub", name=str(one), eval_size=3, **RENAME))
+    assert len(train) == 7 and sorted(r["prompt"] for r in train + eval_rows) == sorted(r["question"] for r in ROWS)
+    assert error(load_task, data_cfg(source="hub", name=str(one), eval_split="test", **RENAME)).startswith(
+        f"data.eval_split=test: data.name={one} is one dataset saved without splits")
+    split = tmp_path / "split"
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS), "test": datasets.Dataset.from_list(ROWS[:2])}
+                         ).save_to_disk(str(split))
+    train, eval_rows = load_task(data_cfg(source="hub", name=str(split), eval_split="test", **RENAME))
+    assert len(train) == 10 and [r["prompt"] for r in eval_rows] == [r["question"] for r in ROWS[:2]]
+    assert error(load_task, data_cfg(source="hub", name=str(split), eval_split="dev", **RENAME)) == (
+        f"data.eval_split=dev: data.name={split} has the splits train, test; name one of them")
+
+
 def test_a_hub_name_that_is_a_local_path_is_read_or_named_before_the_hub_is_asked(tmp_path, monkeypatch):
     """A file, or a path to no folder, was looked for on the hub and blamed on the network; ~ was not
     expanded (the hub refused '~/...' as a repo id)."""

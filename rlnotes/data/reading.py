@@ -273,6 +273,8 @@ def read_hub(name: str, split: str, subset: Optional[str] = None, key: str = "da
     network only the local cache is read, and a dataset not in it fails at once."""
     source = _hub_source(name)
     datasets = _datasets()
+    if _saved_to_disk(Path(source)):
+        return _read_saved(datasets, source, name, split, key)
     online = Path(source).is_dir() or hub_reachable()
     try:
         with nullcontext() if online else offline(), _quiet():
@@ -288,6 +290,27 @@ def read_hub(name: str, split: str, subset: Optional[str] = None, key: str = "da
                 f"cache; download it where there is network (datasets.load_dataset({args})"
                 f".to_json('{stem}.jsonl')), then use data=file data.path={stem}.jsonl") from None
         raise ConfigError(f"data.name={name}: could not load it from the hub: {_first_line(e)}") from None
+
+
+def _saved_to_disk(path: Path) -> bool:
+    """A folder that `datasets`' save_to_disk wrote: one dataset (state.json) or one per split
+    (dataset_dict.json); load_dataset refuses the first and says to use load_from_disk."""
+    return (path / "state.json").is_file() or (path / "dataset_dict.json").is_file()
+
+
+def _read_saved(datasets, source: str, name: str, split: str, key: str) -> List[Row]:
+    """The rows of split `split` of a folder save_to_disk wrote (_saved_to_disk). A dataset saved
+    without splits is its train split: its rows are what data.split=train reads."""
+    saved = datasets.load_from_disk(source)
+    if isinstance(saved, datasets.DatasetDict):
+        if split not in saved:
+            raise ConfigError(f"{key}={split}: data.name={name} has the splits {', '.join(saved)}; name one of them")
+        return saved[split].to_list()
+    if split != "train":
+        raise ConfigError(f"{key}={split}: data.name={name} is one dataset saved without splits (save_to_disk of a "
+                          "Dataset): it is the train split; cut the eval rows from it (data.eval_size) or save a "
+                          "DatasetDict with a split of that name")
+    return saved.to_list()
 
 
 def _hub_source(name: str) -> str:
