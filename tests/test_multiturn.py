@@ -312,6 +312,30 @@ def test_reward_env_with_an_environment_that_gives_no_reward_is_refused_before_t
     assert err.startswith(f"rlnotes: error: reward=env: rollout.env '{env}' (") and "define get_reward(self)" in err
 
 
+def test_a_step_that_cannot_take_the_models_turn_is_refused_before_the_model_loads(tmp_path, monkeypatch, capsys):
+    """step(self) with no parameter for the action stopped the run at the first step, after the model loaded."""
+    from rlnotes.engine.policy.policy import Policy
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(Policy, "from_config", classmethod(lambda *a: pytest.fail("the model loaded")))
+    with pytest.raises(SystemExit) as stopped:
+        main(["train", "rollout=multi_turn", "rollout.env=tests.test_multiturn:NoActionStep", "reward=env",
+              "trainer.steps=1", "logging.progress=false"])
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "rlnotes: error: rollout.env: environment 'tests.test_multiturn:NoActionStep' (NoActionStep) has step(), and "
+        "a step-style environment's step takes the model's turn: define step(self, action) returning (observation, "
+        "reward, done)")
+
+
+class NoActionStep:
+    def reset(self, **row):
+        return None
+
+    def step(self):
+        return "", 1.0, True
+
+
 class ResetOnly:
     """An environment of reset alone: no tools, no step, no get_reward."""
 

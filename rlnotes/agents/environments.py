@@ -74,6 +74,10 @@ def load_environment(spec: str, style: str = "auto", setting: str = "rollout.env
                           "define step(self, action) returning (observation, reward, done), or set "
                           "rollout.env_style=tools (its public methods are the model's tools, as in TRL)")
     step_style = is_step_style(env, style)
+    if step_style and not _takes_one_argument(env.step):
+        raise ConfigError(f"{setting}: environment {spec!r} ({type(env).__name__}) has step{_signature(env.step)}, "
+                          "and a step-style environment's step takes the model's turn: define step(self, action) "
+                          "returning (observation, reward, done)")
     for method in env_tools(env, step_style).values():
         tool_schema(method, setting)
     if scored and not step_style and not callable(getattr(env, "get_reward", None)):
@@ -82,6 +86,24 @@ def load_environment(spec: str, style: str = "auto", setting: str = "rollout.env
                           "reward attribute is not read) or a step(self, action) returning (observation, reward, "
                           "done), or score the episodes with reward functions (reward=custom reward.target=...)")
     return factory
+
+
+def _signature(fn: Callable) -> str:
+    try:
+        return str(inspect.signature(fn))
+    except (TypeError, ValueError):  # a builtin or C method: no signature to show
+        return "(...)"
+
+
+def _takes_one_argument(fn: Callable) -> bool:
+    """Whether `fn` (a bound method) can be called with one positional argument."""
+    try:
+        inspect.signature(fn).bind(None)
+    except TypeError:
+        return False
+    except ValueError:  # no signature to read: let the call say
+        return True
+    return True
 
 
 def is_step_style(env, style: str = "auto") -> bool:
