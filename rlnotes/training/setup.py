@@ -47,8 +47,7 @@ def setup(cfg, algo: Algorithm, run_dir: Path, console: Console, resume_from: Op
     device = distributed.init(resolve_device(cfg.hardware.device))
     configure_backends(cfg.hardware, device)
     rewards = Rewards(cfg.reward, console) if algo.samples else None
-    # a user's tools and environment load (or fail) before the model does
-    multi_turn = MultiTurn.of(cfg.rollout, scored=cfg.reward.name == "env")
+    multi_turn = MultiTurn.of(cfg.rollout, scored=cfg.reward.name == "env")  # loaded (or failed) before the model
     with distributed.main_first():  # caches (a converted model, a downloaded dataset) are written once
         # A data mistake fails before the model loads; evaluations that generate sample its prompts too.
         data = load_checked(cfg.data, algo, rewards.fns if rewards else [],
