@@ -198,6 +198,37 @@ def test_seeds_sweep_groups_members_and_a_failed_member_does_not_stop_it(tmp_pat
     assert "1 of 4 members failed" in capsys.readouterr().out
 
 
+def test_a_sweep_run_again_with_resume_auto_finishes_what_is_left_and_leaves_finished_members(tmp_path, monkeypatch):
+    """Ctrl-C in the sweep's second member, then the same command again (docs/runs.md): the first,
+    finished member was refused ('finished at step 3, and trainer.steps=3 asks for no more'), so the
+    sweep could not go on. Now it is left as it is (its files unchanged), the second resumes from its
+    checkpoint, and the summary has both."""
+    import hashlib
+    import signal
+
+    from tests.test_checkpoint import stop_at
+
+    args = ["train", "-m", "seed=0,1", "trainer.steps=3", "trainer.save_every=1", "trainer.resume=auto",
+            "logging.progress=false", f"hydra.sweep.dir={tmp_path}"]
+    with monkeypatch.context() as patch:
+        stop_at(patch, "grpo", 5, signal.SIGINT)  # member 0 takes calls 1-3; member 1 stops in its second step
+        assert main(args) == 130
+    first = tmp_path / "0"
+
+    def files():  # what the runs wrote (.hydra/ gets the new command's record, as any resume's)
+        return {str(p.relative_to(first)): hashlib.sha256(p.read_bytes()).hexdigest() for p in first.rglob("*")
+                if p.is_file() and ".hydra" not in p.parts}
+
+    before = files()
+    assert [json.loads(line)["step"] for line in (tmp_path / "1" / "metrics.jsonl").read_text().splitlines()] == [1]
+    assert main(args) == 0
+    assert files() == before
+    assert [json.loads(line)["step"] for line in (tmp_path / "1" / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+    assert {r["overrides"]: r["status"] for r in _summary(tmp_path).values()} == {"seed=0": "completed",
+                                                                                  "seed=1": "completed"}
+    assert main(args) == 0 and files() == before  # and again, with nothing left to do
+
+
 def test_a_member_that_never_logged_its_objective_failed(tmp_path):
     """With algo.beta=0 there is no reference pass, so no kl/ref: nothing to return."""
     assert main(["train", "-m", "sweep.objective=kl/ref", "algo.beta=0", *TINY, f"hydra.sweep.dir={tmp_path}"]) == 1

@@ -77,7 +77,7 @@ def claim_run_dirs(jobs: list, multirun: bool, now) -> List[str]:
             if run_dir is None:
                 held.append(False)
                 continue
-            rundir.check_run_dir(run_dir, cfg.trainer.resume, cfg.trainer.steps)
+            rundir.check_run_dir(run_dir, cfg.trainer.resume, cfg.trainer.steps, member=multirun)
             if multirun:
                 rundir.check_owner(run_dir)
             else:

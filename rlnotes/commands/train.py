@@ -116,6 +116,10 @@ def train_job(cfg) -> Optional[float]:
     resolve_auto(cfg)
     algo = algorithm(cfg.algo.name)
     objective = objective_metric(cfg.sweep, cfg.trainer.eval_every, algo)
+    if member and rundir.finished_member(run_dir, cfg.trainer.resume, cfg.trainer.steps):
+        console.print(f"{escape(str(run_dir))}: finished at step {cfg.trainer.steps} already; left as it is",
+                      highlight=False)
+        return _objective(run_dir, objective, cfg.sweep.last_steps)[0]  # a re-run sweep's summary has its row
     try:
         if member and (cfg.hardware.nproc or 1) > 1 and "WORLD_SIZE" not in os.environ:
             member_torchrun(cfg.hardware.nproc, run_dir)

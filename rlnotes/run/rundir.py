@@ -89,10 +89,17 @@ def check_place(run_dir: Path) -> None:
                           f"it writable (chmod -R u+w {run_dir}), or {NEW_DIR}")
 
 
-def check_run_dir(run_dir: Path, resume: Optional[str], steps: int) -> None:
+def finished_member(run_dir: Path, resume: Optional[str], steps: int) -> bool:
+    """A sweep member that a re-run of its sweep command (trainer.resume=auto) leaves as it is: its
+    run finished at exactly `steps`, so there is nothing to resume and its result stands."""
+    return resume == "auto" and finished_at(Path(run_dir)) == steps
+
+
+def check_run_dir(run_dir: Path, resume: Optional[str], steps: int, member: bool = False) -> None:
     """Refuse, before anything in `run_dir` changes, a run that would overwrite anything there or
     that could not finish (see the module's docstring). A run dir's own checkpoint, or
-    resume=auto of an unfinished run, continues it."""
+    resume=auto of an unfinished run, continues it; `member` (a sweep's): a finished member that asks
+    for no more steps is left as it is (finished_member)."""
     run_dir = Path(run_dir)
     kind = contents(run_dir)
     if kind in ("checkpoint", "policy"):  # said as such rather than as a place inside a run's folders
@@ -115,6 +122,8 @@ def check_run_dir(run_dir: Path, resume: Optional[str], steps: int) -> None:
         raise ConfigError(f"{run_dir} holds a finished run (final/) with no checkpoint to continue from; nothing to "
                           "resume: start the new run in another dir (hydra.run.dir=NEW_DIR)")
     start = done if resume == "auto" or done is None else step_of(resolve(resume))
+    if member and finished_member(run_dir, resume, steps):
+        return
     if done is not None and steps <= start:
         raise ConfigError(f"{run_dir} holds a run that finished at step {done}, and trainer.steps={steps} asks for no "
                           f"more; to train it longer, raise trainer.steps above {start} (with trainer.resume="
