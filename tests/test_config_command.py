@@ -126,7 +126,9 @@ def test_it_lists_value_type_range_and_meaning(capsys):
 def test_a_mistake_is_one_line(capsys):
     for argv, expected in ((["trainer.stpes=1"], "did you mean trainer.steps?"),
                            (["algo=foo"], "algo=foo is not an option"),
-                           (["trainr"], "no setting is trainr; sections: algo, model"),
+                           (["trainr"], "no setting is trainr; did you mean trainer? sections: algo, model"),
+                           (["trainer.stpes"], "no setting is trainer.stpes; did you mean trainer.steps? sections:"),
+                           (["nothing_here"], "no setting is nothing_here; sections: algo, model"),
                            (["--markdown", "algo"], "--markdown writes the whole page")):
         assert main(["config", *argv]) == 2
         err = capsys.readouterr().err.strip()

@@ -174,3 +174,6 @@ def test_export_says_where_it_wrote_on_one_line_when_piped(tmp_path, capsys):
     assert main(["export", str(run / "final"), str(out)]) == 0
     lines = capsys.readouterr().err.splitlines()
     assert any(line.startswith(f"exported {run / 'final'} ") and line.endswith(f"-> {out}") for line in lines), lines
+    assert main(["export", str(run / "final"), str(tmp_path / "bf16"), "--dtype", "bfloat16"]) == 0
+    said = capsys.readouterr().err  # the merge is checked in float32: the line says so, not of the bf16 weights
+    assert "merged log-probs match the adapter's to" in said and "before the weights were cast to bfloat16)" in said

@@ -18,6 +18,7 @@ own section (tests/test_config_command.py fails when the file is not what this w
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import textwrap
 import typing
 from dataclasses import dataclass, field
@@ -202,7 +203,10 @@ def select(found: List[Section], keys: List[str]) -> List[Section]:
     out = [dataclasses.replace(s, settings=[x for x in s.settings if under(x.key)]) for s in found]
     out = [s for s in out if s.settings or (s.null and under(s.key))]
     if not out:
-        raise UsageError(f"no setting is {' or '.join(keys)}; sections: "
+        known = [x.key for s in found for x in s.settings] + [s.key for s in found if s.key]
+        close = [m for k in keys for m in difflib.get_close_matches(k, known, n=1)]
+        hint = f"did you mean {' or '.join(close)}? " if close else ""
+        raise UsageError(f"no setting is {' or '.join(keys)}; {hint}sections: "
                          f"{', '.join(s.key for s in found if s.key)}, or top-level keys such as seed")
     return out
 

@@ -150,6 +150,7 @@ def export(policy_dir: Union[str, Path], out_dir: Union[str, Path], dtype: str =
     if console is not None:
         how = "LoRA adapter merged into its base" if lora else "fully fine-tuned model"
         check = f"; merged log-probs match the adapter's to {gap:.1e}" if lora else ""
+        check += f" (in float32, before the weights were cast to {dtype})" if lora and dtype != "float32" else ""
         console.print(f"exported {policy_dir} ({how}, {dtype}{check}) -> {out_dir}")
         if (policy_dir / "reward_head.safetensors").exists():
             console.print("[yellow]note: reward_head.safetensors (a reward model's scalar head) is not part of a "
