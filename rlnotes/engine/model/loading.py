@@ -54,8 +54,8 @@ def tiny_model(cfg, vocab_size: int) -> LlamaForCausalLM:
     config = LlamaConfig(
         vocab_size=vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
         num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_heads,
-        max_position_embeddings=cfg.max_positions, initializer_range=cfg.init_std, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-        tie_word_embeddings=False, name_or_path=TINY)  # a saved adapter's base: model.name_or_path=tiny
+        max_position_embeddings=cfg.max_positions, initializer_range=cfg.init_std, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2, tie_word_embeddings=False, name_or_path=TINY)  # a saved adapter's base: model.name_or_path=tiny
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.init_seed)
         return LlamaForCausalLM(config)

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from rlnotes.engine.policy.packed import MIN_WEIGHTS, kept_packing, packed_frozen, packed_product
+from rlnotes.engine.policy.packed import kept_packing, packed_frozen, packed_product
 
 # A frozen head's logits exist LOGIT_CHUNK floats at a time (16 MiB in float32): a block of at most
 # LOGIT_ROWS positions against as many vocabulary columns as fit, so each block stays in a server
@@ -72,7 +72,7 @@ def _online_block(h, weight, bias, tokens, temperature: float, grads: bool, entr
     """(log pi(token), H, d log pi / dh, dH / dh) for the positions h [M, d] (the last three None
     when not asked for), the vocabulary LOGIT_CHUNK // M columns at a time: _FrozenHeadLogprobs."""
     n, vocab = h.shape[0], weight.shape[0]
-    packs = packed_frozen(weight) and weight.numel() >= MIN_WEIGHTS  # fixed blocks of columns, each's packed copies kept between passes
+    packs = packed_frozen(weight)  # fixed blocks of columns, each's packed copies kept between passes
     columns = max(1, LOGIT_CHUNK // (LOGIT_ROWS if packs else n))
     picked = h.new_zeros(n, dtype=torch.float32)  # z_token
     m = s = a = g = gz = None

@@ -139,9 +139,10 @@ class _FrozenLinear(torch.autograd.Function):
 
 def packed_frozen(weight: torch.Tensor) -> bool:
     """Whether products with `weight` go through kept oneDNN packs (kept_packing): a frozen float32
-    weight on the CPU, oneDNN working, outside autocast."""
+    weight of at least MIN_WEIGHTS entries on the CPU, oneDNN working, outside autocast."""
     return (frozen(weight) and weight.dtype == torch.float32 and weight.device.type == "cpu" and available()
-            and not isinstance(weight, DTensor) and not torch.is_autocast_enabled("cpu"))
+            and not isinstance(weight, DTensor) and weight.numel() >= MIN_WEIGHTS
+            and not torch.is_autocast_enabled("cpu"))
 
 
 def frozen_linear(module: torch.nn.Module) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
@@ -150,8 +151,7 @@ def frozen_linear(module: torch.nn.Module) -> Optional[Callable[[torch.Tensor], 
     and bias are frozen float32 on the CPU with at least MIN_WEIGHTS entries; else None. Under bf16
     autocast or for an input of another dtype, the plain layer's F.linear."""
     weight, bias = module.weight, module.bias
-    if not (type(module) is torch.nn.Linear and packed_frozen(weight) and (bias is None or frozen(bias))
-            and weight.numel() >= MIN_WEIGHTS):
+    if not (type(module) is torch.nn.Linear and packed_frozen(weight) and (bias is None or frozen(bias))):
         return None
 
     def forward(x: torch.Tensor) -> torch.Tensor:
