@@ -10,6 +10,7 @@ import json
 
 import pytest
 import torch
+import torch.nn.functional as F
 from omegaconf import OmegaConf
 from rich.console import Console
 from test_merged import trained_policy
@@ -22,6 +23,7 @@ from rlnotes.engine.hardware.devices import check_precision, choose_precision, m
 from rlnotes.engine.model.precision import frozen_linears_to_bf16
 from rlnotes.engine.policy import head, packed
 from rlnotes.engine.policy.critic import logprobs_and_values, value_head
+from rlnotes.engine.policy.llama import attend, attention_mask
 from rlnotes.engine.policy.merged import LowRankLinear, lora_slots, merged_adapters
 from rlnotes.engine.policy.packed import PackedLinear, packed_linears
 from rlnotes.engine.policy.passes import sequence_logprobs
@@ -84,6 +86,23 @@ def test_stored_bf16_weights_give_the_numbers_autocast_gives_float32_weights():
     assert torch.equal(logprobs(policy, rollout, "bf16"), autocast)
     with policy.reference():
         assert torch.equal(logprobs(policy, rollout, "bf16"), autocast_ref)
+
+
+def test_attention_of_the_own_pass_runs_in_float32_under_bf16_autocast_with_its_gradients():
+    """The own pass's attention under CPU autocast is float32's scaled_dot_product_attention of the
+    same inputs (bf16's would round q, k and v first), and its gradients reach the inputs as float32's."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 6, 5, 8, generator=g, requires_grad=True) for _ in range(3))
+    allowed = attention_mask(torch.tensor([[0, 1, 1, 1, 1], [1, 1, 1, 1, 1]]), 5)
+    kv = [t[:, :2].detach().requires_grad_() for t in (k, v)]  # 2 key and value heads for 6 query heads
+    with BF16:
+        ours = attend(q, *kv, allowed, 0.3, True)
+        rounded = F.scaled_dot_product_attention(q, *kv, attn_mask=allowed, scale=0.3, enable_gqa=True)
+    exact = F.scaled_dot_product_attention(q, *kv, attn_mask=allowed, scale=0.3, enable_gqa=True)
+    assert ours.dtype == torch.float32 and torch.equal(ours, exact)
+    assert rounded.dtype == torch.bfloat16 and not torch.equal(rounded.float(), exact)
+    grads = torch.autograd.grad(ours.square().sum(), [q, *kv])
+    assert all(torch.equal(a, b) for a, b in zip(grads, torch.autograd.grad(exact.square().sum(), [q, *kv])))
 
 
 def test_bf16_log_probs_are_within_a_stated_tolerance_of_float32():

@@ -15,7 +15,8 @@ and the last layer's output after the final RMSNorm, with W x = W0 x + s B A dro
 layer whose adapter is on (W0 x with it off: the reference). M allows key column j for the query in
 column i when j is a real column at or before i (the cache's columns first); a padding query keeps
 its own column, so no softmax row is empty (its output is never read). The queries that share a key
-and value head (grouped-query attention) are grouped by scaled_dot_product_attention, not repeated.
+and value head (grouped-query attention) are grouped by scaled_dot_product_attention, not repeated;
+on a CPU under bf16 autocast it runs in float32 (attend).
 
 The hidden states at real positions equal the model's own (`output_hidden_states`' last entry) up to
 float32 rounding, and so do the gradients through them; positions of padding are 0. A module this
@@ -156,6 +157,19 @@ def attention_mask(mask: torch.Tensor, length: int) -> torch.Tensor:
     return (allowed | (columns == own))[:, None]
 
 
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float,
+           gqa: bool) -> torch.Tensor:
+    """softmax(q k^T scale + M) v by scaled_dot_product_attention; on a CPU in float32 outside
+    autocast, whose bf16 would round q, k and v for no gain: the CPU's flash attention ran its
+    backward pass 6x slower in bf16 than in float32 (3.0 against 0.48 ms a layer, SmolLM2's DPO
+    step on an AMX Xeon), and the attention's products are a few percent of a pass's FLOPs."""
+    if q.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
+        with torch.autocast("cpu", enabled=False):
+            return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=allowed, scale=scale,
+                                                  enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale, enable_gqa=gqa)
+
+
 class LlamaLayers:
     """A model's modules as the functions of the pass above, as they are now (built per pass: sampling
     swaps layers in and out, and training flags decide dropout); `hidden` runs the pass."""
@@ -212,7 +226,7 @@ class LlamaLayers:
             q, k, v = (place(t).view(rows, length, -1, d).transpose(1, 2) for t in (q, k, v))  # [B, heads, T, d]
             if kv is not None:
                 k, v = kv.update(k, v)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=self.scale, enable_gqa=group > 1)
+            out = attend(q, k, v, allowed, self.scale, group > 1)
             x = x + wo(take(out.transpose(1, 2).reshape(rows * length, -1)))
             h = rms_norm(x, norm2)
             x = x + down(act(gate(h)) * up(h))
