@@ -126,14 +126,21 @@ def test_tokens_after_a_cache_attend_to_it_as_in_the_model(pack):
 
 
 def test_bf16_weights_under_autocast_give_the_models_states():
+    """Under bf16 autocast the own pass computes the adapter's update and the attention in float32,
+    where the model's forward rounds them to bf16: its states are nearer the model's float32 ones than
+    the model's own bf16 forward is, on average (measured 0.0122 against 0.0131; at most 0.119
+    against 0.121)."""
     model = adapted(family_model("llama"))
-    frozen_linears_to_bf16(model)
     ids, mask, positions = batch(model.config.vocab_size)
     real = mask.bool()
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-        mine, expected = ours(model, ids, mask, positions), theirs(model, ids, mask, positions)
+    with torch.no_grad():
+        exact = theirs(model, ids, mask, positions)[real]
+        frozen_linears_to_bf16(model)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            mine, expected = ours(model, ids, mask, positions), theirs(model, ids, mask, positions)
     assert mine.dtype == expected.dtype
-    torch.testing.assert_close(mine[real].float(), expected[real].float(), atol=0.05, rtol=0.02)
+    ours_off, model_off = (mine[real].float() - exact).abs(), (expected[real].float() - exact).abs()
+    assert ours_off.mean() < model_off.mean() and ours_off.max() < 1.25 * model_off.max(), (ours_off, model_off)
 
 
 def test_the_mask_lets_each_query_see_the_real_columns_up_to_its_own():

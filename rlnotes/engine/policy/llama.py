@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from rlnotes.engine.hardware.fsdp import is_sharded
-from rlnotes.engine.policy.merged import LowRankLinear, MergedLinear
+from rlnotes.engine.policy.merged import LowRankLinear, MergedLinear, add_update
 from rlnotes.engine.policy.packed import PackedLinear, frozen_linear
 
 # The causal LMs whose decoder layers compute exactly the layer above; their attention, MLP and norm
@@ -79,11 +79,9 @@ def _lora(layer, pack_frozen: bool) -> Optional[Linear]:
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         y = base(x)
-        dtype = y.dtype
         for a, b, scale, p in terms:
-            x = x.to(a.dtype)  # peft casts the input to the adapter's dtype
-            y = y + F.linear(F.linear(F.dropout(x, p) if p else x, a), b) * scale
-        return y.to(dtype)
+            y = add_update(y, x, a, b, scale, p)  # in the adapter's float32, also under bf16 autocast
+        return y
     return forward
 
 
@@ -157,13 +155,18 @@ def attention_mask(mask: torch.Tensor, length: int) -> torch.Tensor:
     return (allowed | (columns == own))[:, None]
 
 
+def cpu_autocast(x: torch.Tensor) -> bool:
+    """Whether `x` is on a CPU under autocast, where the attention computes in float32 (attend)."""
+    return x.device.type == "cpu" and torch.is_autocast_enabled("cpu")
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float,
            gqa: bool) -> torch.Tensor:
     """softmax(q k^T scale + M) v by scaled_dot_product_attention; on a CPU in float32 outside
     autocast, whose bf16 would round q, k and v for no gain: the CPU's flash attention ran its
     backward pass 6x slower in bf16 than in float32 (3.0 against 0.48 ms a layer, SmolLM2's DPO
     step on an AMX Xeon), and the attention's products are a few percent of a pass's FLOPs."""
-    if q.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
+    if cpu_autocast(q):
         with torch.autocast("cpu", enabled=False):
             return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=allowed, scale=scale,
                                                   enable_gqa=gqa)
@@ -224,8 +227,8 @@ class LlamaLayers:
             q, k, v = (w(h).view(len(h), -1, d) for w in (wq, wk, wv))               # [N, heads, d]
             q, k = rotate(q, cos, sin), rotate(k, cos, sin)
             q, k, v = (place(t).view(rows, length, -1, d).transpose(1, 2) for t in (q, k, v))  # [B, heads, T, d]
-            if kv is not None:
-                k, v = kv.update(k, v)
+            if kv is not None:  # the values cached in float32 too where the attention computes in it
+                k, v = kv.update(k, v.float() if cpu_autocast(v) else v)
             out = attend(q, k, v, allowed, self.scale, group > 1)
             x = x + wo(take(out.transpose(1, 2).reshape(rows * length, -1)))
             h = rms_norm(x, norm2)

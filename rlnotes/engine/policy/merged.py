@@ -17,7 +17,11 @@ swapped for a LowRankLinear instead, which adds the update to the output,
 
     y = x W^T + b + s (x A^T) B^T,
 
-the LoRA layer's own sum without peft's Python around it, A and B in bf16 as autocast rounds them.
+the LoRA layer's own sum without peft's Python around it. The update is computed in float32, the
+adapter's dtype, outside autocast, then added into the base's bf16 output (add_update), as rlnotes'
+own training and reference passes compute it (rlnotes.engine.policy.llama): a product with 16
+columns gains nothing from bf16 and, at a decoding step's few rows, ran 3-10x slower in it on an
+AMX Xeon than in float32.
 Layers with a LoRA variant (DoRA and others), a LoRA bias, or sharded (FSDP) weights stay as they are.
 """
 
@@ -42,10 +46,24 @@ class MergedLinear(torch.nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
+def add_update(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float,
+               dropout: float = 0.0) -> torch.Tensor:
+    """y + s (dropout(x) A^T) B^T in y's dtype, the update computed in A's dtype (float32), outside
+    autocast where it is on (whose bf16 would round x, A and B first); in place without gradients."""
+    def update() -> torch.Tensor:
+        h = x.to(a.dtype)
+        return F.linear(F.linear(F.dropout(h, dropout) if dropout else h, a), b) * scale
+    if not torch.is_autocast_enabled(x.device.type):
+        return (y + update()).to(y.dtype)
+    with torch.autocast(x.device.type, enabled=False):
+        u = update()
+    return (y + u).to(y.dtype) if torch.is_grad_enabled() else y.add_(u)
+
+
 class LowRankLinear(torch.nn.Module):
-    """y = base(x) + sum over the adapters of s (x A^T) B^T: a LoRA layer over a bf16 base weight
-    as plain modules. `base` is the LoRA layer's own linear layer (packed for sampling in its turn:
-    rlnotes.engine.policy.packed); `terms` holds (A, B, s) of each active adapter."""
+    """y = base(x) + sum over the adapters of s (x A^T) B^T (add_update): a LoRA layer over a bf16
+    base weight as plain modules. `base` is the LoRA layer's own linear layer (packed for sampling
+    in its turn: rlnotes.engine.policy.packed); `terms` holds (A, B, s) of each active adapter."""
 
     def __init__(self, base: torch.nn.Module, terms: List[Tuple[torch.Tensor, torch.Tensor, float]]):
         super().__init__()
@@ -54,7 +72,7 @@ class LowRankLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
         for a, b, scale in self.terms:
-            y = y + F.linear(F.linear(x.to(a.dtype), a), b) * scale
+            y = add_update(y, x, a, b, scale)
         return y
 
 
@@ -86,9 +104,8 @@ def _sampling_layer(layer) -> torch.nn.Module:
     weight, low-rank over a bf16 one (the caller checked it is one of those)."""
     if layer.base_layer.weight.dtype == torch.float32:
         return MergedLinear(merged_weight(layer), layer.base_layer.bias)
-    dtype = layer.base_layer.weight.dtype
-    return LowRankLinear(layer.base_layer, [(layer.lora_A[a].weight.to(dtype), layer.lora_B[a].weight.to(dtype),
-                                             layer.scaling[a]) for a in _adapters(layer)])
+    return LowRankLinear(layer.base_layer, [(layer.lora_A[a].weight, layer.lora_B[a].weight, layer.scaling[a])
+                                            for a in _adapters(layer)])
 
 
 def merged_weight(layer) -> torch.Tensor:

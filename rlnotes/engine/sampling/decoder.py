@@ -23,11 +23,12 @@ weights (gathered by the model's own forward) decode through the model's forward
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Optional
 
 import torch
 
-from rlnotes.engine.policy.llama import LlamaLayers, half_sign, linear, rms_norm, rotate
+from rlnotes.engine.policy.llama import LlamaLayers, cpu_autocast, half_sign, linear, rms_norm, rotate
 
 # (tokens [N], attention mask [N, K] over the cache's columns and the new one, positions [N], cache)
 # -> logits of the next token [N, V]
@@ -78,6 +79,7 @@ class Decoder(LlamaLayers):
                  cache) -> torch.Tensor:
         n, d, group = len(tokens), self.head_dim, self.heads // self.kv_heads
         x = self.embed(tokens)                                            # [N, H]
+        exact = cpu_autocast(x)  # the attention in float32, as the training pass's (llama.attend)
         cos, sin = self._rotation(x, positions)                           # [N, 1, d]: one for every head
         bias = torch.zeros(attention_mask.shape, dtype=x.dtype, device=x.device)
         bias = bias.masked_fill_(attention_mask == 0, float("-inf"))[:, None, None]  # [N, 1, 1, K]
@@ -85,10 +87,11 @@ class Decoder(LlamaLayers):
             h = rms_norm(x, norm1)
             q, k, v = (w(h).view(n, -1, d) for w in (wq, wk, wv))       # [N, heads, d]
             q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-            keys, values = layer.update(k[:, :, None], v[:, :, None])   # [N, kv heads, K, d]
+            keys, values = layer.update(k[:, :, None], (v.float() if exact else v)[:, :, None])  # [N, kv heads, K, d]
             q = q.view(n, self.kv_heads, group, d)                       # a key/value head's queries as rows
-            scores = torch.add(bias, q @ keys.transpose(-1, -2), alpha=self.scale)
-            out = scores.softmax(-1, dtype=torch.float32).to(values.dtype) @ values  # [N, kv heads, group, d]
+            with torch.autocast("cpu", enabled=False) if exact else contextlib.nullcontext():
+                scores = torch.add(bias, q @ keys.transpose(-1, -2), alpha=self.scale)
+                out = scores.softmax(-1, dtype=torch.float32).to(values.dtype) @ values  # [N, kv heads, group, d]
             x = x + wo(out.view(n, -1))
             h = rms_norm(x, norm2)
             x = x + down(act(gate(h)) * up(h))
