@@ -380,10 +380,10 @@ def trl_worker(spec: dict) -> None:
     timers: Dict[str, Any] = {"generate_s": 0.0, "reference_s": 0.0, "completion_tokens": 0.0,
                               "prompt_tokens": 0.0, "prompts": []}
     with tempfile.TemporaryDirectory() as tmp:
-        # Same optimizer (torch.optim.AdamW, not TRL's fused default) and schedule as rlnotes'
+        # Same optimizer (torch.optim.AdamW fused, TRL's default and rlnotes') and schedule as rlnotes'
         # defaults; float32 unless the spec says bf16 (TRL defaults to bf16), no gradient checkpointing
         # (TRL's default; rlnotes has none), nothing saved or evaluated.
-        common = dict(output_dir=tmp, max_steps=spec["steps"], optim="adamw_torch", learning_rate=LR,
+        common = dict(output_dir=tmp, max_steps=spec["steps"], optim="adamw_torch_fused", learning_rate=LR,
                       lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, adam_beta1=0.9,
                       adam_beta2=0.999, adam_epsilon=1e-8, max_grad_norm=1.0, gradient_checkpointing=False,
                       bf16=spec["precision"] == "bf16", fp16=False, use_cpu=True, logging_steps=1,

@@ -35,7 +35,7 @@ from rlnotes.run.tracking import open_sinks
 from rlnotes.training.context import Batching, Context, Data, Model, Output, Rollouts, Run
 from rlnotes.training.evaluation import checker_config
 from rlnotes.training.evaluation import eval_rows as held_out_rows
-from rlnotes.training.optimizer import schedule
+from rlnotes.training.optimizer import adamw, schedule
 
 
 def setup(cfg, algo: Algorithm, run_dir: Path, console: Console, resume_from: Optional[Path] = None) -> Context:
@@ -68,8 +68,7 @@ def setup(cfg, algo: Algorithm, run_dir: Path, console: Console, resume_from: Op
     warm_rows = warmup_rows(warm_cfg, warm, policy.tokenizer, context_length(policy.model), console)
     params = policy.trainable_parameters()
     distributed.broadcast_parameters(params)  # every rank starts from rank 0's weights
-    o = cfg.optim
-    optimizer = torch.optim.AdamW(params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
+    optimizer = adamw(params, cfg.optim)
     lr_factor = schedule(cfg)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
     n_params = sum(p.numel() for p in params)
@@ -92,7 +91,7 @@ def setup(cfg, algo: Algorithm, run_dir: Path, console: Console, resume_from: Op
         cfg=cfg,
         run=Run(cfg.seed, cfg.trainer.steps, torch.Generator(device).manual_seed(cfg.seed)),
         model=Model(policy, prompt_format(cfg), device, precision, Batching.of(cfg.trainer), optimizer, scheduler,
-                    o.lr, lr_factor, o.max_grad_norm),
+                    cfg.optim.lr, lr_factor, cfg.optim.max_grad_norm),
         data=Data(PromptSampler(train_rows, cfg.trainer.batch_size, cfg.seed), eval_rows, rewards, scorer,
                   restore.rows_sha256(train_rows), warm_rows),
         rollouts=Rollouts(SamplingSettings.of(r), per_prompt_seed, r.merge_adapter, r.pack_weights, r.tis_cap,
