@@ -39,6 +39,15 @@ def _one_thread():
     torch.set_num_threads(1)
 
 
+@pytest.fixture(autouse=True)
+def _float32_packs(monkeypatch):
+    """oneDNN's float32 packs in use on every CPU (not on Intel's by default: packed.float32_packs),
+    so the tests multiply the same way everywhere; test_packed checks the rule itself."""
+    from rlnotes.engine.policy import packed
+
+    monkeypatch.setattr(packed, "float32_packs", lambda: True)
+
+
 @pytest.fixture
 def bf16_cpu(monkeypatch):
     """hardware.precision=bf16 accepted on this CPU: on one without bf16 units (where a run refuses

@@ -11,6 +11,7 @@ from rlnotes.engine.policy.merged import MergedLinear, lora_slots, merged_adapte
 from rlnotes.engine.policy.packed import PackedLinear, packed_linears
 
 pytestmark = pytest.mark.skipif(not packed.available(), reason="this torch has no working oneDNN linear")
+RULE = packed.float32_packs  # the rule itself: conftest stands in for it in every test
 
 
 def test_a_packed_linear_computes_the_plain_one():
@@ -110,3 +111,25 @@ def test_a_kept_pack_goes_with_its_weight():
     assert key in packed._KEPT
     del layer
     assert key not in packed._KEPT
+
+
+def test_float32_weights_stay_with_mkl_on_an_intel_cpu_and_bf16_ones_are_packed(monkeypatch):
+    """packed.float32_packs is false on Intel's CPUs (MKL as fast as oneDNN there): no float32
+    weight is packed, for sampling or kept for the passes; bf16 weights still are."""
+    monkeypatch.setattr(packed, "MIN_WEIGHTS", 0)
+    layer = torch.nn.Linear(64, 32).requires_grad_(False)
+    assert packed.packed_frozen(layer.weight) and packed.frozen_linear(layer) is not None  # the rule off (conftest)
+    monkeypatch.setattr(packed, "float32_packs", lambda: False)
+    assert not packed.packed_frozen(layer.weight) and packed.frozen_linear(layer) is None
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 16).to(torch.bfloat16))
+    with packed_linears(model):
+        kinds = [type(m).__name__ for m in model]
+    assert kinds == ["Linear", "PackedLinear" if packed.available_bf16() else "Linear"]
+
+
+def test_the_rule_reads_the_cpus_vendor(tmp_path):
+    for vendor, packs in (("GenuineIntel", False), ("AuthenticAMD", True)):
+        info = tmp_path / vendor
+        info.write_text(f"processor\t: 0\nvendor_id\t: {vendor}\nflags\t\t: fpu\n")
+        assert RULE(str(info)) == packs
+    assert RULE(str(tmp_path / "absent"))  # no /proc/cpuinfo (not Linux): the packs, as before

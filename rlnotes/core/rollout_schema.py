@@ -28,10 +28,11 @@ class RolloutConfig:
     # update would round away, the adapter's sum without peft's Python around it. false samples
     # through the adapter as it trains.
     merge_adapter: bool = True
-    # Sample with copies of the large float32 linear layers' weights (the merged ones among them), and
-    # bf16 ones where oneDNN has bf16, reordered for oneDNN's matmul, on the CPU
-    # (rlnotes.engine.policy.packed): the same outputs up to rounding, faster generation, for those
-    # weights' size again in memory while sampling. false: torch's default matmul (MKL).
+    # Sample with copies of the large float32 linear layers' weights (the merged ones among them; not
+    # on an Intel CPU, where MKL is as fast), and bf16 ones where oneDNN has bf16, reordered for
+    # oneDNN's matmul, on the CPU (rlnotes.engine.policy.packed): the same outputs up to rounding,
+    # faster generation, for those weights' size again in memory while sampling. false: torch's
+    # default matmul (MKL).
     pack_weights: bool = True
     # Decode Llama, Qwen2 and Mistral models with rlnotes' own step (rlnotes.engine.sampling.decoder: the
     # layers' math as plain tensor operations) rather than the model's forward: the same logits up

@@ -7,7 +7,8 @@ faster on the CPUs measured: most at the few rows of a decoding step and for a w
 Zen 3 EPYC, and about 2x at most shapes on a Zen 5 EPYC, where MKL's float32 products ran at half
 oneDNN's rate (figures: docs/benchmarks.md). Each call costs oneDNN a fixed few microseconds more, so
 a small weight (below MIN_WEIGHTS elements: a tiny model's) stays with MKL; SmolLM2's 576 x 192 key
-and value maps, below the bound on a Zen 3 EPYC, gained on the Zen 5 one from being packed.
+and value maps, below the bound on a Zen 3 EPYC, gained on the Zen 5 one from being packed. On an
+Intel CPU MKL runs float32 at oneDNN's rate, and float32 weights stay with it (float32_packs).
 
 While sampling, each such nn.Linear (the merged LoRA layers of rlnotes.engine.policy.merged among them) is
 swapped for a PackedLinear holding the reordered copy, made afresh each time for a weight that
@@ -66,6 +67,20 @@ def available_bf16() -> bool:
         return bool(torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")[0, 0] == 3)
     except (AttributeError, RuntimeError):
         return False
+
+
+@functools.lru_cache(maxsize=None)
+def float32_packs(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Whether float32 products go through oneDNN's packs on this CPU: all but Intel's. MKL, torch's
+    float32 product, runs at half oneDNN's rate on the AMD EPYCs measured and at its full rate on an
+    Intel Xeon, where the packs only cost their memory and calls: a SmolLM2 DPO step in float32 took
+    1.55 s without them against 1.67 s with them (an AMX Xeon, two alternating processes each), and
+    sampling no faster with them (docs/benchmarks.md). bf16 weights are packed on every CPU."""
+    try:
+        with open(cpuinfo) as lines:
+            return not any(line.startswith("vendor_id") and "GenuineIntel" in line for line in lines)
+    except OSError:
+        return True
 
 
 # The packed copies of frozen weights (the base model's under LoRA), kept between passes and steps
@@ -142,7 +157,7 @@ def packed_frozen(weight: torch.Tensor) -> bool:
     weight of at least MIN_WEIGHTS entries on the CPU, oneDNN working, outside autocast."""
     return (frozen(weight) and weight.dtype == torch.float32 and weight.device.type == "cpu" and available()
             and not isinstance(weight, DTensor) and weight.numel() >= MIN_WEIGHTS
-            and not torch.is_autocast_enabled("cpu"))
+            and not torch.is_autocast_enabled("cpu") and float32_packs())
 
 
 def frozen_linear(module: torch.nn.Module) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
@@ -166,7 +181,8 @@ def frozen_linear(module: torch.nn.Module) -> Optional[Callable[[torch.Tensor], 
 
 def _packable(module: torch.nn.Module) -> bool:
     return (type(module) in (torch.nn.Linear, MergedLinear) and module.weight.device.type == "cpu"
-            and (module.weight.dtype == torch.float32 or (module.weight.dtype == torch.bfloat16 and available_bf16()))
+            and ((module.weight.dtype == torch.float32 and float32_packs())
+                 or (module.weight.dtype == torch.bfloat16 and available_bf16()))
             and not isinstance(module.weight, DTensor) and module.weight.numel() >= MIN_WEIGHTS)
 
 
