@@ -74,7 +74,7 @@ def float32_packs(cpuinfo: str = "/proc/cpuinfo") -> bool:
     """Whether float32 products go through oneDNN's packs on this CPU: all but Intel's. MKL, torch's
     float32 product, runs at half oneDNN's rate on the AMD EPYCs measured and at its full rate on an
     Intel Xeon, where the packs only cost their memory and calls: a SmolLM2 DPO step in float32 took
-    1.55 s without them against 1.67 s with them (an AMX Xeon, two alternating processes each), and
+    1.59 s without them against 1.68 s with them (an AMX Xeon, two alternating processes each), and
     sampling no faster with them (docs/benchmarks.md). bf16 weights are packed on every CPU."""
     try:
         with open(cpuinfo) as lines:
