@@ -70,17 +70,15 @@ def available_bf16() -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def float32_packs(cpuinfo: str = "/proc/cpuinfo") -> bool:
-    """Whether float32 products go through oneDNN's packs on this CPU: all but Intel's. MKL, torch's
-    float32 product, runs at half oneDNN's rate on the AMD EPYCs measured and at its full rate on an
-    Intel Xeon, where the packs only cost their memory and calls: a SmolLM2 DPO step in float32 took
-    1.59 s without them against 1.68 s with them (an AMX Xeon, two alternating processes each), and
-    sampling no faster with them (docs/benchmarks.md). bf16 weights are packed on every CPU."""
-    try:
-        with open(cpuinfo) as lines:
-            return not any(line.startswith("vendor_id") and "GenuineIntel" in line for line in lines)
-    except OSError:
-        return True
+def float32_packs(cpu_name: Optional[str] = None) -> bool:
+    """Whether float32 products go through oneDNN's packs on the CPU named `cpu_name` (default: this
+    one, as torch's CPU capabilities name it): all but Intel's. MKL, torch's float32 product, runs at
+    half oneDNN's rate on the AMD EPYCs measured and at its full rate on an Intel Xeon, where the
+    packs only cost their memory and calls: a SmolLM2 DPO step in float32 took 1.59 s without them
+    against 1.68 s with them (an AMX Xeon, two alternating processes each), and sampling no faster
+    with them (docs/benchmarks.md). bf16 weights are packed on every CPU."""
+    name = cpu_name if cpu_name is not None else str(torch.cpu.get_capabilities().get("cpu_name") or "")
+    return not name.startswith("Intel")
 
 
 # The packed copies of frozen weights (the base model's under LoRA), kept between passes and steps
