@@ -87,16 +87,23 @@ def set_step(name: str, fn) -> None:
 
 def record_forwards(monkeypatch) -> list:
     """The [rows, tokens] of every forward pass from here on (rlnotes.engine.policy.passes.states: the
-    model's forward or rlnotes' own pass), appended to the list returned."""
+    model's forward or rlnotes' own pass), or of each level of a pass of several (LlamaLayers.tree),
+    appended to the list returned."""
     from rlnotes.engine.policy import passes
+    from rlnotes.engine.policy.llama import LlamaLayers
 
-    seen, states = [], passes.states
+    seen, states, tree = [], passes.states, LlamaLayers.tree
 
     def spy(model, input_ids, *args, **kwargs):
         seen.append(tuple(input_ids.shape))
         return states(model, input_ids, *args, **kwargs)
 
+    def tree_spy(self, levels):
+        seen.extend(tuple(level.ids.shape) for level in levels)
+        return tree(self, levels)
+
     monkeypatch.setattr(passes, "states", spy)
+    monkeypatch.setattr(LlamaLayers, "tree", tree_spy)
     return seen
 
 

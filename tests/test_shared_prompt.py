@@ -12,6 +12,7 @@ from rlnotes.core.schema import ModelConfig
 from rlnotes.engine.model.loading import smollm2_shaped
 from rlnotes.engine.policy.critic import logprobs_and_values, values
 from rlnotes.engine.policy.head import head_logprobs
+from rlnotes.engine.policy.llama import LlamaLayers
 from rlnotes.engine.policy.passes import position_ids, prompt_groups, sequence_logprobs, shared_prefix
 from rlnotes.engine.policy.policy import Policy
 from rlnotes.engine.rollout import left_pad
@@ -149,8 +150,13 @@ def test_a_prefix_all_prompts_share_is_forwarded_once(any_prefix, monkeypatch):
     assert equivalent_passes(model, ids, attn, mask, monkeypatch) == [(1, 40), (3, 11), (9, n - 1)]
 
 
+@pytest.mark.parametrize("own", [True, False], ids=["own pass", "through a cache"])
 @pytest.mark.parametrize("case", ["lora", "temperature", "full", "partial", "shuffled", "one token", "shortest"])
-def test_a_shared_prefix_gives_the_plain_pass(any_prefix, case):
+def test_a_shared_prefix_gives_the_plain_pass(any_prefix, case, own, monkeypatch):
+    """The levels (prefix, prompts, completions) in one pass of rlnotes' own (LlamaLayers.tree) or,
+    for a model it does not compute, a pass per level through a KV cache (passes.chain)."""
+    if not own:
+        monkeypatch.setattr(LlamaLayers, "of", classmethod(lambda cls, model: None))
     model = tiny_policy(lora=case != "full")
     model.train()
     lengths = (1, 6, 3) if case == "shortest" else (5, 11, 2)  # "shortest": a prompt one token past the prefix

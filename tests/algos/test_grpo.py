@@ -172,4 +172,6 @@ def test_completions_without_advantage_are_not_forwarded_and_the_step_is_the_sam
         assert a["optim/grad_norm"] == pytest.approx(b["optim/grad_norm"], rel=1e-4, abs=1e-7)
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=2e-6)
     for name, w in _adapter(tmp_path / "every").items():
-        assert torch.allclose(skipped_weights[name], w, rtol=1e-4, atol=1e-6), name
+        # Within float32 rounding that Adam (lr 0.05) carries over four steps: the passes multiply
+        # different numbers of rows; a completion wrongly left out moves a weight by ~lr.
+        assert torch.allclose(skipped_weights[name], w, rtol=1e-4, atol=2e-5), name

@@ -59,3 +59,15 @@ def plain_layers(cache: DynamicCache) -> bool:
     """Whether every layer of `cache` keeps each row's keys and values whole (no sliding windows): the
     layout that rows can be selected from and passes added to."""
     return all(type(layer) in (DynamicLayer, GrowingLayer) for layer in cache.layers)
+
+
+def select_rows(cache: DynamicCache, rows: torch.Tensor) -> None:
+    """Keep `rows` [R] of every layer of `cache` (plain_layers), in that order, a row any number of
+    times. By index_select, whose gradient adds the copies' up with index_add: DynamicLayer's own
+    batch_select_indices indexes, whose gradient accumulates through index_put, ~9x slower on a CPU
+    (0.54 against 0.06 ms a layer's keys for a DPO micro-batch of SmolLM2)."""
+    for layer in cache.layers:
+        if type(layer) is DynamicLayer and layer.is_initialized:
+            layer.keys, layer.values = layer.keys.index_select(0, rows), layer.values.index_select(0, rows)
+        else:
+            layer.batch_select_indices(rows)

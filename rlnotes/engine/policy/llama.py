@@ -18,6 +18,11 @@ its own column, so no softmax row is empty (its output is never read). The queri
 and value head (grouped-query attention) are grouped by scaled_dot_product_attention, not repeated;
 on a CPU under bf16 autocast it runs in float32 (attend).
 
+Rows that share a prompt (LlamaLayers.tree) go as levels in one pass: a level's rows follow rows of
+the level before (a prompt's G completions its prompt, the prompts a prefix they share), all levels'
+real tokens in the one matrix x, and each level's queries attend to its ancestors' keys and values
+then its own, as if those were in a KV cache.
+
 The hidden states at real positions equal the model's own (`output_hidden_states`' last entry) up to
 float32 rounding, and so do the gradients through them; positions of padding are 0. A module this
 pass does not know how to compute as plain operations (another adapter type, a module with hooks) is
@@ -28,7 +33,7 @@ attention, attention dropout while training and sharded (FSDP) weights go throug
 from __future__ import annotations
 
 import functools
-from typing import Callable, Optional
+from typing import Callable, List, NamedTuple, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -200,37 +205,115 @@ class LlamaLayers:
             return None
         return cls(inner)
 
+    def _rotation(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sign * sin [N, 1, d] at the N tokens' `positions` [N], for rotate."""
+        cos, sin = self.rotary(x[None], positions[None])                              # [1, N, d]
+        return cos[0, :, None], (sin * half_sign(self.head_dim, sin))[0, :, None]
+
+    def _layers(self, x: torch.Tensor, positions: torch.Tensor,
+                attention: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """The layers above over the N tokens x [N, H] at `positions` [N], and the final norm; the
+        position-wise maps on all N at once, `attention`(layer, q, k, v) ([N, heads, d] each, after
+        RoPE) giving each token's attention output [N, heads * d] in the same order."""
+        d = self.head_dim
+        cos, sin = self._rotation(x, positions)
+        for i, (norm1, wq, wk, wv, wo, norm2, gate, up, down, act) in enumerate(self.layers):
+            h = rms_norm(x, norm1)
+            q, k, v = (w(h).view(len(h), -1, d) for w in (wq, wk, wv))               # [N, heads, d]
+            x = x + wo(attention(i, rotate(q, cos, sin), rotate(k, cos, sin), v))
+            h = rms_norm(x, norm2)
+            x = x + down(act(gate(h)) * up(h))
+        return rms_norm(x, self.norm)
+
     def hidden(self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
                cache=None) -> torch.Tensor:
         """The last layer's hidden states after the final norm [B, T, H] for the tokens `input_ids`
         [B, T] at `positions` [B, T], `mask` [B, K] covering the cache's columns then these (0 at the
         hidden states of padding positions); keys and values go into `cache` (a DynamicCache whose
         layers all keep whole rows) when given."""
-        rows, length = input_ids.shape
-        d, group = self.head_dim, self.heads // self.kv_heads
-        real = mask[:, -length:].reshape(-1).bool()
-        index = None if bool(real.all()) else real.nonzero().squeeze(-1)
-
-        def take(t: torch.Tensor) -> torch.Tensor:  # [B * T, ...] -> the real positions' [N, ...]
-            return t if index is None else t.index_select(0, index)
-
-        def place(t: torch.Tensor) -> torch.Tensor:  # [N, ...] -> [B * T, ...], 0 at padding
-            return t if index is None else t.new_zeros(rows * length, *t.shape[1:]).index_copy(0, index, t)
-
-        x = self.embed(take(input_ids.reshape(-1)))                                   # [N, H]
-        cos, sin = self.rotary(x[None], take(positions.reshape(-1))[None])            # [1, N, d]
-        cos, sin = cos[0, :, None], (sin * half_sign(d, sin))[0, :, None]             # [N, 1, d]
-        allowed = attention_mask(mask, length)
+        slots = Slots(mask[:, -input_ids.shape[1]:])
+        allowed = attention_mask(mask, input_ids.shape[1])
         layers = cache.layers if cache is not None else [None] * len(self.layers)
-        for (norm1, wq, wk, wv, wo, norm2, gate, up, down, act), kv in zip(self.layers, layers):
-            h = rms_norm(x, norm1)
-            q, k, v = (w(h).view(len(h), -1, d) for w in (wq, wk, wv))               # [N, heads, d]
-            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-            q, k, v = (place(t).view(rows, length, -1, d).transpose(1, 2) for t in (q, k, v))  # [B, heads, T, d]
-            if kv is not None:  # the values cached in float32 too where the attention computes in it
-                k, v = kv.update(k, v.float() if cpu_autocast(v) else v)
-            out = attend(q, k, v, allowed, self.scale, group > 1)
-            x = x + wo(take(out.transpose(1, 2).reshape(rows * length, -1)))
-            h = rms_norm(x, norm2)
-            x = x + down(act(gate(h)) * up(h))
-        return place(rms_norm(x, self.norm)).view(rows, length, -1)
+
+        def attention(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            q, k, v = (slots.place(t) for t in (q, k, v))                              # [B, heads, T, d]
+            if layers[i] is not None:  # the values cached in float32 too where the attention computes in it
+                k, v = layers[i].update(k, v.float() if cpu_autocast(v) else v)
+            return slots.take(self.attend(q, k, v, allowed))
+
+        x = self.embed(slots.take_rows(input_ids))                                    # [N, H]
+        return slots.place_rows(self._layers(x, slots.take_rows(positions), attention))
+
+    def tree(self, levels: Sequence[Level]) -> List[torch.Tensor]:
+        """The hidden states after the final norm [R, T, H] of each of `levels` (0 at padding): rows
+        whose tokens follow a row of the level before (its `parent`), itself following one of the
+        level before it, and so on: each token attends to its ancestors' real tokens and to its own
+        row's up to itself, as if every row were forwarded after its ancestors' tokens with their
+        keys and values in a cache. One pass over every level's real tokens: the position-wise maps
+        read each weight once for all of them (a pass per level would read it once per level, at the
+        lower rate of fewer rows), and each level's attention takes its ancestors' keys and values
+        by index_select, so their gradients add up in the rows they came from."""
+        slots = [Slots(level.mask) for level in levels]
+        masks, allowed = [], []  # each level's columns after its ancestors', and the keys its queries see
+        for level in levels:
+            full = level.mask if level.parent is None else torch.cat([masks[-1][level.parent], level.mask], dim=1)
+            masks.append(full)
+            allowed.append(attention_mask(full, level.mask.shape[1]))
+        sizes = [s.count for s in slots]
+
+        def attention(i: int, *qkv: torch.Tensor) -> torch.Tensor:
+            outs, keys, values = [], None, None
+            for level, s, see, parts in zip(levels, slots, allowed, zip(*(t.split(sizes) for t in qkv))):
+                q, k, v = (s.place(t) for t in parts)                                  # [R, heads, T, d]
+                if level.parent is not None:  # the ancestors' keys and values first
+                    k = torch.cat([keys.index_select(0, level.parent), k], dim=2)
+                    v = torch.cat([values.index_select(0, level.parent), v], dim=2)
+                keys, values = k, v
+                outs.append(s.take(self.attend(q, k, v, see)))
+            return torch.cat(outs)
+
+        ids = torch.cat([s.take_rows(level.ids) for s, level in zip(slots, levels)])
+        positions = torch.cat([s.take_rows(level.positions) for s, level in zip(slots, levels)])
+        hidden = self._layers(self.embed(ids), positions, attention)
+        return [s.place_rows(h) for s, h in zip(slots, hidden.split(sizes))]
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+        return attend(q, k, v, allowed, self.scale, self.heads > self.kv_heads)
+
+
+class Level(NamedTuple):
+    """Rows of tokens for LlamaLayers.tree: `ids`, `mask` (1 = real) and `positions` [R, T], and each
+    row's `parent` [R], a row of the level before whose tokens (and its ancestors') come before its
+    own, or None (the first level)."""
+    ids: torch.Tensor
+    mask: torch.Tensor
+    positions: torch.Tensor
+    parent: Optional[torch.Tensor] = None
+
+
+class Slots:
+    """The real positions of rows [R, T] (`mask`: 1 = real) as the N rows of one matrix: `take_rows`
+    gathers them from [R, T, ...], `place_rows` scatters them back (0 at padding); `place` and
+    `take` turn [N, heads, d] into the attention's [R, heads, T, d] and its output back into
+    [N, heads * d]."""
+
+    def __init__(self, mask: torch.Tensor):
+        self.rows, self.length = mask.shape
+        real = mask.reshape(-1).bool()
+        self.index = None if bool(real.all()) else real.nonzero().squeeze(-1)
+        self.count = real.numel() if self.index is None else len(self.index)
+
+    def take_rows(self, t: torch.Tensor) -> torch.Tensor:
+        t = t.reshape(self.rows * self.length, *t.shape[2:])
+        return t if self.index is None else t.index_select(0, self.index)
+
+    def place_rows(self, t: torch.Tensor) -> torch.Tensor:
+        if self.index is not None:
+            t = t.new_zeros(self.rows * self.length, *t.shape[1:]).index_copy(0, self.index, t)
+        return t.view(self.rows, self.length, *t.shape[1:])
+
+    def place(self, t: torch.Tensor) -> torch.Tensor:
+        return self.place_rows(t).transpose(1, 2)
+
+    def take(self, out: torch.Tensor) -> torch.Tensor:
+        return self.take_rows(out.transpose(1, 2).reshape(self.rows, self.length, -1))

@@ -1,7 +1,7 @@
 """Forward passes over [left-padded prompt | completion] rows, and per-token log-probs.
 
 Rows that share a prompt forward it once (completion_states; a prefix every prompt shares, once
-more: prompt_pass), each pass computes the real positions only (the Llama family through rlnotes' own
+more: prompt_levels), each pass computes the real positions only (the Llama family through rlnotes' own
 pass, rlnotes.engine.policy.llama; other models through their forward with the MLPs and projections
 skipping padding, rlnotes.engine.policy.padding), and the LM head turns hidden states into log-probs a
 block at a time (rlnotes.engine.policy.head), so full-vocabulary logits of the whole batch never exist
@@ -10,7 +10,7 @@ at once.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 from transformers import DynamicCache
@@ -18,8 +18,8 @@ from transformers import DynamicCache
 from rlnotes.engine.hardware import distributed
 from rlnotes.engine.hardware.fsdp import is_sharded
 from rlnotes.engine.policy.head import head_logprobs
-from rlnotes.engine.policy.kvcache import plain_layers
-from rlnotes.engine.policy.llama import LlamaLayers
+from rlnotes.engine.policy.kvcache import plain_layers, select_rows
+from rlnotes.engine.policy.llama import Level, LlamaLayers
 from rlnotes.engine.policy.padding import forward_real
 
 
@@ -87,15 +87,14 @@ def completion_states(model, input_ids: torch.Tensor, attention_mask: torch.Tens
     each [left-padded prompt | completion] row (positions P-1 .. P+n-2), after the final norm.
 
     share_prompts: rows with the same prompt (a GRPO group, a multi-turn episode's G episodes, whose
-    tokens after the prompt differ) share one forward pass of it: the prompt rows once, with a KV
-    cache, then the completions against the cache copied to their rows, G(P+n) -> P+Gn tokens; a
-    prefix the distinct prompts share goes once (prompt_pass), also when every row has a prompt of
-    its own (an SFT batch behind one system prompt and tools block: `own_prompts`).
-    Gradients flow through the cache into the prompt pass. The positions are those the whole row
-    would have, so every output equals the one-pass forward's. Under FSDP every rank runs the same
-    passes (its gathers go in lock step): the plain one wherever the ranks' batches would differ.
-    Every pass skips padding in its position-wise layers (rlnotes.engine.policy.padding), so the states at
-    padding positions are unspecified: only real positions are read.
+    tokens after the prompt differ) forward it once: the completions follow their prompt's row
+    (tree_states), G(P+n) -> P+Gn tokens; a prefix the distinct prompts share goes once
+    (prompt_levels), also when every row has a prompt of its own (an SFT batch behind one system
+    prompt and tools block: `own_prompts`). Gradients flow through the shared keys and values into the
+    prompt's tokens. The positions are those the whole row would have, so every output equals the
+    one-pass forward's. Under FSDP every rank runs the same passes (its gathers go in lock step): the
+    plain one wherever the ranks' batches would differ. Every pass skips padding in its position-wise
+    layers, so the states at padding positions are unspecified: only real positions are read.
     """
     width = input_ids.shape[1] - n_completion
     positions = position_ids(attention_mask)
@@ -105,25 +104,47 @@ def completion_states(model, input_ids: torch.Tensor, attention_mask: torch.Tens
     # for the backward pass only through its outputs (its keys and values would find them freed).
     if groups is None and share_prompts and width and not sharded:
         groups = own_prompts(input_ids[:, :width], attention_mask[:, :width])
-    cache = DynamicCache(config=model.config) if groups is not None else None
-    if cache is not None and not plain_layers(cache):
+    if groups is not None and LlamaLayers.of(model) is None and not plain_layers(DynamicCache(config=model.config)):
         groups = None
-    common = prefix_to_share(input_ids[groups[0], :width], attention_mask[groups[0], :width]) \
-        if groups and not sharded else 0
     if sharded and len(set(distributed.gather((groups is not None, n_completion > 1)))) > 1:
         groups = None
     if groups is None:
         return states(model, input_ids, attention_mask, positions)[:, width - 1:-1]
     first, number = groups
-    hidden, cached_mask = prompt_pass(model, input_ids[first, :width], attention_mask[first, :width],
-                                      positions[first, :width], cache, common=common)
-    last = hidden[:, -1:]  # predicts each row's first completion token
-    if n_completion == 1:
-        return last[number]
-    cache.batch_select_indices(number)  # indexing, so the rows' gradients add up in the prompt pass
-    rest = states(model, input_ids[:, width:-1], torch.cat([cached_mask[number], attention_mask[:, width:-1]], dim=1),
-                  positions[:, width:-1], cache)
-    return torch.cat([last[number], rest], dim=1)
+    common = 0 if sharded else prefix_to_share(input_ids[first, :width], attention_mask[first, :width])
+    levels = prompt_levels(input_ids[first, :width], attention_mask[first, :width], positions[first, :width], common)
+    if n_completion > 1:  # each row's completion after its prompt, but the last token (only a target)
+        levels.append(Level(input_ids[:, width:-1], attention_mask[:, width:-1], positions[:, width:-1], number))
+    hidden = tree_states(model, levels)
+    prompts = hidden[-2] if n_completion > 1 else hidden[-1]
+    last = prompts[:, -1:][number]  # each prompt's last state predicts its rows' first completion token
+    return last if n_completion == 1 else torch.cat([last, hidden[-1]], dim=1)
+
+
+def tree_states(model, levels: Sequence[Level]) -> list[torch.Tensor]:
+    """The last layer's hidden states after the final norm [R, T, H] of each of `levels` (llama.Level:
+    rows whose tokens follow a row of the level before): rlnotes' own pass over all levels at once
+    where it computes the model's (LlamaLayers.tree), else a pass per level after its ancestors' keys
+    and values in a KV cache (`chain`)."""
+    own = LlamaLayers.of(model)
+    if own is not None:
+        return own.tree(levels)
+    return chain(model, levels, DynamicCache(config=model.config))[0]
+
+
+def chain(model, levels: Sequence[Level], cache: DynamicCache, logits: bool = False) -> tuple[list, torch.Tensor]:
+    """`levels` forwarded one after another into `cache` (plain_layers), each level's rows after the
+    cache's rows of their parents: (the `states` of each level, the last with `logits` if asked; the
+    attention mask [R, K] of the K columns now cached)."""
+    outs, cached = [], None
+    for i, level in enumerate(levels):
+        mask = level.mask
+        if level.parent is not None:
+            select_rows(cache, level.parent)  # by index_select, so the rows' gradients add up in the parent
+            mask = torch.cat([cached[level.parent], mask], dim=1)
+        outs.append(states(model, level.ids, mask, level.positions, cache, logits and i == len(levels) - 1))
+        cached = mask
+    return outs, cached
 
 
 # A prefix the distinct prompts share is forwarded once when that saves at least this many tokens: the
@@ -153,29 +174,35 @@ def prefix_to_share(ids: torch.Tensor, mask: torch.Tensor) -> int:
     return common if (len(ids) - 1) * common >= MIN_PREFIX_SAVING else 0
 
 
-def prompt_pass(model, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: DynamicCache,
-                logits: bool = False, common: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The U distinct left-padded prompts [U, P] forwarded into `cache`: (their `states` after the
-    cached columns: hidden states [U, T, H], or with `logits` each prompt's next-token logits [U, V];
-    the attention mask [U, K] of the K columns now cached). A prefix of `common`
-    tokens they all share (default: prefix_to_share) goes once, as one row, then each prompt's
-    remainder against it: the cache holds [prefix | left-padded remainders], a layout whose mask has
-    its padding in the middle and whose tokens keep their whole-row positions, so every output
-    equals the plain pass's."""
-    n, width = ids.shape
-    if common is None:
-        common = prefix_to_share(ids, mask) if plain_layers(cache) else 0
+def prompt_levels(ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, common: int) -> list[Level]:
+    """The distinct left-padded prompts [U, P] as levels of a tree pass: themselves, or with a prefix
+    of `common` tokens they all share, that prefix as one row and each prompt's remainder after it
+    (left-padded to the longest; the tokens keep their whole-row positions, so every output equals
+    the plain pass's)."""
     if not common:
-        return states(model, ids, mask, positions, cache, logits), mask
+        return [Level(ids, mask, positions)]
+    n, width = ids.shape
     lengths = mask.sum(1)
     start = width - int(lengths[0])
     prefix = slice(start, start + common)
-    states(model, ids[:1, prefix], mask[:1, prefix], positions[:1, prefix], cache)
-    cache.batch_select_indices(torch.zeros(n, dtype=torch.long, device=ids.device))
     tail = int(lengths.max()) - common  # the longest remainder; shorter ones are left-padded to it
     own = torch.arange(width - tail, width, device=ids.device) >= (width - lengths + common)[:, None]
-    cached = torch.cat([mask.new_ones(n, common), own.to(mask.dtype)], dim=1)
-    return states(model, ids[:, -tail:], cached, positions[:, -tail:], cache, logits), cached
+    return [Level(ids[:1, prefix], mask[:1, prefix], positions[:1, prefix]),
+            Level(ids[:, -tail:], own.to(mask.dtype), positions[:, -tail:], ids.new_zeros(n))]
+
+
+def prompt_pass(model, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: DynamicCache,
+                logits: bool = False, common: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The U distinct left-padded prompts [U, P] forwarded into `cache` (for sampling after them):
+    (their `states` after the cached columns: hidden states [U, T, H], or with `logits` each
+    prompt's next-token logits [U, V]; the attention mask [U, K] of the K columns now cached). A
+    prefix of `common` tokens they all share (default: prefix_to_share) goes once (prompt_levels):
+    the cache holds [prefix | left-padded remainders], a layout whose mask has its padding in the
+    middle."""
+    if common is None:
+        common = prefix_to_share(ids, mask) if plain_layers(cache) else 0
+    outs, cached = chain(model, prompt_levels(ids, mask, positions, common), cache, logits)
+    return outs[-1], cached
 
 
 def sequence_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, n_completion: int,
