@@ -154,9 +154,10 @@ def test_the_blockwise_cdf_draws_the_whole_rows_tokens():
     float64 cumulative sum over the whole row, for one draw per row and for k draws per row; at
     vocabularies that do and do not fill the last block, with peaked rows, rows whose nucleus left
     whole blocks and block ends at 0, and uniform numbers at the edges of (0, 1) (wherever the target is
-    further than float64 rounding from a token's bound); never a token of probability 0."""
+    further than float64 rounding from a token's bound); never a token of probability 0. A vocabulary
+    of at most one block (256, 100, 3) takes the one level of its row's own sum."""
     g = torch.Generator().manual_seed(5)
-    for vocab in (V, 1000, 257, 3):
+    for vocab in (V, 1000, 257, 256, 100, 3):
         z = torch.randn(64, vocab, generator=g) * torch.linspace(0.5, 8, 64)[:, None]
         probs = sampling_probs(z, 1.0, 1.0)
         probs[::3, : vocab // 2] = 0.0          # whole leading blocks without mass

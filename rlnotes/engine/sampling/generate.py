@@ -94,6 +94,10 @@ def sample_inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tens
     u = uniform.to(probs.device, torch.float64)
     draws = u if u.dim() == 2 else u[:, None]                            # [N, k]
     n, vocab = probs.shape
+    if vocab <= CDF_BLOCK:  # one block: the row's own cumulative sum, at a fraction of the operations
+        cdf = probs.double().cumsum(-1)
+        tokens = torch.searchsorted(cdf, draws * cdf[:, -1:]).clamp(max=vocab - 1)
+        return tokens if u.dim() == 2 else tokens.squeeze(-1)
     pad = -vocab % CDF_BLOCK
     blocks = (torch.nn.functional.pad(probs, (0, pad)) if pad else probs).reshape(n, -1, CDF_BLOCK)
     ends = blocks.sum(-1, dtype=torch.float64).cumsum(-1)                # [N, blocks]: the mass up to each block's end
@@ -140,10 +144,12 @@ def sampling_probs(logits: torch.Tensor, temperature: float, top_p: float) -> to
 
 
 def draw_tokens(logits: torch.Tensor, sampling: SamplingSettings, seeds: Optional[torch.Tensor],
-                t: Union[int, torch.Tensor], generator: Optional[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor]:
+                t: Union[int, torch.Tensor], generator: Optional[torch.Generator],
+                uniform: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Token t of each row from its logits z [N, V], and its log-prob log softmax(z / T) [N]: the
     most likely token (sampling.greedy), or a draw by sample_inverse_cdf with the uniform numbers of
-    `seeds` [N] or `generator` (uniforms) from p = exp(z / T - m), m = max z / T, left unnormalised
+    `seeds` [N] or `generator` (uniforms; `uniform` [N]: those numbers, made beforehand) from
+    p = exp(z / T - m), m = max z / T, left unnormalised
     (the inverse CDF scales by each row's total), or from sampling_probs where top-p cuts the
     vocabulary. One pass of exp over the row gives both the draw and the log-prob,
 
@@ -157,7 +163,9 @@ def draw_tokens(logits: torch.Tensor, sampling: SamplingSettings, seeds: Optiona
         tokens = z.argmax(-1)
     else:
         probs = weights if sampling.top_p >= 1.0 else sampling_probs(z, 1.0, sampling.top_p)
-        tokens = sample_inverse_cdf(probs, uniforms(len(probs), seeds, t, generator, probs.device))
+        if uniform is None:
+            uniform = uniforms(len(probs), seeds, t, generator, probs.device)
+        tokens = sample_inverse_cdf(probs, uniform)
     return tokens, z.gather(-1, tokens[:, None]).squeeze(-1) - top.squeeze(-1) - weights.sum(-1).log()
 
 
@@ -217,10 +225,14 @@ def generate(model, tokenizer, prompts: Sequence[Sequence[int]], group_size: int
     alive = torch.arange(n, device=device)     # rows still generating, as indices into the batch
     width = attn.shape[1]
     attn = torch.cat([attn, attn.new_ones((n, max_new_tokens))], dim=1)  # with the columns decoding adds
-    seeds = seeds.to(device) if seeds is not None else None
+    # Every seeded uniform number at once, [N, max_new_tokens] (a hash of each seed and position), not
+    # some thirty small integer operations per token.
+    table = seeded_uniform(seeds.to(device)[:, None], torch.arange(max_new_tokens, device=device)[None]) \
+        if seeds is not None and not sampling.greedy else None
 
     for t in range(max_new_tokens):
-        tok, logps[alive, t] = draw_tokens(logits, sampling, seeds[alive] if seeds is not None else None, t, generator)
+        tok, logps[alive, t] = draw_tokens(logits, sampling, None, t, generator,
+                                           table[alive, t] if table is not None else None)
         tokens[alive, t] = tok
         done = torch.isin(tok, eos)
         lengths[alive[done]] = t + 1
