@@ -11,7 +11,7 @@ from test_decoder import ROPES, family_model
 from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel
 
 from rlnotes.engine.model.precision import frozen_linears_to_bf16
-from rlnotes.engine.policy import packed, passes
+from rlnotes.engine.policy import packed, padding, passes
 from rlnotes.engine.policy.llama import LlamaLayers, attention_mask
 from rlnotes.engine.policy.passes import position_ids
 
@@ -79,12 +79,23 @@ def pack(request, monkeypatch):
     return request.param
 
 
+@pytest.fixture(params=[False, True], ids=["padding computed", "real positions gathered"])
+def gather(request, monkeypatch):
+    """The own pass gathers the real positions however little that saves (padding.MIN_SAVING 0);
+    else these small models compute their few padding positions like real ones (llama.Slots)."""
+    if request.param:
+        monkeypatch.setattr(padding, "MIN_SAVING", 0)
+    return request.param
+
+
 @pytest.mark.parametrize("family, rope", [("llama", None), ("qwen2", None), ("mistral", None), ("llama", "linear"),
                                           ("llama", "dynamic")])
-def test_hidden_states_and_lora_gradients_are_the_models(family, rope, pack):
+def test_hidden_states_and_lora_gradients_are_the_models(family, rope, pack, gather):
     model = adapted(family_model(family, **ROPES.get(rope, {}))).train()
     kept = len(packed._KEPT)
-    assert_same_pass(model, *batch(model.config.vocab_size))
+    ids, mask, positions = batch(model.config.vocab_size)
+    assert (LlamaLayers.of(model).gather_from <= int((mask == 0).sum())) == gather
+    assert_same_pass(model, ids, mask, positions)
     assert (len(packed._KEPT) > kept) == pack  # W and W^T of the frozen weights, kept
 
 
@@ -93,7 +104,7 @@ def test_every_weight_training_gets_the_models_gradients():
     assert_same_pass(model, *batch(model.config.vocab_size))
 
 
-def test_the_reference_is_the_base_with_the_adapter_off():
+def test_the_reference_is_the_base_with_the_adapter_off(gather):
     model = adapted(family_model("qwen2"))
     ids, mask, positions = batch(model.config.vocab_size)
     real = mask.bool()
@@ -106,7 +117,7 @@ def test_the_reference_is_the_base_with_the_adapter_off():
     assert off[~real].abs().max() == 0  # padding positions are 0
 
 
-def test_tokens_after_a_cache_attend_to_it_as_in_the_model(pack):
+def test_tokens_after_a_cache_attend_to_it_as_in_the_model(pack, gather):
     """A prompt pass into a cache, then the rest against it (passes.completion_states' two passes),
     gradients flowing through the cache into the prompt pass."""
     model = adapted(family_model("mistral")).train()
@@ -169,7 +180,7 @@ def test_attention_dropout_while_training_goes_through_the_model():
 
 
 @pytest.mark.parametrize("case", ["dora", "hook"])
-def test_modules_it_does_not_compute_are_called_as_modules(case):
+def test_modules_it_does_not_compute_are_called_as_modules(case, gather):
     """A LoRA variant (DoRA) and a module with a forward hook: their module's own call, so the pass
     is still the model's (and the hook sees it)."""
     model = adapted(family_model("llama"), use_dora=case == "dora").train()
@@ -179,8 +190,8 @@ def test_modules_it_does_not_compute_are_called_as_modules(case):
         layer.register_forward_hook(lambda m, args, out: seen.append(args[0].shape[:-1].numel()))
     ids, mask, positions = batch(model.config.vocab_size)
     assert_same_pass(model, ids, mask, positions)
-    if case == "hook":  # the model's forward sees the rectangle, ours the real positions
-        assert seen == [mask.numel(), int(mask.sum())]
+    if case == "hook":  # the model's forward sees the rectangle, ours the real positions where it gathers them
+        assert seen == [mask.numel(), int(mask.sum()) if gather else mask.numel()]
 
 
 def test_other_models_go_through_their_own_forward():

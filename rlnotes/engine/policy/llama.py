@@ -4,7 +4,8 @@ training and reference passes and the prompt pass before sampling.
 The model's own forward spends most of a small model's pass in Python around its matmuls: masks built
 for every attention implementation, output records, kwargs checks, a module call per linear map and
 peft's per-call adapter bookkeeping. Here, over the real (not padding) positions of [B, T] rows
-gathered into one [N, H] matrix x, layer by layer,
+gathered into one [N, H] matrix x (a few padding positions kept among them where gathering would
+cost more than computing them: Slots), layer by layer,
 
     h = RMSNorm(x);  q, k, v = h Wq, h Wk, h Wv;  q, k = RoPE(q, p), RoPE(k, p)
     Q, K, V = q, k, v scattered into their [B, T] slots (0 at padding);  K, V = [K_cache; K], [V_cache; V]
@@ -39,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from rlnotes.engine.hardware.fsdp import is_sharded
+from rlnotes.engine.policy import padding
 from rlnotes.engine.policy.merged import LowRankLinear, MergedLinear, add_update
 from rlnotes.engine.policy.packed import PackedLinear, frozen_linear
 
@@ -193,6 +195,12 @@ class LlamaLayers:
                         layer.post_attention_layernorm,
                         *(make(getattr(layer.mlp, f"{w}_proj")) for w in ("gate", "up", "down")), layer.mlp.act_fn)
                        for layer in base.layers]
+        # The padding positions from which a pass gathers the real ones (Slots): as padding.skip_padding
+        # reckons, a gather and a scatter cost tens of microseconds whatever they save, which must be
+        # MIN_SAVING multiply-adds per weight matrix (7 a layer); a small model computes fewer faster.
+        size = config.hidden_size
+        weights = 2 * (self.heads + self.kv_heads) * self.head_dim * size + 3 * config.intermediate_size * size
+        self.gather_from = padding.MIN_SAVING * 7 / weights
 
     @classmethod
     def of(cls, model) -> Optional["LlamaLayers"]:
@@ -231,7 +239,7 @@ class LlamaLayers:
         [B, T] at `positions` [B, T], `mask` [B, K] covering the cache's columns then these (0 at the
         hidden states of padding positions); keys and values go into `cache` (a DynamicCache whose
         layers all keep whole rows) when given."""
-        slots = Slots(mask[:, -input_ids.shape[1]:])
+        slots = Slots(mask[:, -input_ids.shape[1]:], self.gather_from)
         allowed = attention_mask(mask, input_ids.shape[1])
         layers = cache.layers if cache is not None else [None] * len(self.layers)
 
@@ -242,7 +250,7 @@ class LlamaLayers:
             return slots.take(self.attend(q, k, v, allowed))
 
         x = self.embed(slots.take_rows(input_ids))                                    # [N, H]
-        return slots.place_rows(self._layers(x, slots.take_rows(positions), attention))
+        return slots.output(self._layers(x, slots.take_rows(positions), attention))
 
     def tree(self, levels: Sequence[Level]) -> List[torch.Tensor]:
         """The hidden states after the final norm [R, T, H] of each of `levels` (0 at padding): rows
@@ -253,7 +261,7 @@ class LlamaLayers:
         read each weight once for all of them (a pass per level would read it once per level, at the
         lower rate of fewer rows), and each level's attention takes its ancestors' keys and values
         by index_select, so their gradients add up in the rows they came from."""
-        slots = [Slots(level.mask) for level in levels]
+        slots = [Slots(level.mask, self.gather_from) for level in levels]
         masks, allowed = [], []  # each level's columns after its ancestors', and the keys its queries see
         for level in levels:
             full = level.mask if level.parent is None else torch.cat([masks[-1][level.parent], level.mask], dim=1)
@@ -275,7 +283,7 @@ class LlamaLayers:
         ids = torch.cat([s.take_rows(level.ids) for s, level in zip(slots, levels)])
         positions = torch.cat([s.take_rows(level.positions) for s, level in zip(slots, levels)])
         hidden = self._layers(self.embed(ids), positions, attention)
-        return [s.place_rows(h) for s, h in zip(slots, hidden.split(sizes))]
+        return [s.output(h) for s, h in zip(slots, hidden.split(sizes))]
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
         return attend(q, k, v, allowed, self.scale, self.heads > self.kv_heads)
@@ -295,12 +303,15 @@ class Slots:
     """The real positions of rows [R, T] (`mask`: 1 = real) as the N rows of one matrix: `take_rows`
     gathers them from [R, T, ...], `place_rows` scatters them back (0 at padding); `place` and
     `take` turn [N, heads, d] into the attention's [R, heads, T, d] and its output back into
-    [N, heads * d]."""
+    [N, heads * d]. Fewer than `gather_from` padding positions are kept among the N instead (all
+    R T positions, no gathers): computed like real ones, never attended to, and 0 in the output."""
 
-    def __init__(self, mask: torch.Tensor):
+    def __init__(self, mask: torch.Tensor, gather_from: float = 1):
         self.rows, self.length = mask.shape
         real = mask.reshape(-1).bool()
-        self.index = None if bool(real.all()) else real.nonzero().squeeze(-1)
+        padding = real.numel() - int(real.sum())
+        self.index = real.nonzero().squeeze(-1) if padding >= max(gather_from, 1) else None
+        self.zero = real[:, None] if padding and self.index is None else None  # the padding kept, set to 0 at the end
         self.count = real.numel() if self.index is None else len(self.index)
 
     def take_rows(self, t: torch.Tensor) -> torch.Tensor:
@@ -311,6 +322,10 @@ class Slots:
         if self.index is not None:
             t = t.new_zeros(self.rows * self.length, *t.shape[1:]).index_copy(0, self.index, t)
         return t.view(self.rows, self.length, *t.shape[1:])
+
+    def output(self, t: torch.Tensor) -> torch.Tensor:
+        """place_rows of the pass's output [N, H]: 0 at every padding position, also a kept one."""
+        return self.place_rows(t if self.zero is None else t * self.zero)
 
     def place(self, t: torch.Tensor) -> torch.Tensor:
         return self.place_rows(t).transpose(1, 2)

@@ -104,7 +104,7 @@ def completion_states(model, input_ids: torch.Tensor, attention_mask: torch.Tens
     # for the backward pass only through its outputs (its keys and values would find them freed).
     if groups is None and share_prompts and width and not sharded:
         groups = own_prompts(input_ids[:, :width], attention_mask[:, :width])
-    if groups is not None and LlamaLayers.of(model) is None and not plain_layers(DynamicCache(config=model.config)):
+    if groups is not None and not plain_layers(DynamicCache(config=model.config)):
         groups = None
     if sharded and len(set(distributed.gather((groups is not None, n_completion > 1)))) > 1:
         groups = None
@@ -147,9 +147,11 @@ def chain(model, levels: Sequence[Level], cache: DynamicCache, logits: bool = Fa
     return outs, cached
 
 
-# A prefix the distinct prompts share is forwarded once when that saves at least this many tokens: the
-# extra pass reads every weight once more, which a few dozen saved tokens do not pay for
-# (`python scripts/bench.py --shared-prompt` measures it; figures in docs/benchmarks.md).
+# A prefix the distinct prompts share is forwarded once when that saves at least this many tokens:
+# through a KV cache (a model rlnotes' own pass does not compute) the prefix is a pass of its own that
+# reads every weight once more, which a few dozen saved tokens do not pay for (`python scripts/bench.py
+# --shared-prompt` measures it; figures in docs/benchmarks.md). In the own pass it is a level of the one
+# pass (LlamaLayers.tree), whose extra cost is an attention call a layer; the same threshold holds there.
 MIN_PREFIX_SAVING = 128
 
 
