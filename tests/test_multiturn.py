@@ -225,7 +225,9 @@ def test_the_loss_has_no_gradient_through_the_environments_tokens():
     # an observation token's own log-prob (predicting it) gets no gradient, but later turns read it
     loss.backward()
     grad = embedded[0].grad
-    if grad.dim() == 2:  # rlnotes' own pass embeds the real positions only, row by row
+    if grad.dim() == 2 and len(grad) == r.input_ids.numel():  # rlnotes' own pass, every position (llama.Slots)
+        grad = grad.view(*r.input_ids.shape, -1)
+    elif grad.dim() == 2:  # rlnotes' own pass, the real positions gathered row by row
         grad = grad.new_zeros(*r.input_ids.shape, grad.shape[-1]).index_put_((r.attention_mask.bool(),), grad)
     width = r.prompt_ids.shape[1]
     assert grad[:, width:][observed].abs().sum() > 0
