@@ -195,12 +195,8 @@ class LlamaLayers:
                         layer.post_attention_layernorm,
                         *(make(getattr(layer.mlp, f"{w}_proj")) for w in ("gate", "up", "down")), layer.mlp.act_fn)
                        for layer in base.layers]
-        # The padding positions from which a pass gathers the real ones (Slots): as padding.skip_padding
-        # reckons, a gather and a scatter cost tens of microseconds whatever they save, which must be
-        # MIN_SAVING multiply-adds per weight matrix (7 a layer); a small model computes fewer faster.
-        size = config.hidden_size
-        weights = 2 * (self.heads + self.kv_heads) * self.head_dim * size + 3 * config.intermediate_size * size
-        self.gather_from = padding.MIN_SAVING * 7 / weights
+        size = config.hidden_size  # the entries of a layer's 7 weight matrices: q, k, v, o, gate, up, down
+        self.layer_weights = (2 * (self.heads + self.kv_heads) * self.head_dim + 3 * config.intermediate_size) * size
 
     @classmethod
     def of(cls, model) -> Optional["LlamaLayers"]:
@@ -212,6 +208,12 @@ class LlamaLayers:
         if any(layer.self_attn.training and layer.self_attn.attention_dropout for layer in inner.model.layers):
             return None
         return cls(inner)
+
+    def gathers(self, padding_positions: int) -> bool:
+        """Whether a pass gathers its real positions out of this much padding (Slots), by the rule of
+        padding.skip_padding: a gather and a scatter cost tens of microseconds whatever they save; a
+        small model computes a few padding positions faster."""
+        return padding.worth_gathering(padding_positions, self.layer_weights, 7)
 
     def _rotation(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sign * sin [N, 1, d] at the N tokens' `positions` [N], for rotate."""
@@ -239,7 +241,7 @@ class LlamaLayers:
         [B, T] at `positions` [B, T], `mask` [B, K] covering the cache's columns then these (0 at the
         hidden states of padding positions); keys and values go into `cache` (a DynamicCache whose
         layers all keep whole rows) when given."""
-        slots = Slots(mask[:, -input_ids.shape[1]:], self.gather_from)
+        slots = Slots(mask[:, -input_ids.shape[1]:], self.gathers)
         allowed = attention_mask(mask, input_ids.shape[1])
         layers = cache.layers if cache is not None else [None] * len(self.layers)
 
@@ -261,7 +263,7 @@ class LlamaLayers:
         read each weight once for all of them (a pass per level would read it once per level, at the
         lower rate of fewer rows), and each level's attention takes its ancestors' keys and values
         by index_select, so their gradients add up in the rows they came from."""
-        slots = [Slots(level.mask, self.gather_from) for level in levels]
+        slots = [Slots(level.mask, self.gathers) for level in levels]
         masks, allowed = [], []  # each level's columns after its ancestors', and the keys its queries see
         for level in levels:
             full = level.mask if level.parent is None else torch.cat([masks[-1][level.parent], level.mask], dim=1)
@@ -303,14 +305,15 @@ class Slots:
     """The real positions of rows [R, T] (`mask`: 1 = real) as the N rows of one matrix: `take_rows`
     gathers them from [R, T, ...], `place_rows` scatters them back (0 at padding); `place` and
     `take` turn [N, heads, d] into the attention's [R, heads, T, d] and its output back into
-    [N, heads * d]. Fewer than `gather_from` padding positions are kept among the N instead (all
-    R T positions, no gathers): computed like real ones, never attended to, and 0 in the output."""
+    [N, heads * d]. Padding that `gathers` (its number of positions) says is not worth gathering out
+    is kept among the N instead (all R T positions): computed like real positions, never attended to,
+    and 0 in the output."""
 
-    def __init__(self, mask: torch.Tensor, gather_from: float = 1):
+    def __init__(self, mask: torch.Tensor, gathers: Callable[[int], bool]):
         self.rows, self.length = mask.shape
         real = mask.reshape(-1).bool()
         padding = real.numel() - int(real.sum())
-        self.index = real.nonzero().squeeze(-1) if padding >= max(gather_from, 1) else None
+        self.index = real.nonzero().squeeze(-1) if gathers(padding) else None
         self.zero = real[:, None] if padding and self.index is None else None  # the padding kept, set to 0 at the end
         self.count = real.numel() if self.index is None else len(self.index)
 

@@ -104,7 +104,8 @@ def completion_states(model, input_ids: torch.Tensor, attention_mask: torch.Tens
     # for the backward pass only through its outputs (its keys and values would find them freed).
     if groups is None and share_prompts and width and not sharded:
         groups = own_prompts(input_ids[:, :width], attention_mask[:, :width])
-    if groups is not None and not plain_layers(DynamicCache(config=model.config)):
+    cache = DynamicCache(config=model.config) if groups is not None else None
+    if cache is not None and not plain_layers(cache):
         groups = None
     if sharded and len(set(distributed.gather((groups is not None, n_completion > 1)))) > 1:
         groups = None
@@ -115,21 +116,21 @@ def completion_states(model, input_ids: torch.Tensor, attention_mask: torch.Tens
     levels = prompt_levels(input_ids[first, :width], attention_mask[first, :width], positions[first, :width], common)
     if n_completion > 1:  # each row's completion after its prompt, but the last token (only a target)
         levels.append(Level(input_ids[:, width:-1], attention_mask[:, width:-1], positions[:, width:-1], number))
-    hidden = tree_states(model, levels)
+    hidden = tree_states(model, levels, cache)
     prompts = hidden[-2] if n_completion > 1 else hidden[-1]
     last = prompts[:, -1:][number]  # each prompt's last state predicts its rows' first completion token
     return last if n_completion == 1 else torch.cat([last, hidden[-1]], dim=1)
 
 
-def tree_states(model, levels: Sequence[Level]) -> list[torch.Tensor]:
+def tree_states(model, levels: Sequence[Level], cache: DynamicCache) -> list[torch.Tensor]:
     """The last layer's hidden states after the final norm [R, T, H] of each of `levels` (llama.Level:
     rows whose tokens follow a row of the level before): rlnotes' own pass over all levels at once
     where it computes the model's (LlamaLayers.tree), else a pass per level after its ancestors' keys
-    and values in a KV cache (`chain`)."""
+    and values in `cache` (an empty one of plain_layers: `chain`)."""
     own = LlamaLayers.of(model)
     if own is not None:
         return own.tree(levels)
-    return chain(model, levels, DynamicCache(config=model.config))[0]
+    return chain(model, levels, cache)[0]
 
 
 def chain(model, levels: Sequence[Level], cache: DynamicCache, logits: bool = False) -> tuple[list, torch.Tensor]:
