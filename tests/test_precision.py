@@ -23,7 +23,7 @@ from rlnotes.engine.hardware.devices import check_precision, choose_precision, m
 from rlnotes.engine.model.precision import frozen_linears_to_bf16
 from rlnotes.engine.policy import head, llama, packed
 from rlnotes.engine.policy.critic import logprobs_and_values, value_head
-from rlnotes.engine.policy.llama import attend, attention_mask
+from rlnotes.engine.policy.llama import attend, attention_bias, attention_mask
 from rlnotes.engine.policy.merged import LowRankLinear, lora_slots, merged_adapters
 from rlnotes.engine.policy.packed import PackedLinear, packed_linears
 from rlnotes.engine.policy.passes import sequence_logprobs
@@ -96,7 +96,7 @@ def test_attention_of_the_own_pass_runs_in_float32_under_bf16_autocast_with_its_
     allowed = attention_mask(torch.tensor([[0, 1, 1, 1, 1], [1, 1, 1, 1, 1]]), 5)
     kv = [t[:, :2].detach().requires_grad_() for t in (k, v)]  # 2 key and value heads for 6 query heads
     with BF16:
-        ours = attend(q, *kv, allowed, 0.3, True)
+        ours = attend(q, *kv, attention_bias(allowed), 0.3, True)
         rounded = F.scaled_dot_product_attention(q, *kv, attn_mask=allowed, scale=0.3, enable_gqa=True)
     exact = F.scaled_dot_product_attention(q, *kv, attn_mask=allowed, scale=0.3, enable_gqa=True)
     assert ours.dtype == torch.float32 and torch.equal(ours, exact)

@@ -219,9 +219,6 @@ def generate(model, tokenizer, prompts: Sequence[Sequence[int]], group_size: int
     prompt_ids, prompt_mask, cache, attn, logits, next_pos = prefill(model, prompts, pad_id, group_size, device,
                                                                      room=max_new_tokens)
     n = prompt_ids.shape[0]
-    tokens = torch.full((n, max_new_tokens), pad_id, dtype=torch.long, device=device)
-    logps = torch.zeros((n, max_new_tokens), device=device)
-    lengths = torch.full((n,), max_new_tokens, dtype=torch.long, device=device)
     alive = torch.arange(n, device=device)     # rows still generating, as indices into the batch
     width = attn.shape[1]
     attn = torch.cat([attn, attn.new_ones((n, max_new_tokens))], dim=1)  # with the columns decoding adds
@@ -230,25 +227,29 @@ def generate(model, tokenizer, prompts: Sequence[Sequence[int]], group_size: int
     table = seeded_uniform(seeds.to(device)[:, None], torch.arange(max_new_tokens, device=device)[None]) \
         if seeds is not None and not sampling.greedy else None
 
+    drawn = []  # each step's (rows, their tokens, their log-probs), written into the batch at the end
     for t in range(max_new_tokens):
-        tok, logps[alive, t] = draw_tokens(logits, sampling, None, t, generator,
-                                           table[alive, t] if table is not None else None)
-        tokens[alive, t] = tok
+        tok, logp = draw_tokens(logits, sampling, None, t, generator, table[alive, t] if table is not None else None)
+        drawn.append((alive, tok, logp))
         done = torch.isin(tok, eos)
-        lengths[alive[done]] = t + 1
-        if t == max_new_tokens - 1 or bool(done.all()):
+        finished = int(done.sum())
+        if t == max_new_tokens - 1 or finished == len(tok):
             break
-        if bool(done.any()):  # finished rows leave the batch and its cache
+        if finished:  # finished rows leave the batch and its cache
             keep = (~done).nonzero().squeeze(-1)
             cache.batch_select_indices(keep)
             alive, attn, next_pos, tok = alive[keep], attn[keep], next_pos[keep], tok[keep]
         logits = step(tok, attn[:, :width + t + 1], next_pos, cache)
         next_pos = next_pos + 1
 
+    rows, drawn_tokens, drawn_logps = (torch.cat(parts) for parts in zip(*drawn))
+    columns = torch.arange(len(drawn), device=device).repeat_interleave(
+        torch.tensor([len(step_rows) for step_rows, _, _ in drawn], device=device))
+    lengths = torch.bincount(rows, minlength=n)  # each row's tokens: up to its stop token or max_new_tokens
     width = int(lengths.max())
+    tokens = torch.full((n, width), pad_id, dtype=torch.long, device=device).index_put_((rows, columns), drawn_tokens)
+    logps = torch.zeros((n, width), device=device).index_put_((rows, columns), drawn_logps.float())
     mask = (torch.arange(width, device=device)[None] < lengths[:, None]).float()
-    tokens = tokens[:, :width].masked_fill(mask == 0, pad_id)
-    logps = logps[:, :width] * mask
     truncated = ~torch.isin(tokens.gather(1, (lengths - 1)[:, None]).squeeze(-1), eos)
     texts = tokenizer.batch_decode(tokens.tolist(), skip_special_tokens=True)
     return Rollout(prompt_ids, prompt_mask, tokens, mask, logps, texts, truncated)
