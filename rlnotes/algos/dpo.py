@@ -16,8 +16,9 @@ With several processes each rank takes 1/N of the pairs; every mean is over the 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 
@@ -29,7 +30,7 @@ from rlnotes.engine.hardware import distributed
 from rlnotes.engine.sequences import Sequences, summed_logprobs
 from rlnotes.notes import DPO_LOSS_TYPES, dpo_implicit_rewards, dpo_loss
 from rlnotes.training.batching import micro_batches, row_totals
-from rlnotes.training.context import Context, Model
+from rlnotes.training.context import Context, Model, Run
 from rlnotes.training.offline import encode_pairs, pair_micro_batches
 from rlnotes.training.optimizer import optimizer_step
 from rlnotes.training.sampling import next_rows
@@ -58,6 +59,25 @@ def ref_logprobs(model: Model, table: Optional[Dict[tuple, tuple]], rows: List[R
         return summed_logprobs(logp, seqs)
     keys = [_key(r) for r in rows]
     return torch.tensor([table[k][0] for k in keys] + [table[k][1] for k in keys], device=model.device)
+
+
+def reference_beside(model: Model, run: Run, table: Optional[Dict[tuple, tuple]], rows: List[Row],
+                     seqs: Sequences) -> Callable[[], torch.Tensor]:
+    """ref_logprobs, from the table or in the spare core's process beside the policy's pass that
+    follows (model.reference_process), else computed now: the function that gives them."""
+    process = model.reference_process() if table is None else None
+    if process is None:
+        with run.timed("reference"):
+            ref = ref_logprobs(model, table, rows, seqs)
+        return lambda: ref
+    answer = process.submit([(seqs.input_ids, seqs.attention_mask)], seqs.n_completion, 1.0)
+
+    @functools.cache
+    def result() -> torch.Tensor:
+        logprobs, seconds = answer()
+        run.add_time("reference", seconds)
+        return summed_logprobs(logprobs.to(seqs.input_ids.device), seqs)
+    return result
 
 
 def _key(row: Row) -> tuple:
@@ -124,14 +144,14 @@ def train_step(ctx: Context) -> Dict[str, float]:
     for idx, seqs in pair_micro_batches(model, rows):
         chunk, share = [rows[i] for i in idx], len(idx) / totals.rows  # the chunk's share of the global batch
         n = len(chunk)
-        # 1. Reference log-probs (no grad).
-        with run.timed("reference"):
-            ref = ref_logprobs(model, run.cache.get("ref"), chunk, seqs)
+        # 1. Reference log-probs (no grad), on a spare core beside step 2 where there is one.
+        reference = reference_beside(model, run, run.cache.get("ref"), chunk, seqs)
         # 2. Policy log-probs of chosen and rejected in one pass.
         policy.train()
         with run.timed("policy"):
             logp = summed_logprobs(policy.logprobs(seqs.input_ids, seqs.attention_mask, seqs.n_completion), seqs)
             # 3. The DPO loss, its share of the batch mean.
+            ref = reference()
             out = dpo_loss(logp[:n], logp[n:], ref[:n], ref[n:], beta=algo.beta, loss_type=algo.loss_type,
                            label_smoothing=algo.label_smoothing)
             loss = out.loss.mean()

@@ -47,7 +47,7 @@ from rlnotes.notes import (
 from rlnotes.training.batching import batch_totals, micro_batch_weight, rollout_micro_batches
 from rlnotes.training.context import Context
 from rlnotes.training.optimizer import optimizer_step
-from rlnotes.training.sampling import next_rows, reference_logprobs, rollout_metrics, sample_and_score, tis_weights
+from rlnotes.training.sampling import next_rows, reference_beside, rollout_metrics, sample_and_score, tis_weights
 
 
 @dataclass
@@ -143,14 +143,12 @@ def train_step(ctx: Context) -> Dict[str, float]:
     # 3. Group-normalised advantage, one per completion (none on a rank dynamic sampling left empty).
     advantages = group_advantages(rewards, algo.group_size, scale_by_std=algo.scale_by_std) if len(rewards) else rewards
 
-    # 4. Reference log-probs of the sampled tokens (no gradients: passes as large as the budget allows).
+    # 4. Reference log-probs of the sampled tokens (no gradients: passes as large as the budget allows),
+    #    on a spare core beside step 5's first pass where there is one.
     trained = rows_with_gradient(advantages, algo.beta, is_sharded(policy.model))
     chunks = [trained[c] for c in rollout_micro_batches(model, rollout, trained)]
     batches = [rollout.select(idx) for idx in chunks]
-    ref = [None] * len(chunks)
-    if algo.beta > 0:
-        ref_all = reference_logprobs(model, run, rollout, temperature)
-        ref = [ref_all[idx, :b.completion_ids.shape[1]] for idx, b in zip(chunks, batches)]
+    ref_all = reference_beside(model, run, rollout, temperature) if algo.beta > 0 else None
 
     # 5. mu policy updates on this batch; one optimizer step per pass.
     policy.train()
@@ -158,8 +156,9 @@ def train_step(ctx: Context) -> Dict[str, float]:
     sums: Dict[str, float] = {"loss": 0.0, "kl/ref": 0.0, "policy/clip_frac": 0.0}
     with run.timed("policy"):
         for epoch in range(algo.epochs):
-            for idx, b, ref_logp in zip(chunks, batches, ref):
+            for idx, b in zip(chunks, batches):
                 logp = policy.logprobs(b.input_ids, b.attention_mask, b.completion_ids.shape[1], temperature)
+                ref_logp = None if ref_all is None else ref_all()[idx, :b.completion_ids.shape[1]]
                 old = logp.detach() if algo.epochs == 1 else b.logprobs
                 mask, adv = b.completion_mask, advantages[idx]
                 tis = tis_weights(tis_cap, b)  # rollout.tis_cap: tokens vLLM sampled weigh min(pi_old / pi_vllm, C)

@@ -189,6 +189,18 @@ def _check_steps(resume, steps: int) -> None:
 # One owner per run dir.
 
 _OWNED: Dict[str, int] = {}  # run dirs this process holds the lock of: resolved path -> lock file descriptor
+
+
+def _drop_inherited_locks() -> None:
+    """In a forked child (the reference pass's process, rlnotes.engine.hardware.beside): close its
+    copies of the lock descriptors, which would keep the parent's flocks after the parent gives them
+    up; the parent's own descriptors keep its locks."""
+    for fd in _OWNED.values():
+        os.close(fd)
+    _OWNED.clear()
+
+
+os.register_at_fork(after_in_child=_drop_inherited_locks)
 # What taking a dir's lock found (`own`, `discard_unstarted`): resolved path -> (the dirs it made, the
 # run dir first and then those above it; the names the run dir held when it was there already).
 _FOUND: Dict[str, Tuple[List[Path], Optional[Set[str]]]] = {}

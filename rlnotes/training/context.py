@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Callable, Dict, Iterator, List, Optional
 import torch
 
 from rlnotes.engine.hardware import distributed
+from rlnotes.engine.hardware.beside import ReferenceProcess
 from rlnotes.engine.hardware.devices import mixed_precision
 
 if TYPE_CHECKING:
@@ -57,7 +58,11 @@ class Run:
         """Add the block's wall time to `time/<name>_s` of the current step."""
         start = time.perf_counter()
         yield
-        self.timers[f"time/{name}_s"] = self.timers.get(f"time/{name}_s", 0.0) + time.perf_counter() - start
+        self.add_time(name, time.perf_counter() - start)
+
+    def add_time(self, name: str, seconds: float) -> None:
+        """Add `seconds` to `time/<name>_s` of the current step."""
+        self.timers[f"time/{name}_s"] = self.timers.get(f"time/{name}_s", 0.0) + seconds
 
 
 @dataclass(frozen=True)
@@ -92,6 +97,23 @@ class Model:
     # Modules an algorithm trains beside the policy (a reward model's scalar head), made on its first
     # step and added with add_head: clipped with the policy, saved next to it as <name>.safetensors.
     heads: Dict[str, torch.nn.Module] = field(default_factory=dict)
+    # A core idles beside the passes' one thread (hardware.threads=auto on a small model): the reference
+    # pass runs there, in a process of its own, beside the policy's (rlnotes.engine.hardware.beside).
+    spare_core: bool = False
+    beside: Optional[ReferenceProcess] = field(default=None, repr=False)
+
+    def reference_process(self) -> Optional[ReferenceProcess]:
+        """The process of the reference pass on the spare core, forked at its first use; None where no
+        core is spare."""
+        if self.spare_core and self.beside is None:
+            self.beside = ReferenceProcess(self.policy)
+        return self.beside
+
+    def close(self) -> None:
+        """End the reference process, if one started."""
+        if self.beside is not None:
+            self.beside.close()
+            self.beside = None
 
     def autocast(self):
         """The forward passes' precision context (hardware.precision): bf16 autocast or nothing."""

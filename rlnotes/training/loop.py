@@ -5,6 +5,7 @@ behind; then the final policy. The first sft_warmup.steps steps are supervised (
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 from typing import Dict, List, Optional
@@ -75,7 +76,7 @@ def _train(cfg, algo: Algorithm, run_dir: Path, console: Console) -> Dict[str, f
     boundary = capture(ctx)  # the state a stop goes back to: the end of the last logged step
     stop = signals.StopSignals(run, console)
     last: Dict[str, float] = {}
-    with stop:
+    with stop, contextlib.closing(ctx.model):  # the reference's process, if one started, ends with the loop
         try:
             if run.step == 0 and cfg.trainer.eval_every and cfg.trainer.eval_at_start:
                 log.logger.log(0, held_out(ctx, algo))  # the starting point of every eval curve

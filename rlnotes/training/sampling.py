@@ -5,9 +5,10 @@ pass of a KL penalty, and the batch's reward and length statistics.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
-from typing import TYPE_CHECKING, Dict, List, Optional
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional
 
 import torch
 
@@ -135,6 +136,25 @@ def reference_logprobs(model: Model, run: Run, rollout: Rollout, temperature: fl
     with run.timed("reference"):
         return torch.cat([model.policy.ref_logprobs(ids[i], attn[i], n, temperature)
                           for i in rollout_micro_batches(model, rollout, grad=False)])
+
+
+def reference_beside(model: Model, run: Run, rollout: Rollout, temperature: float) -> Callable[[], torch.Tensor]:
+    """reference_logprobs, started in the spare core's process beside what the caller does next (the
+    policy's passes; model.reference_process), else computed now: the function that gives them."""
+    process = model.reference_process()
+    if process is None:
+        ref = reference_logprobs(model, run, rollout, temperature)
+        return lambda: ref
+    ids, attn = rollout.input_ids, rollout.attention_mask
+    answer = process.submit([(ids[i], attn[i]) for i in rollout_micro_batches(model, rollout, grad=False)],
+                            rollout.completion_ids.shape[1], temperature)
+
+    @functools.cache
+    def result() -> torch.Tensor:
+        logprobs, seconds = answer()
+        run.add_time("reference", seconds)
+        return logprobs.to(rollout.input_ids.device)
+    return result
 
 
 def penalized_token_rewards(model: Model, run: Run, rollout: Rollout, rewards: torch.Tensor, beta: float,

@@ -21,6 +21,7 @@ from rlnotes.data.sampler import PromptSampler
 from rlnotes.data.settings import prompt_format
 from rlnotes.engine.hardware import distributed, fsdp
 from rlnotes.engine.hardware.devices import choose_precision, configure_backends, resolve_device
+from rlnotes.engine.hardware.beside import spare_core
 from rlnotes.engine.hardware.threads import set_threads
 from rlnotes.engine.model.loading import context_length
 from rlnotes.engine.policy.policy import Policy
@@ -36,6 +37,10 @@ from rlnotes.training.context import Batching, Context, Data, Model, Output, Rol
 from rlnotes.training.evaluation import checker_config
 from rlnotes.training.evaluation import eval_rows as held_out_rows
 from rlnotes.training.optimizer import adamw, schedule
+
+
+# The start line's word for model.spare_core.
+SPARE = "the reference pass beside the policy's, on a second core"
 
 
 def setup(cfg, algo: Algorithm, run_dir: Path, console: Console, resume_from: Optional[Path] = None) -> Context:
@@ -56,6 +61,7 @@ def setup(cfg, algo: Algorithm, run_dir: Path, console: Console, resume_from: Op
         warm_cfg, warm = warmup_data(cfg, data) if cfg.sft_warmup.steps else (None, None)
         policy = Policy.from_config(cfg.model, device, share_prompts=cfg.trainer.shared_prompt)
     threads = set_threads(cfg.hardware.threads, policy.model)
+    spare = spare_core(cfg.hardware.threads, policy.model, distributed.world_size(), device)
     precision, said = set_precision(cfg.hardware, device, policy)
     if resume_from is not None:
         restore.load_policy(policy, resume_from)
@@ -74,7 +80,7 @@ def setup(cfg, algo: Algorithm, run_dir: Path, console: Console, resume_from: Op
     n_params = sum(p.numel() for p in params)
     console.print(f"[bold]rlnotes[/] {preset_name(cfg.algo)} on {cfg.model.name_or_path} "
                   f"({n_params:,} trainable parameters, {'LoRA' if policy.uses_lora else 'full'}"
-                  f"{''.join('; ' + s for s in (threads, said) if s)}) -> {run_dir}")
+                  f"{''.join('; ' + s for s in (threads, spare and SPARE, said) if s)}) -> {run_dir}")
     if distributed.active():
         world = distributed.world_size()
         console.print(f"{world} processes ({cfg.hardware.strategy}, {distributed.backend()} on {device.type}): each "
@@ -91,7 +97,7 @@ def setup(cfg, algo: Algorithm, run_dir: Path, console: Console, resume_from: Op
         cfg=cfg,
         run=Run(cfg.seed, cfg.trainer.steps, torch.Generator(device).manual_seed(cfg.seed)),
         model=Model(policy, prompt_format(cfg), device, precision, Batching.of(cfg.trainer), optimizer, scheduler,
-                    cfg.optim.lr, lr_factor, cfg.optim.max_grad_norm),
+                    cfg.optim.lr, lr_factor, cfg.optim.max_grad_norm, spare_core=spare),
         data=Data(PromptSampler(train_rows, cfg.trainer.batch_size, cfg.seed), eval_rows, rewards, scorer,
                   restore.rows_sha256(train_rows), warm_rows),
         rollouts=Rollouts(SamplingSettings.of(r), per_prompt_seed, r.merge_adapter, r.pack_weights, r.tis_cap,
