@@ -269,9 +269,10 @@ def rlnotes_steps(metrics: Path, shape: Shape) -> List[dict]:
         if "time/step_s" not in r:
             continue
         tokens = r["completion/len_mean"] * shape.prompts * shape.group if "completion/len_mean" in r else None
-        rows.append(step_row(r["step"], r["time/step_s"], r.get("time/generate_s", 0.0),
-                             r.get("time/reference_s", 0.0), tokens, evaluated=any(k.startswith("eval/") for k in r),
-                             policy_s=r.get("time/policy_s")))
+        # The reference pass in a process of its own beside the policy's: the step spent on it what it waited.
+        reference = r.get("time/reference_wait_s", r.get("time/reference_s", 0.0))
+        rows.append(step_row(r["step"], r["time/step_s"], r.get("time/generate_s", 0.0), reference, tokens,
+                             evaluated=any(k.startswith("eval/") for k in r), policy_s=r.get("time/policy_s")))
     return rows
 
 

@@ -78,8 +78,8 @@ def test_the_process_gives_the_reference_log_probs_of_this_one_and_ends_when_clo
         answer = process.submit([(ids[:2], mask[:2]), (ids[2:], mask[2:])], 5, 0.7)
         policy.train()  # the policy trains on meanwhile; the reference is the base, evaluated
         here = policy.ref_logprobs(ids, mask, 5, 0.7)
-        logprobs, seconds = answer()
-        assert torch.equal(logprobs, here) and seconds > 0
+        logprobs, seconds, waited = answer()
+        assert torch.equal(logprobs, here) and seconds > 0 and waited >= 0
         assert answer() is answer()  # asked again: the same answer, nothing more read
         assert (here - policy.logprobs(ids, mask, 5, 0.7).detach()).abs().max() > 1e-3  # not the policy's
         process.submit([(ids, mask)], 5, 1.0)  # an answer nobody asks for (its caller raised first)

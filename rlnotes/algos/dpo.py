@@ -33,7 +33,7 @@ from rlnotes.training.batching import micro_batches, row_totals
 from rlnotes.training.context import Context, Model, Run
 from rlnotes.training.offline import encode_pairs, pair_micro_batches
 from rlnotes.training.optimizer import optimizer_step
-from rlnotes.training.sampling import next_rows
+from rlnotes.training.sampling import answered, next_rows
 
 
 @dataclass
@@ -71,13 +71,7 @@ def reference_beside(model: Model, run: Run, table: Optional[Dict[tuple, tuple]]
             ref = ref_logprobs(model, table, rows, seqs)
         return lambda: ref
     answer = process.submit([(seqs.input_ids, seqs.attention_mask)], seqs.n_completion, 1.0)
-
-    @functools.cache
-    def result() -> torch.Tensor:
-        logprobs, seconds = answer()
-        run.add_time("reference", seconds)
-        return summed_logprobs(logprobs.to(seqs.input_ids.device), seqs)
-    return result
+    return functools.cache(lambda: summed_logprobs(answered(run, answer), seqs))
 
 
 def _key(row: Row) -> tuple:

@@ -208,7 +208,8 @@ class HardwareConfig:
     # Torch threads per process; null = torch's default, auto = chosen from the model's size. A number
     # of intra-op threads; null: all cores (under torchrun the launcher's OMP_NUM_THREADS, which
     # `rlnotes train` sets to cores / processes); auto: one thread for a small model, where more only
-    # cost (rlnotes.engine.hardware.threads), else torch's default.
+    # cost (rlnotes.engine.hardware.threads), and its reference pass in a process of its own on a
+    # second core where there is one (rlnotes.engine.hardware.beside), else torch's default.
     threads: Any = "auto"
     # How several processes share a run: ddp (each holds the whole model and trains on 1/N of every
     # batch; gradients summed across processes) or fsdp (FSDP2: parameters, gradients and optimizer

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Callable, Dict, List, Optional
 import torch
 
 from rlnotes.engine.hardware import distributed, fsdp
+from rlnotes.engine.hardware.beside import Answer
 from rlnotes.engine.rollout import Rollout
 from rlnotes.engine.sampling.generate import completion_seeds, generate
 from rlnotes.notes import informative_groups, kl_penalty
@@ -138,7 +139,8 @@ def reference_logprobs(model: Model, run: Run, rollout: Rollout, temperature: fl
                           for i in rollout_micro_batches(model, rollout, grad=False)])
 
 
-def reference_beside(model: Model, run: Run, rollout: Rollout, temperature: float) -> Callable[[], torch.Tensor]:
+def reference_beside(model: Model, run: Run, rollout: Rollout,
+                     temperature: float) -> Callable[[], torch.Tensor]:
     """reference_logprobs, started in the spare core's process beside what the caller does next (the
     policy's passes; model.reference_process), else computed now: the function that gives them."""
     process = model.reference_process()
@@ -148,13 +150,16 @@ def reference_beside(model: Model, run: Run, rollout: Rollout, temperature: floa
     ids, attn = rollout.input_ids, rollout.attention_mask
     answer = process.submit([(ids[i], attn[i]) for i in rollout_micro_batches(model, rollout, grad=False)],
                             rollout.completion_ids.shape[1], temperature)
+    return functools.cache(lambda: answered(run, answer))
 
-    @functools.cache
-    def result() -> torch.Tensor:
-        logprobs, seconds = answer()
-        run.add_time("reference", seconds)
-        return logprobs.to(rollout.input_ids.device)
-    return result
+
+def answered(run: Run, answer: Callable[[], Answer]) -> torch.Tensor:
+    """The reference process's log-probs, waited for: time/reference_s is the pass's time in it (beside
+    the policy's), time/reference_wait_s what the step waited for them (what the overlap did not hide)."""
+    logprobs, seconds, waited = answer()
+    run.add_time("reference", seconds)
+    run.add_time("reference_wait", waited)
+    return logprobs
 
 
 def penalized_token_rewards(model: Model, run: Run, rollout: Rollout, rewards: torch.Tensor, beta: float,

@@ -28,8 +28,8 @@ import torch
 
 from rlnotes.engine.hardware.threads import auto_threads
 
-Rows = Tuple[torch.Tensor, torch.Tensor]  # token ids [B, T] and attention mask [B, T] of one pass
-Answer = Tuple[torch.Tensor, float]       # log-probs [B, T] and the seconds the pass took
+Rows = Tuple[torch.Tensor, torch.Tensor]    # token ids [B, T] and attention mask [B, T] of one pass
+Answer = Tuple[torch.Tensor, float, float]  # log-probs [B, T], the pass's seconds, the seconds waited for it
 
 
 def spare_core(threads_setting, model: torch.nn.Module, world_size: int, device: torch.device) -> bool:
@@ -63,7 +63,7 @@ class ReferenceProcess:
     def submit(self, passes: Sequence[Rows], n_completion: int, temperature: float) -> Callable[[], Answer]:
         """Start the reference log-probs of each pass's rows, in this thread's CPU autocast; returns
         the function that waits for them: (log-probs [B, T] of the passes' rows in order, seconds the
-        pass took), or raises what it raised."""
+        pass took in the child, seconds this process waited for them), or raises what it raised."""
         while self.unread:
             self._receive()
         autocast = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None
@@ -72,6 +72,7 @@ class ReferenceProcess:
         return functools.cache(self._receive)
 
     def _receive(self) -> Answer:
+        start = time.perf_counter()
         try:
             answer = self.pipe.recv()
         except EOFError:
@@ -80,7 +81,7 @@ class ReferenceProcess:
         self.unread -= 1
         if isinstance(answer, str):
             raise RuntimeError(f"the reference pass raised, in its process:\n{answer}")
-        return torch.from_numpy(answer[0]), answer[1]
+        return torch.from_numpy(answer[0]), answer[1], time.perf_counter() - start
 
     def close(self) -> None:
         """End the child: it sees the pipe close and returns."""
