@@ -114,3 +114,19 @@ def test_saved_adapter_reloads_with_peft(tmp_path):
     reloaded = PeftModel.from_pretrained(base, tmp_path / "final")
     ids, attn, _ = batch(policy.tokenizer, ["abc"], ["de"])
     torch.testing.assert_close(sequence_logprobs(reloaded, ids, attn, 2), policy.logprobs(ids, attn, 2))
+
+
+def test_the_reference_is_evaluated_while_the_policy_trains():
+    """DPO computes a micro-batch's reference after the previous one's training pass: with the model in
+    training mode, dropout (here the attention's, through the model's own forward) must not reach it."""
+    policy = make_policy()
+    for layer in policy.model.get_base_model().model.layers:
+        layer.self_attn.attention_dropout = 0.5
+    ids = torch.randint(3, 50, (3, 9), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(3, 9, dtype=torch.long)
+    policy.eval()
+    evaluated = policy.ref_logprobs(ids, mask, 4)
+    policy.train()
+    assert torch.equal(policy.ref_logprobs(ids, mask, 4), evaluated)
+    assert policy.model.training and all(m.training for m in policy.model.modules())  # training goes on
+    assert not torch.equal(policy.logprobs(ids, mask, 4), policy.logprobs(ids, mask, 4))  # dropout is on

@@ -136,8 +136,17 @@ class Policy:
 
     @torch.no_grad()
     def ref_logprobs(self, input_ids, attention_mask, n_completion, temperature=1.0) -> torch.Tensor:
-        with self.reference() as ref:
-            return sequence_logprobs(ref, input_ids, attention_mask, n_completion, temperature, self.share_prompts)
+        """log pi_ref of the last n_completion tokens of each row: the reference evaluated (no dropout),
+        also between two training passes of the policy (DPO's micro-batches), which train on after it."""
+        training = self.model.training
+        if training:
+            self.eval()
+        try:
+            with self.reference() as ref:
+                return sequence_logprobs(ref, input_ids, attention_mask, n_completion, temperature, self.share_prompts)
+        finally:
+            if training:
+                self.train()
 
     def save(self, path: Path, state_dict: Optional[Dict[str, torch.Tensor]] = None) -> None:
         """A peft adapter dir (LoRA) or a full model dir, with the tokenizer beside it; `state_dict`:
