@@ -90,6 +90,17 @@ def test_the_process_gives_the_reference_log_probs_of_this_one_and_ends_when_clo
 
 
 @linux
+def test_a_run_that_stops_mid_pass_ends_the_process_quietly():
+    """Ctrl-C or an error stops the run while the child computes: the parent closes the pipe without
+    reading the answer, and the child, finding no one to send it to, returns (exit code 0, no traceback)."""
+    policy, ids, mask = tiny_policy_and_rows()
+    process = ReferenceProcess(policy)
+    process.submit([(ids.repeat(64, 1), mask.repeat(64, 1))], 5, 1.0)  # a pass long enough to close during
+    process.close()
+    assert process.process.exitcode == 0
+
+
+@linux
 def test_an_error_in_the_process_is_raised_here_with_its_traceback():
     policy, ids, mask = tiny_policy_and_rows()
     process = ReferenceProcess(policy)

@@ -111,4 +111,7 @@ def _serve(policy, pipe, parents_end) -> None:
             answer: object = (logprobs.numpy(), time.perf_counter() - start)
         except Exception:
             answer = traceback.format_exc()
-        pipe.send(answer)
+        try:
+            pipe.send(answer)
+        except OSError:  # the parent closed its end meanwhile (a run stopped by Ctrl-C or an error): done
+            return
