@@ -189,6 +189,9 @@ def _check_steps(resume, steps: int) -> None:
 # One owner per run dir.
 
 _OWNED: Dict[str, int] = {}  # run dirs this process holds the lock of: resolved path -> lock file descriptor
+# What taking a dir's lock found (`own`, `discard_unstarted`): resolved path -> (the dirs it made, the
+# run dir first and then those above it; the names the run dir held when it was there already).
+_FOUND: Dict[str, Tuple[List[Path], Optional[Set[str]]]] = {}
 
 
 def _drop_inherited_locks() -> None:
@@ -201,9 +204,6 @@ def _drop_inherited_locks() -> None:
 
 
 os.register_at_fork(after_in_child=_drop_inherited_locks)
-# What taking a dir's lock found (`own`, `discard_unstarted`): resolved path -> (the dirs it made, the
-# run dir first and then those above it; the names the run dir held when it was there already).
-_FOUND: Dict[str, Tuple[List[Path], Optional[Set[str]]]] = {}
 
 
 def _holds(fd: int, lock: Path) -> bool:

@@ -130,13 +130,19 @@ def tis_weights(tis_cap: Optional[float], rows: Rollout) -> Optional[torch.Tenso
     return truncated_is_weights(rows.logprobs, rows.sampler_logprobs, tis_cap)
 
 
+def reference_passes(model: Model, rollout: Rollout) -> List[tuple[torch.Tensor, torch.Tensor]]:
+    """The token ids and attention mask of each pass of the reference over `rollout`'s rows: passes
+    without gradients, as large as the budget allows."""
+    ids, attn = rollout.input_ids, rollout.attention_mask
+    return [(ids[i], attn[i]) for i in rollout_micro_batches(model, rollout, grad=False)]
+
+
 def reference_logprobs(model: Model, run: Run, rollout: Rollout, temperature: float) -> torch.Tensor:
     """log pi_ref of every sampled token [N, T] (0 on padding), in passes without gradients."""
     n = rollout.completion_ids.shape[1]
-    ids, attn = rollout.input_ids, rollout.attention_mask
     with run.timed("reference"):
-        return torch.cat([model.policy.ref_logprobs(ids[i], attn[i], n, temperature)
-                          for i in rollout_micro_batches(model, rollout, grad=False)])
+        return torch.cat([model.policy.ref_logprobs(ids, attn, n, temperature)
+                          for ids, attn in reference_passes(model, rollout)])
 
 
 def reference_beside(model: Model, run: Run, rollout: Rollout,
@@ -147,9 +153,7 @@ def reference_beside(model: Model, run: Run, rollout: Rollout,
     if process is None:
         ref = reference_logprobs(model, run, rollout, temperature)
         return lambda: ref
-    ids, attn = rollout.input_ids, rollout.attention_mask
-    answer = process.submit([(ids[i], attn[i]) for i in rollout_micro_batches(model, rollout, grad=False)],
-                            rollout.completion_ids.shape[1], temperature)
+    answer = process.submit(reference_passes(model, rollout), rollout.completion_ids.shape[1], temperature)
     return functools.cache(lambda: answered(run, answer))
 
 

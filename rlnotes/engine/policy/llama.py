@@ -171,10 +171,11 @@ def attention_mask(mask: torch.Tensor, length: int) -> torch.Tensor:
 
 
 def attention_bias(allowed: torch.Tensor) -> torch.Tensor:
-    """M as scaled_dot_product_attention adds it to the scores: 0 where `allowed` (attention_mask)
-    lets a query see a key, -inf elsewhere, in float32. Made once a pass (a level), where a boolean
-    mask is turned into it again at every call, a layer's."""
-    return torch.zeros(allowed.shape, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+    """M as scaled_dot_product_attention adds it to the scores: 0 where `allowed` (attention_mask, or
+    any 0/1 mask) lets a query see a key, -inf elsewhere, in float32: its log (log 1 = 0, log 0 = -inf),
+    one operation. Made once a pass (a level), where a boolean mask is turned into it again at every
+    call, a layer's."""
+    return allowed.log()
 
 
 def cpu_autocast(x: torch.Tensor) -> bool:

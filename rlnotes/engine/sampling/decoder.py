@@ -18,8 +18,8 @@ the model's rotary module gives cos and sin (so every RoPE scaling it knows appl
 A small model's step is hundreds of tiny operations, each costing its call more than its arithmetic,
 so the step makes fewer of them: small plain weights side by side (Wq; Wk; Wv and Wgate; Wup, each
 below packed.MIN_WEIGHTS entries) multiply as one matrix, q and k rotate as one tensor, and the
-bias M is the log of the 0/1 mask (log 1 = 0, log 0 = -inf). The logits
-equal the model's up to float32 rounding; `rollout.fast_decode=false` goes through the model's
+bias M is the log of the 0/1 mask (llama.attention_bias). The logits equal the model's up to float32
+rounding; `rollout.fast_decode=false` goes through the model's
 forward instead (scripts/bench.py times generation either way; figures in docs/benchmarks.md).
 
 Other architectures, sliding-window attention (whose cache keeps only the window) and sharded (FSDP)
@@ -36,7 +36,8 @@ import torch
 import torch.nn.functional as F
 
 from rlnotes.engine.policy import packed
-from rlnotes.engine.policy.llama import Linear, LlamaLayers, cpu_autocast, half_sign, hooked, linear, rms_norm, rotate
+from rlnotes.engine.policy.llama import (Linear, LlamaLayers, attention_bias, cpu_autocast, half_sign, hooked, linear,
+                                         rms_norm, rotate)
 from rlnotes.engine.policy.merged import MergedLinear
 
 # (tokens [N], attention mask [N, K] over the cache's columns and the new one, positions [N], cache)
@@ -77,14 +78,15 @@ class Decoder(LlamaLayers):
 
     def __init__(self, model):
         super().__init__(model, pack_frozen=False)  # sampling's layers are packed or not as rollout.pack_weights says
-        self.blocks = [(norm1, self._qkv(layer.self_attn, wq, wk, wv), wo, norm2, self._mlp(layer.mlp, gate, up, act), down)
+        self.blocks = [(norm1, self._qkv(layer.self_attn, wq, wk, wv), wo, norm2,
+                        self._mlp(layer.mlp, gate, up, act), down)
                        for (norm1, wq, wk, wv, wo, norm2, gate, up, down, act), layer
                        in zip(self.layers, model.model.layers)]
         self.head = linear(model.get_output_embeddings(), pack_frozen=False)
         self.sign = half_sign(self.head_dim, self.embed.weight)
         rope = self.rotary.rope_type
         self.tabled = isinstance(rope, str) and "dynamic" not in rope and rope != "longrope"
-        self.table: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+        self.table: Optional[torch.Tensor] = None  # cos and sign * sin at positions 0, 1, ...: [length, 2, d]
 
     def _qkv(self, attention: torch.nn.Module, wq: Linear, wk: Linear, wv: Linear) -> Projections:
         """h [N, H] -> (q and k side by side [N, heads + kv heads, d], v [N, kv heads, d])."""
@@ -132,11 +134,12 @@ class Decoder(LlamaLayers):
         x = self.embed(tokens)                                            # [N, H]
         exact = cpu_autocast(x)  # the attention in float32, as the training pass's (llama.attend)
         cos, sin = self._rotation(x, positions)                           # [N, 1, d]: one for every head
-        bias = attention_mask.log().to(x.dtype)[:, None, None]            # [N, 1, 1, K]: 0 or -inf
+        bias = attention_bias(attention_mask).to(x.dtype)[:, None, None]  # [N, 1, 1, K]: 0 or -inf
         for (norm1, qkv, wo, norm2, mlp, down), layer in zip(self.blocks, cache.layers):
             qk, v = qkv(rms_norm(x, norm1))                               # [N, heads + kv heads, d], [N, kv heads, d]
             qk = rotate(qk, cos, sin)
-            keys, values = layer.update(qk[:, heads:, None], (v.float() if exact else v)[:, :, None])  # [N, kv heads, K, d]
+            # [N, kv heads, K, d] each: the cache's keys and values with this position's
+            keys, values = layer.update(qk[:, heads:, None], (v.float() if exact else v)[:, :, None])
             q = qk[:, :heads].view(n, self.kv_heads, group, d)            # a key/value head's queries as rows
             with torch.autocast("cpu", enabled=False) if exact else contextlib.nullcontext():
                 scores = torch.add(bias, q @ keys.transpose(-1, -2), alpha=self.scale)

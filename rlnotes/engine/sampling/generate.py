@@ -248,7 +248,7 @@ def generate(model, tokenizer, prompts: Sequence[Sequence[int]], group_size: int
     lengths = torch.bincount(rows, minlength=n)  # each row's tokens: up to its stop token or max_new_tokens
     width = int(lengths.max())
     tokens = torch.full((n, width), pad_id, dtype=torch.long, device=device).index_put_((rows, columns), drawn_tokens)
-    logps = torch.zeros((n, width), device=device).index_put_((rows, columns), drawn_logps.float())
+    logps = torch.zeros((n, width), device=device).index_put_((rows, columns), drawn_logps)
     mask = (torch.arange(width, device=device)[None] < lengths[:, None]).float()
     truncated = ~torch.isin(tokens.gather(1, (lengths - 1)[:, None]).squeeze(-1), eos)
     texts = tokenizer.batch_decode(tokens.tolist(), skip_special_tokens=True)
